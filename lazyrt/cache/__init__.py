@@ -1,0 +1,14 @@
+from lazyrt.cache.chunk_table import Chunk, ChunkTable, ChunkTableStats
+from lazyrt.cache.page_pool import OutOfPages, PagePool
+from lazyrt.cache.radix_cache import RadixCache, RadixNode, RadixStats
+
+__all__ = [
+    "Chunk",
+    "ChunkTable",
+    "ChunkTableStats",
+    "OutOfPages",
+    "PagePool",
+    "RadixCache",
+    "RadixNode",
+    "RadixStats",
+]

@@ -1,0 +1,39 @@
+"""EngineConfig: every server/engine option in one place, shared by the CLI and Engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lazyrt.runtime.scheduler import CACHE_MODES
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # HF dir, .gguf file, dummy preset name; None = embedded SmolLM2
+    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on CUDA
+    page_size: int = 16
+    cache_mode: str = "lazy"
+    kv_cache_tokens: int | None = None  # KV budget in tokens; None = from memory
+    kv_cache_memory_gb: float = 2.0  # CPU budget when kv_cache_tokens is None
+    max_running_requests: int = 64
+    max_step_tokens: int = 8192  # prefill tokens per step (decodes ride along)
+    max_model_len: int | None = None  # cap on the model's context length
+    load_format: str = "auto"
+    seed: int = 0
+
+    def validate(self) -> None:
+        if self.cache_mode not in CACHE_MODES:
+            raise ValueError(f"cache_mode={self.cache_mode!r}: must be one of {', '.join(CACHE_MODES)}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r}: must be one of {', '.join(DTYPES)}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device={self.device!r}: must be auto, cpu or cuda[:N]")
+        if self.page_size < 1 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size={self.page_size}: must be a power of two")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.page_size:
+            raise ValueError(f"kv_cache_tokens={self.kv_cache_tokens}: must hold at least one page")
+        if self.max_running_requests < 1 or self.max_step_tokens < 1:
+            raise ValueError("max_running_requests and max_step_tokens must be >= 1")

@@ -1,0 +1,263 @@
+"""Engine: the in-process API. Tokenizes, validates, runs the scheduler/model loop, detokenizes."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import asdict
+from typing import Any
+
+import torch
+
+from lazyrt.cache.page_pool import PagePool
+from lazyrt.config import EngineConfig
+from lazyrt.models.llama import LlamaModel
+from lazyrt.models.loader import load_model
+from lazyrt.prompt import RagPrompt
+from lazyrt.runtime.model_runner import ModelRunner
+from lazyrt.runtime.rag_template import build_rag_prompt
+from lazyrt.runtime.request import Request, RequestState
+from lazyrt.runtime.sampler import sample_token
+from lazyrt.runtime.scheduler import Scheduler
+from lazyrt.sampling_params import SamplingParams
+
+PromptLike = str | Sequence[int] | RagPrompt
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class Engine:
+    """Offline engine. `Engine()` serves the embedded SmolLM2-135M-Instruct on the best device."""
+
+    def __init__(
+        self,
+        model: str | None = None,
+        device: str = "auto",
+        dtype: str = "auto",
+        page_size: int = 16,
+        cache_mode: str = "lazy",
+        **kwargs: Any,
+    ):
+        cfg = EngineConfig(model=model, device=device, dtype=dtype, page_size=page_size, cache_mode=cache_mode, **kwargs)
+        cfg.validate()
+        self.config = cfg
+        dev = "cuda" if cfg.device == "auto" and torch.cuda.is_available() else cfg.device
+        dev = "cpu" if dev == "auto" else dev
+        dtype_name = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if dev.startswith("cuda") else "float32")
+        loaded = load_model(cfg.model, load_format=cfg.load_format, dtype=_DTYPES[dtype_name], seed=cfg.seed)
+        self.tokenizer = loaded.tokenizer
+        self.model_id = loaded.model_id
+        self.model_config = loaded.config
+        weights = {k: v.to(dev) for k, v in loaded.weights.items()}
+        self.model = LlamaModel(loaded.config, weights)
+        self.max_context = min(loaded.config.max_context, cfg.max_model_len or 1 << 62)
+        self.pool = PagePool(
+            loaded.config.num_layers,
+            self._num_pages(dtype_name),
+            cfg.page_size,
+            loaded.config.num_kv_heads,
+            loaded.config.head_dim,
+            _DTYPES[dtype_name],
+            dev,
+        )
+        self.scheduler = Scheduler(
+            self.pool, cfg.cache_mode, self.model_id, cfg.max_running_requests, cfg.max_step_tokens
+        )
+        self.runner = ModelRunner(self.model, self.pool, self.max_context, rotate_keys=cfg.cache_mode == "lazy")
+        eos = set(loaded.config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_ids = eos
+        self._rids = itertools.count()
+
+    def _num_pages(self, dtype_name: str) -> int:
+        c, ps = self.model_config, self.config.page_size
+        if self.config.kv_cache_tokens is not None:
+            return -(-self.config.kv_cache_tokens // ps)
+        per_page = PagePool.bytes_per_page(c.num_layers, ps, c.num_kv_heads, c.head_dim, _DTYPES[dtype_name])
+        budget = int(self.config.kv_cache_memory_gb * (1 << 30))
+        if torch.cuda.is_available() and self.model.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.model.device)
+            budget = int(free * 0.8)
+        return max(1, budget // per_page)
+
+    # ---- tokenization and validation ----------------------------------------------------------
+    def _tokens(self, part: Any, what: str, special: bool) -> list[int]:
+        if isinstance(part, str):
+            return self.tokenizer(part, add_special_tokens=special).input_ids
+        if isinstance(part, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in part):
+            vocab = self.model_config.vocab_size
+            bad = [t for t in part if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"{what}: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+            return list(part)
+        raise TypeError(f"{what} must be a string or a list of token ids, got {type(part).__name__}")
+
+    def _make_request(self, prompt: PromptLike, params: SamplingParams) -> Request:
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        params.validate()
+        if isinstance(prompt, RagPrompt):
+            if not isinstance(prompt.docs, (list, tuple)):
+                raise TypeError("RagPrompt.docs must be a list")
+            prefix = self._tokens(prompt.prefix, "RagPrompt.prefix", False)
+            docs = [self._tokens(d, f"RagPrompt.docs[{i}]", False) for i, d in enumerate(prompt.docs)]
+            for i, d in enumerate(docs):
+                if not d:
+                    raise ValueError(f"RagPrompt.docs[{i}] is empty")
+            suffix = self._tokens(prompt.suffix, "RagPrompt.suffix", False)
+            if not suffix:
+                raise ValueError("RagPrompt.suffix is empty: there must be at least one token after the documents")
+            req = Request(next(self._rids), params, prefix=prefix, docs=docs, suffix=suffix)
+        else:
+            tokens = self._tokens(prompt, "prompt", True)
+            if not tokens:
+                raise ValueError("prompt is empty")
+            req = Request(next(self._rids), params, suffix=tokens)
+        n = req.prompt_len
+        if n >= self.max_context:
+            raise ValueError(
+                f"prompt is {n} tokens but the model's context length is {self.max_context}; "
+                "shorten the prompt or drop documents"
+            )
+        req.max_new_tokens = min(params.max_tokens, self.max_context - n)
+        self.scheduler.check_fits(req)
+        return req
+
+    def rag_prompt(self, docs: Sequence[str], question: str, system: str | None = None) -> RagPrompt:
+        """The RagPrompt `rag()` runs: the model's chat template with docs before the question."""
+        if not isinstance(question, str) or not question.strip():
+            raise ValueError("question must be a non-empty string")
+        if isinstance(docs, str) or not isinstance(docs, Sequence):
+            raise TypeError(f"docs must be a list of strings, got {type(docs).__name__}")
+        for i, d in enumerate(docs):
+            if not isinstance(d, str):
+                raise TypeError(f"docs[{i}] must be a string, got {type(d).__name__}")
+            if not d.strip():
+                raise ValueError(f"docs[{i}] is empty")
+        if system is not None and not isinstance(system, str):
+            raise TypeError(f"system must be a string or None, got {type(system).__name__}")
+        return build_rag_prompt(self.tokenizer, list(docs), question, system)
+
+    # ---- generation ---------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: PromptLike | Sequence[PromptLike],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[dict]:
+        """Generate for each prompt (str, token ids or RagPrompt); returns dicts text/token_ids/meta."""
+        single = isinstance(prompts, (str, RagPrompt)) or (
+            isinstance(prompts, Sequence) and bool(prompts) and isinstance(prompts[0], int)
+        )
+        prompts = [prompts] if single else list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling_params")
+        # Validate everything before running anything: a bad prompt must not leave half a batch behind.
+        reqs = [self._make_request(p, sp) for p, sp in zip(prompts, params)]
+        return self._run(reqs)
+
+    def rag(
+        self, docs: Sequence[str], question: str, system: str | None = None, sampling_params: SamplingParams | None = None
+    ) -> dict:
+        return self.generate([self.rag_prompt(docs, question, system)], sampling_params)[0]
+
+    def rag_batch(self, items: Sequence[dict]) -> list[dict]:
+        """items: dicts with docs, question, optional system and sampling_params (dict or SamplingParams)."""
+        prompts, params = [], []
+        for i, it in enumerate(items):
+            if not isinstance(it, dict) or "question" not in it:
+                raise TypeError(f"rag_batch item {i} must be a dict with 'docs' and 'question'")
+            prompts.append(self.rag_prompt(it.get("docs", []), it["question"], it.get("system")))
+            sp = it.get("sampling_params")
+            params.append(sp if isinstance(sp, SamplingParams) else SamplingParams.from_dict(sp))
+        return self.generate(prompts, params)
+
+    def _run(self, reqs: list[Request]) -> list[dict]:
+        sched = self.scheduler
+        for r in reqs:
+            sched.add(r)
+        gens = {r.rid: self._generator(r.params) for r in reqs}
+        try:
+            while any(r.state is not RequestState.FINISHED for r in reqs):
+                plan = sched.schedule()
+                if not plan.items:
+                    raise RuntimeError("scheduler made no progress (no runnable work)")
+                logits = self.runner.execute(plan)
+                sched.on_step_done(plan)
+                sampled = [it.request for it in plan.items if it.request is not None]
+                now = time.perf_counter()
+                for row, req in enumerate(sampled):
+                    tok = sample_token(logits[row], req.params, gens.get(req.rid))
+                    req.output_ids.append(tok)
+                    req.first_token_time = req.first_token_time or now
+                    self._check_finish(req)
+        except BaseException:
+            for r in reqs:  # never leave pages held by requests nobody will finish
+                sched.finish(r, "abort")
+            raise
+        return [self._result(r) for r in reqs]
+
+    def _generator(self, params: SamplingParams) -> torch.Generator | None:
+        if params.temperature == 0:
+            return None
+        g = torch.Generator()
+        g.manual_seed(params.seed if params.seed is not None else torch.seed())
+        return g
+
+    def _check_finish(self, req: Request) -> None:
+        p = req.params
+        if not p.ignore_eos and req.output_ids[-1] in self.eos_ids:
+            self.scheduler.finish(req, "stop")
+        elif p.stop and any(s in self._text(req) for s in p.stop):
+            self.scheduler.finish(req, "stop")
+        elif len(req.output_ids) >= req.max_new_tokens:
+            self.scheduler.finish(req, "length")
+
+    def _text(self, req: Request) -> str:
+        return self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
+
+    def _result(self, req: Request) -> dict:
+        text = self._text(req)
+        cut = [text.find(s) for s in req.params.stop if s in text]
+        if cut:
+            text = text[: min(cut)]
+        return {
+            "text": text,
+            "token_ids": list(req.output_ids),
+            "meta": {
+                "prompt_tokens": req.prompt_len,
+                "completion_tokens": len(req.output_ids),
+                "cached_tokens": req.cached_tokens,
+                "chunk_hits": req.chunk_hits,
+                "chunk_misses": req.chunk_misses,
+                "ttft_s": (req.first_token_time or req.arrival) - req.arrival,
+                "e2e_s": time.perf_counter() - req.arrival,
+                "finish_reason": req.finish_reason,
+            },
+        }
+
+    # ---- cache management ---------------------------------------------------------------------
+    def cache_stats(self) -> dict:
+        s = self.scheduler
+        return {
+            "cache_mode": self.config.cache_mode,
+            "page_size": self.pool.page_size,
+            "total_pages": self.pool.num_pages,
+            "free_pages": self.pool.num_free,
+            "chunk_pages": s.chunks.num_pages,
+            "radix_pages": s.radix.num_pages,
+            "held_pages": s.held_pages(),
+            "chunks": len(s.chunks),
+            "chunk_hits": s.chunks.stats.hits if hasattr(s.chunks.stats, "hits") else s.chunks.stats["hits"],
+            "chunk_misses": s.chunks.stats.misses if hasattr(s.chunks.stats, "misses") else s.chunks.stats["misses"],
+        }
+
+    def flush_cache(self) -> int:
+        return self.scheduler.flush()
+
+    def engine_config(self) -> dict:
+        return asdict(self.config)

@@ -1,0 +1,67 @@
+"""Torch reference of lazy paged attention and of the KV store: the CPU path and the kernels' oracle."""
+
+from __future__ import annotations
+
+import torch
+
+from lazyrt.kernels.metadata import AttentionMetadata
+from lazyrt.kernels.rope import RopeCache, apply_rope_ref
+
+
+def store_kv_ref(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor) -> None:
+    """Write k, v [T, kv_heads, head_dim] into kv [num_pages, 2, page_size, kv_heads, head_dim]."""
+    kv[pages, 0, slots] = k.to(kv.dtype)
+    kv[pages, 1, slots] = v.to(kv.dtype)
+
+
+def gather_keys_values(
+    kv: torch.Tensor, kv_indices: torch.Tensor, pos_base: torch.Tensor, valid_len: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """K, V [N, kv_heads, head_dim] and their positions [N] for the valid slots of some entries."""
+    page_size = kv.shape[2]
+    slot = torch.arange(page_size, device=kv.device)
+    pages = kv[kv_indices.long()]  # [E, 2, page_size, H, D]
+    valid = slot[None, :] < valid_len[:, None]
+    pos = (pos_base[:, None].long() + slot[None, :])[valid]
+    return pages[:, 0][valid], pages[:, 1][valid], pos
+
+
+def lazy_attention_ref(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    meta: AttentionMetadata,
+    rope: RopeCache | None,
+    sm_scale: float,
+) -> torch.Tensor:
+    """Attention of new tokens q [T, q_heads, head_dim] (already rotated) over paged K/V.
+
+    With meta.rotate_keys, each key is rotated by pos_base + slot here, at attention time; otherwise
+    keys are taken as stored (already rotated). Computes in fp32, returns q's dtype.
+    """
+    out = torch.empty_like(q)
+    q_heads, kv_heads = q.shape[1], kv.shape[3]
+    group = q_heads // kv_heads
+    qo, kvp = meta.qo_indptr.tolist(), meta.kv_indptr.tolist()
+    for b in range(meta.batch_size):
+        e0, e1 = kvp[b], kvp[b + 1]
+        k, v, kpos = gather_keys_values(kv, meta.kv_indices[e0:e1], meta.pos_base[e0:e1], meta.valid_len[e0:e1])
+        if meta.rotate_keys:
+            k = apply_rope_ref(k.float(), kpos, rope)
+        qb = q[qo[b] : qo[b + 1]].float()
+        qpos = meta.positions[qo[b] : qo[b + 1]]
+        k = k.float().repeat_interleave(group, dim=1)
+        v = v.float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", qb, k) * sm_scale
+        visible = kpos[None, :] <= qpos[:, None]
+        scores = scores.masked_fill(~visible[None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[qo[b] : qo[b + 1]] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
+    return out
+
+
+def rerotate_pages_ref(kv: torch.Tensor, pages: torch.Tensor, delta: int, rope: RopeCache) -> None:
+    """Block-mode materialization: rotate the stored keys of `pages` by `delta` more positions."""
+    k = kv[pages, 0]  # [n, page_size, H, D]
+    flat = k.reshape(-1, *k.shape[2:])
+    pos = torch.full((flat.shape[0],), delta, dtype=torch.long, device=kv.device)
+    kv[pages, 0] = apply_rope_ref(flat.float(), pos, rope).to(kv.dtype).view_as(k)

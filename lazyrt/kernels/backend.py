@@ -1,0 +1,35 @@
+"""Attention backends: store this step's K/V into pages, then attend. The model calls one per layer."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from lazyrt.kernels.attention_ref import lazy_attention_ref, store_kv_ref
+from lazyrt.kernels.metadata import AttentionMetadata
+from lazyrt.kernels.rope import RopeCache, apply_rope_ref
+
+
+class AttentionBackend(Protocol):
+    def forward(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor: ...
+
+
+class TorchAttentionBackend:
+    """CPU path: torch reference kernels. q arrives rotated, k unrotated."""
+
+    def __init__(self, kv_layers: list[torch.Tensor], rope: RopeCache, sm_scale: float):
+        self.kv_layers = kv_layers
+        self.rope = rope
+        self.sm_scale = sm_scale
+
+    def forward(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        kv = self.kv_layers[layer]
+        if not meta.rotate_keys:
+            k = apply_rope_ref(k, meta.positions, self.rope)
+        store_kv_ref(kv, k, v, meta.store_pages, meta.store_slots)
+        return lazy_attention_ref(q, kv, meta, self.rope, self.sm_scale)

@@ -1,0 +1,32 @@
+"""Per-step attention metadata: FlashInfer-style CSR page tables plus lazyrt's per-entry positions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Describes one forward step over a batch of B sequences with T new tokens in all.
+
+    Page-table entry e of sequence b (kv_indptr[b] <= e < kv_indptr[b+1]) says: page kv_indices[e]
+    holds valid_len[e] tokens whose positions *in this request* are pos_base[e] + slot. A new token
+    at position p sees every cached slot with position <= p (the page table only lists what the
+    sequence may see, so this one rule gives causal, block and chunk attention alike).
+    """
+
+    qo_indptr: torch.Tensor  # [B+1] int32, new tokens of each sequence
+    positions: torch.Tensor  # [T] int64, position of each new token in its request
+    kv_indptr: torch.Tensor  # [B+1] int32
+    kv_indices: torch.Tensor  # [E] int32 page ids
+    pos_base: torch.Tensor  # [E] int32 position of slot 0 of the page in this request
+    valid_len: torch.Tensor  # [E] int32 filled slots of the page
+    store_pages: torch.Tensor  # [T] int64 page that receives each new token's K/V
+    store_slots: torch.Tensor  # [T] int64 slot in that page
+    rotate_keys: bool  # lazy mode: pages hold unrotated keys, attention rotates them
+
+    @property
+    def batch_size(self) -> int:
+        return self.qo_indptr.numel() - 1

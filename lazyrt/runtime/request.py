@@ -1,0 +1,67 @@
+"""Request state inside the scheduler, and the KV segments a request sees."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from lazyrt.cache.chunk_table import Chunk
+from lazyrt.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class Segment:
+    """A run of tokens in pages: token i of the run sits at position start_pos + i of the request."""
+
+    pages: list[int]
+    start_pos: int
+    num_tokens: int
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"  # not admitted: no pages held
+    CHUNKS = "chunks"  # admitted, waiting for its chunks' KV
+    PREFILL = "prefill"  # its own tokens (suffix / uncached prompt) are next
+    DECODE = "decode"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    rid: int
+    params: SamplingParams
+    prefix: list[int] = field(default_factory=list)
+    docs: list[list[int]] = field(default_factory=list)
+    suffix: list[int] = field(default_factory=list)  # for a plain prompt: the whole prompt
+    max_new_tokens: int = 0
+    state: RequestState = RequestState.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+    # KV the request sees, in position order, and the segment its own tokens go to.
+    segments: list[Segment] = field(default_factory=list)
+    own: Segment | None = None
+    chunks: list[Chunk] = field(default_factory=list)  # chunk refs held (released at finish)
+    copied_pages: list[int] = field(default_factory=list)  # block mode: per-use copies of doc pages
+    copies: list[tuple[Chunk, Segment]] = field(default_factory=list)  # pending block copies
+    radix_node: object | None = None
+    radix_pages: list[int] = field(default_factory=list)
+    # accounting for `meta`
+    cached_tokens: int = 0
+    chunk_hits: int = 0
+    chunk_misses: int = 0
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+
+    @property
+    def is_rag(self) -> bool:
+        return bool(self.docs)
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.prefix + [t for d in self.docs for t in d] + self.suffix
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prefix) + sum(len(d) for d in self.docs) + len(self.suffix)

@@ -1,0 +1,314 @@
+"""Scheduler: admits requests when their pages fit, resolves chunks, and plans each forward step.
+
+A step mixes chunk prefills (a document's KV, computed once), prefills of request-owned tokens
+(question suffix or uncached prompt) and decodes. Pages a request may still need (its suffix and
+max_new_tokens) are reserved at admission, so a running request never waits for memory and a full
+pool only makes new requests wait.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from lazyrt.cache.chunk_table import Chunk, ChunkTable
+from lazyrt.cache.page_pool import PagePool
+from lazyrt.cache.radix_cache import RadixCache
+from lazyrt.runtime.request import Request, RequestState, Segment
+
+CACHE_MODES = ("lazy", "block", "prefix", "none")
+
+
+@dataclass
+class _ChunkJob:
+    chunk: Chunk
+    cond: Chunk | None  # the prefix chunk it is conditioned on
+
+
+@dataclass
+class ForwardItem:
+    """New tokens of one sequence: they go into `target` and attend to `segments`."""
+
+    token_ids: list[int]
+    start_pos: int
+    segments: list[Segment]
+    target: Segment
+    request: Request | None = None  # sample a token for it from the last position
+    job: _ChunkJob | None = None  # a chunk prefill: mark the chunk ready when the step is done
+
+
+@dataclass
+class PageCopy:
+    """Block mode: copy a chunk's pages and re-rotate their keys by `delta` positions."""
+
+    src: list[int]
+    dst: list[int]
+    delta: int
+
+
+@dataclass
+class StepPlan:
+    items: list[ForwardItem] = field(default_factory=list)
+    copies: list[PageCopy] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(i.token_ids) for i in self.items)
+
+
+class RequestTooLarge(ValueError):
+    pass
+
+
+class Scheduler:
+    def __init__(
+        self,
+        pool: PagePool,
+        cache_mode: str,
+        model_id: str,
+        max_running_requests: int = 64,
+        max_step_tokens: int = 8192,
+    ):
+        if cache_mode not in CACHE_MODES:
+            raise ValueError(f"cache_mode={cache_mode!r}: must be one of {', '.join(CACHE_MODES)}")
+        self.pool = pool
+        self.page_size = pool.page_size
+        self.cache_mode = cache_mode
+        self.chunks = ChunkTable(model_id, pool.page_size)
+        self.radix = RadixCache(pool.page_size)
+        self.max_running = max_running_requests
+        self.max_step_tokens = max_step_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.jobs: list[_ChunkJob] = []
+
+    # ---- intake -------------------------------------------------------------------------------
+    def pages_for(self, n_tokens: int) -> int:
+        return -(-n_tokens // self.page_size)
+
+    def worst_case_pages(self, req: Request) -> int:
+        """Pages the request needs with nothing cached: more than the pool means it can never run."""
+        own = self.pages_for(len(req.suffix) + req.max_new_tokens)
+        if not (req.is_rag and self.uses_chunks):
+            return self.pages_for(req.prompt_len + req.max_new_tokens)
+        doc_pages = sum(self.pages_for(len(d)) for d in req.docs)
+        copies = doc_pages if self.cache_mode == "block" else 0
+        return self.pages_for(len(req.prefix)) + doc_pages + copies + own
+
+    @property
+    def uses_chunks(self) -> bool:
+        return self.cache_mode in ("lazy", "block")
+
+    def check_fits(self, req: Request) -> None:
+        need = self.worst_case_pages(req)
+        if need > self.pool.num_pages:
+            raise RequestTooLarge(
+                f"request needs {need} KV pages ({need * self.page_size} tokens incl. max_tokens) but the KV cache "
+                f"holds {self.pool.num_pages} pages; raise kv_cache_tokens or shorten the prompt"
+            )
+
+    def add(self, req: Request) -> None:
+        self.check_fits(req)
+        self.waiting.append(req)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- admission ----------------------------------------------------------------------------
+    def _make_room(self, n_pages: int) -> None:
+        short = n_pages - self.pool.num_free
+        if short > 0:
+            freed = self.radix.evict(short)
+            self.pool.free(freed)
+            short -= len(freed)
+        if short > 0:
+            self.pool.free(self.chunks.evict(short))
+
+    def _try_admit(self, req: Request) -> bool:
+        if req.is_rag and self.uses_chunks:
+            return self._admit_rag(req)
+        return self._admit_plain(req)
+
+    def _admit_plain(self, req: Request) -> bool:
+        tokens = req.prompt_ids
+        pages, node = [], None
+        if self.cache_mode != "none":
+            # Keep at least one token to compute: its logits give the first output token.
+            usable = (len(tokens) - 1) // self.page_size * self.page_size
+            pages, node = self.radix.match_prefix(tokens[:usable])
+            self.radix.lock(node)
+        matched = len(pages) * self.page_size
+        need = self.pages_for(len(tokens) - matched + req.max_new_tokens)
+        self._make_room(need)
+        if self.pool.num_free < need:
+            if node is not None:
+                self.radix.unlock(node)
+            return False
+        req.radix_node, req.radix_pages = node, pages
+        req.cached_tokens = matched
+        req.segments = [Segment(pages, 0, matched)] if pages else []
+        req.own = Segment(self.pool.alloc(need), matched, 0)
+        req.segments.append(req.own)
+        req.state = RequestState.PREFILL
+        return True
+
+    def _admit_rag(self, req: Request) -> bool:
+        parts: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+        prefix = tuple(req.prefix)
+        if prefix:
+            parts.append(((), prefix))
+        parts += [(prefix, tuple(d)) for d in req.docs]
+        found: dict[tuple, Chunk | None] = {}
+        for cond, toks in parts:
+            if (cond, toks) not in found:
+                found[(cond, toks)] = self.chunks.lookup(cond, toks)
+        existed = {key: c is not None for key, c in found.items()}
+        held = [c for c in found.values() if c is not None]
+        for c in held:
+            self.chunks.acquire(c)  # protect hits from the eviction below
+        new_pages = sum(self.pages_for(len(t)) for (_, t), c in found.items() if c is None)
+        doc_pages = sum(self.pages_for(len(d)) for d in req.docs)
+        own_pages = self.pages_for(len(req.suffix) + req.max_new_tokens)
+        need = new_pages + own_pages + (doc_pages if self.cache_mode == "block" else 0)
+        self._make_room(need)
+        if self.pool.num_free < need:
+            for c in held:
+                self.chunks.release(c)
+            return False
+        for key, c in found.items():
+            if c is None:
+                c = self.chunks.insert(key[0], key[1], self.pool.alloc(self.pages_for(len(key[1]))))
+                self.chunks.acquire(c)
+                found[key] = c
+        # Jobs for new chunks; each job holds its own refs until its KV is written.
+        prefix_chunk = found[((), prefix)] if prefix else None
+        for (cond, _), c in found.items():
+            if not c.ready and all(j.chunk is not c for j in self.jobs):
+                job = _ChunkJob(c, prefix_chunk if cond else None)
+                for x in (job.chunk, job.cond):
+                    if x is not None:
+                        self.chunks.acquire(x)
+                self.jobs.append(job)
+        req.chunks = list(found.values())
+        pos = 0
+        if prefix:
+            req.segments.append(Segment(prefix_chunk.pages, 0, len(prefix)))
+            pos = len(prefix)
+        for d in req.docs:
+            c = found[(prefix, tuple(d))]
+            hit = existed[(prefix, tuple(d))]  # computed, or being computed for another request
+            req.chunk_hits += int(hit)
+            req.chunk_misses += int(not hit)
+            req.cached_tokens += len(d) if hit else 0
+            if self.cache_mode == "block":
+                seg = Segment(self.pool.alloc(self.pages_for(len(d))), pos, len(d))
+                req.copied_pages += seg.pages
+                req.copies.append((c, seg))
+            else:
+                seg = Segment(c.pages, pos, len(d))
+            req.segments.append(seg)
+            pos += len(d)
+        if prefix and existed[((), prefix)]:
+            req.cached_tokens += len(prefix)
+        req.own = Segment(self.pool.alloc(own_pages), pos, 0)
+        req.segments.append(req.own)
+        req.state = RequestState.CHUNKS
+        return True
+
+    # ---- planning -----------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        while self.waiting and len(self.running) < self.max_running and self._try_admit(self.waiting[0]):
+            self.running.append(self.waiting.popleft())
+        plan = StepPlan()
+        budget = self.max_step_tokens
+        for req in self.running:
+            if req.state is RequestState.DECODE:
+                plan.items.append(self._decode_item(req))
+                budget -= 1
+        for job in list(self.jobs):
+            n = job.chunk.num_tokens
+            if (job.cond is None or job.cond.ready) and (n <= budget or not plan.items):
+                plan.items.append(self._chunk_item(job))
+                self.jobs.remove(job)
+                budget -= n
+        for req in self.running:
+            if req.state is RequestState.CHUNKS and all(c.ready for c in req.chunks):
+                for c, seg in req.copies:
+                    plan.copies.append(PageCopy(c.pages, seg.pages, seg.start_pos - len(req.prefix)))
+                req.copies = []
+                req.state = RequestState.PREFILL
+            if req.state is RequestState.PREFILL:
+                n = len(req.prompt_ids) - req.own.start_pos
+                if n <= budget or not plan.items:
+                    plan.items.append(self._own_prefill_item(req))
+                    budget -= n
+        return plan
+
+    def _decode_item(self, req: Request) -> ForwardItem:
+        pos = req.own.start_pos + req.own.num_tokens
+        req.own.num_tokens += 1
+        return ForwardItem([req.output_ids[-1]], pos, req.segments, req.own, request=req)
+
+    def _chunk_item(self, job: _ChunkJob) -> ForwardItem:
+        c = job.chunk
+        start = len(job.cond.tokens) if job.cond else 0
+        own = Segment(c.pages, start, c.num_tokens)
+        segs = ([Segment(job.cond.pages, 0, start)] if job.cond else []) + [own]
+        return ForwardItem(list(c.tokens), start, segs, own, job=job)
+
+    def _own_prefill_item(self, req: Request) -> ForwardItem:
+        if req.is_rag and self.uses_chunks:
+            tokens = req.suffix
+        else:
+            tokens = req.prompt_ids[req.own.start_pos :]
+        req.own.num_tokens = len(tokens)
+        req.state = RequestState.DECODE  # its first token is sampled from this step
+        return ForwardItem(list(tokens), req.own.start_pos, req.segments, req.own, request=req)
+
+    # ---- results ------------------------------------------------------------------------------
+    def on_step_done(self, plan: StepPlan) -> None:
+        for item in plan.items:
+            if item.job is not None:
+                job = item.job
+                job.chunk.ready = True
+                for x in (job.chunk, job.cond):
+                    if x is not None:
+                        self.chunks.release(x)
+
+    def finish(self, req: Request, reason: str) -> None:
+        """Release everything the request holds. Plain prompts leave their full pages in the radix."""
+        if req.state is RequestState.FINISHED:
+            return
+        if req.state is RequestState.WAITING:
+            self.waiting.remove(req)
+        else:
+            self.running.remove(req)
+            for c in req.chunks:
+                self.chunks.release(c)
+            self.pool.free(req.copied_pages)
+            own = req.own.pages if req.own else []
+            if req.radix_node is not None:
+                # KV exists for the prompt and every output token but the last (never fed back).
+                tokens = (req.prompt_ids + req.output_ids)[: req.own.start_pos + req.own.num_tokens]
+                full = len(tokens) // self.page_size
+                n_radix = len(req.radix_pages)
+                dup = self.radix.insert(tokens[: full * self.page_size], req.radix_pages + own[: full - n_radix])
+                self.radix.unlock(req.radix_node)
+                self.pool.free([p for p in dup if p not in req.radix_pages] + own[max(full - n_radix, 0) :])
+            else:
+                self.pool.free(own)
+        req.chunks, req.copied_pages, req.own, req.segments = [], [], None, []
+        req.finish_reason = reason
+        req.state = RequestState.FINISHED
+
+    def flush(self) -> int:
+        """Drop every cached page no running request holds; returns how many pages were freed."""
+        freed = self.radix.reset() if not self.running else self.radix.evict(self.radix.num_pages)
+        freed += self.chunks.clear_unreferenced()
+        self.pool.free(freed)
+        return len(freed)
+
+    def held_pages(self) -> int:
+        """Pages owned by running requests (own + block copies), for leak checks."""
+        return sum(len(r.own.pages) + len(r.copied_pages) for r in self.running if r.own)

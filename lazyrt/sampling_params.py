@@ -1,0 +1,47 @@
+"""SamplingParams: how to pick tokens and when to stop. Validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 128
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 (or 0) = off
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"SamplingParams.{name}={getattr(self, name)!r}: {why}")
+
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise bad("max_tokens", "must be an integer >= 1")
+        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
+            raise bad("temperature", "must be a number >= 0")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise bad("top_p", "must be in (0, 1]")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
+            raise bad("top_k", "must be an integer >= 1, or -1/0 to disable")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise bad("stop", "must be a list of non-empty strings")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise bad("seed", "must be an integer or None")
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> SamplingParams:
+        d = dict(d or {})
+        unknown = set(d) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s): {', '.join(sorted(unknown))}")
+        return cls(**d)
