@@ -252,8 +252,10 @@ class Engine:
             "radix_pages": s.radix.num_pages,
             "held_pages": s.held_pages(),
             "chunks": len(s.chunks),
-            "chunk_hits": s.chunks.stats.hits if hasattr(s.chunks.stats, "hits") else s.chunks.stats["hits"],
-            "chunk_misses": s.chunks.stats.misses if hasattr(s.chunks.stats, "misses") else s.chunks.stats["misses"],
+            "chunk_hits": s.chunks.stats.hits,
+            "chunk_misses": s.chunks.stats.misses,
+            "chunk_evictions": s.chunks.stats.evictions,
+            "radix_hit_tokens": s.radix.stats.hit_tokens,
         }
 
     def flush_cache(self) -> int:

@@ -295,7 +295,7 @@ class Scheduler:
                 n_radix = len(req.radix_pages)
                 dup = self.radix.insert(tokens[: full * self.page_size], req.radix_pages + own[: full - n_radix])
                 self.radix.unlock(req.radix_node)
-                self.pool.free([p for p in dup if p not in req.radix_pages] + own[max(full - n_radix, 0) :])
+                self.pool.free(dup + own[max(full - n_radix, 0) :])
             else:
                 self.pool.free(own)
         req.chunks, req.copied_pages, req.own, req.segments = [], [], None, []

@@ -1,0 +1,87 @@
+"""Shared fixtures: the default model's tokenizer and tiny random-weight models of each family."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "llama_tied")
+
+
+@pytest.fixture(scope="session")
+def default_model():
+    from lazyrt.models.loader import load_model
+
+    return load_model(None)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(default_model):
+    return default_model.tokenizer
+
+
+def _hf_config(family: str, vocab: int):
+    import transformers as tf
+
+    common = dict(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
+        tie_word_embeddings=False,
+    )
+    if family == "llama":
+        return tf.LlamaConfig(**common, rope_theta=10000.0)
+    if family == "llama_tied":
+        return tf.LlamaConfig(**{**common, "tie_word_embeddings": True}, rope_theta=50000.0)
+    if family == "llama3":
+        scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 64}
+        return tf.LlamaConfig(**common, rope_theta=500000.0, rope_scaling=scaling)
+    if family == "mistral":
+        return tf.MistralConfig(**common, sliding_window=None, rope_theta=1e6)
+    if family == "qwen2":
+        return tf.Qwen2Config(**common, rope_theta=1e6, use_sliding_window=False)
+    if family == "qwen3":
+        return tf.Qwen3Config(**common, head_dim=32, rope_theta=1e6, use_sliding_window=False)
+    raise ValueError(family)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, tokenizer):
+    """Factory: family -> directory of a tiny random HF model (with the SmolLM2 tokenizer)."""
+    import transformers as tf
+
+    made: dict[str, str] = {}
+
+    def make(family: str) -> str:
+        if family not in made:
+            d = tmp_path_factory.mktemp(f"tiny_{family}")
+            seed = int.from_bytes(os.urandom(4), "little")
+            print(f"tiny {family} model: torch seed {seed}")  # fresh weights each run; shown on failure
+            torch.manual_seed(seed)
+            cfg = _hf_config(family, len(tokenizer))
+            model = tf.AutoModelForCausalLM.from_config(cfg)
+            with torch.no_grad():  # larger random weights make logits less tied, greedy paths more distinct
+                for p in model.parameters():
+                    if p.dim() > 1:
+                        p.normal_(0, 0.1)
+                    else:
+                        p.add_(torch.randn_like(p) * 0.1)
+            model.save_pretrained(d)
+            tokenizer.save_pretrained(d)
+            made[family] = str(d)
+        return made[family]
+
+    return make
+
+
+def load_hf(path: str):
+    import transformers as tf
+
+    m = tf.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
+    m.eval()
+    return m
+
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
