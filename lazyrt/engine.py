@@ -38,12 +38,16 @@ class Engine:
         cache_mode: str = "lazy",
         **kwargs: Any,
     ):
-        cfg = EngineConfig(model=model, device=device, dtype=dtype, page_size=page_size, cache_mode=cache_mode, **kwargs)
+        cfg = EngineConfig(
+            model=model, device=device, dtype=dtype, page_size=page_size, cache_mode=cache_mode, **kwargs
+        )
         cfg.validate()
         self.config = cfg
         dev = "cuda" if cfg.device == "auto" and torch.cuda.is_available() else cfg.device
         dev = "cpu" if dev == "auto" else dev
-        dtype_name = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if dev.startswith("cuda") else "float32")
+        dtype_name = (
+            cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if dev.startswith("cuda") else "float32")
+        )
         loaded = load_model(cfg.model, load_format=cfg.load_format, dtype=_DTYPES[dtype_name], seed=cfg.seed)
         self.tokenizer = loaded.tokenizer
         self.model_id = loaded.model_id
@@ -63,7 +67,9 @@ class Engine:
         self.scheduler = Scheduler(
             self.pool, cfg.cache_mode, self.model_id, cfg.max_running_requests, cfg.max_step_tokens
         )
-        self.runner = ModelRunner(self.model, self.pool, self.max_context, rotate_keys=cfg.cache_mode == "lazy")
+        self.runner = ModelRunner(
+            self.model, self.pool, self.max_context, rotate_keys=cfg.cache_mode == "lazy"
+        )
         eos = set(loaded.config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -85,7 +91,9 @@ class Engine:
     def _tokens(self, part: Any, what: str, special: bool) -> list[int]:
         if isinstance(part, str):
             return self.tokenizer(part, add_special_tokens=special).input_ids
-        if isinstance(part, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in part):
+        if isinstance(part, (list, tuple)) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in part
+        ):
             vocab = self.model_config.vocab_size
             bad = [t for t in part if not 0 <= t < vocab]
             if bad:
@@ -107,7 +115,9 @@ class Engine:
                     raise ValueError(f"RagPrompt.docs[{i}] is empty")
             suffix = self._tokens(prompt.suffix, "RagPrompt.suffix", False)
             if not suffix:
-                raise ValueError("RagPrompt.suffix is empty: there must be at least one token after the documents")
+                raise ValueError(
+                    "RagPrompt.suffix is empty: there must be at least one token after the documents"
+                )
             req = Request(next(self._rids), params, prefix=prefix, docs=docs, suffix=suffix)
         else:
             tokens = self._tokens(prompt, "prompt", True)
@@ -161,7 +171,11 @@ class Engine:
         return self._run(reqs)
 
     def rag(
-        self, docs: Sequence[str], question: str, system: str | None = None, sampling_params: SamplingParams | None = None
+        self,
+        docs: Sequence[str],
+        question: str,
+        system: str | None = None,
+        sampling_params: SamplingParams | None = None,
     ) -> dict:
         return self.generate([self.rag_prompt(docs, question, system)], sampling_params)[0]
 

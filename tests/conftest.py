@@ -26,8 +26,16 @@ def _hf_config(family: str, vocab: int):
     import transformers as tf
 
     common = dict(
-        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        bos_token_id=1,
+        eos_token_id=2,
         tie_word_embeddings=False,
     )
     if family == "llama":
@@ -35,8 +43,13 @@ def _hf_config(family: str, vocab: int):
     if family == "llama_tied":
         return tf.LlamaConfig(**{**common, "tie_word_embeddings": True}, rope_theta=50000.0)
     if family == "llama3":
-        scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                   "original_max_position_embeddings": 64}
+        scaling = {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
         return tf.LlamaConfig(**common, rope_theta=500000.0, rope_scaling=scaling)
     if family == "mistral":
         return tf.MistralConfig(**common, sliding_window=None, rope_theta=1e6)

@@ -7,10 +7,13 @@ import torch
 
 def hf_greedy(model, prompt_ids: list[int], max_new: int, eos_ids: set[int]) -> list[int]:
     out = model.generate(
-        torch.tensor([prompt_ids]), max_new_tokens=max_new, do_sample=False, eos_token_id=sorted(eos_ids) or None,
+        torch.tensor([prompt_ids]),
+        max_new_tokens=max_new,
+        do_sample=False,
+        eos_token_id=sorted(eos_ids) or None,
         pad_token_id=0,
     )
-    return out[0, len(prompt_ids):].tolist()
+    return out[0, len(prompt_ids) :].tolist()
 
 
 def rag_layout(prefix: list[int], docs: list[list[int]], suffix: list[int]):

@@ -27,7 +27,9 @@ def test_tight_budget_evicts_and_matches_uncached_runs(mode, tiny_model_dir):
     rng = random.Random()
     # A big request needs prefix 2 pages + 3 docs of <= 3 pages (+ 3 copies in block mode) + 2 own pages.
     budget_pages = 24 if mode == "block" else 16
-    engine = Engine(path, device="cpu", cache_mode=mode, kv_cache_tokens=16 * budget_pages, max_running_requests=4)
+    engine = Engine(
+        path, device="cpu", cache_mode=mode, kv_cache_tokens=16 * budget_pages, max_running_requests=4
+    )
     tok = engine.tokenizer
     prefix = _doc(rng, tok, 20)
     pool = [_doc(rng, tok, rng.randint(10, 45)) for _ in range(8)]
@@ -77,15 +79,22 @@ def default_engine():
         (lambda e: e.generate([1, 2, 10**9]), ValueError, "vocabulary"),
         (lambda e: e.generate(""), ValueError, "empty"),
         (lambda e: e.generate(RagPrompt("p", ["d", ""], "s")), ValueError, "docs[1]"),
-        (lambda e: e.rag_batch([{"docs": ["d"], "question": "q", "sampling_params": {"nope": 1}}]), ValueError, "nope"),
+        (
+            lambda e: e.rag_batch([{"docs": ["d"], "question": "q", "sampling_params": {"nope": 1}}]),
+            ValueError,
+            "nope",
+        ),
     ],
 )
 def test_bad_input_raises_clear_error_and_engine_keeps_serving(default_engine, call, exc, words):
     with pytest.raises(exc) as info:
         call(default_engine)
     assert words in str(info.value)
-    out = default_engine.rag(["Paris is the capital of France."], "What is the capital of France?",
-                             sampling_params=SamplingParams(max_tokens=4))
+    out = default_engine.rag(
+        ["Paris is the capital of France."],
+        "What is the capital of France?",
+        sampling_params=SamplingParams(max_tokens=4),
+    )
     assert out["meta"]["completion_tokens"] >= 1
     _no_leaks(default_engine)
 

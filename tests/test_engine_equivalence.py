@@ -14,8 +14,28 @@ GREEDY = SamplingParams(max_tokens=10)
 
 
 def _random_text(rng: random.Random, n_words: int) -> str:
-    words = ["river", "mountain", "blue", "seven", "city", "quantum", "bread", "the", "of", "and", "runs", "north",
-             "Zorblat", "engine", "paper", "light", "cold", "market", "stone", "under"]
+    words = [
+        "river",
+        "mountain",
+        "blue",
+        "seven",
+        "city",
+        "quantum",
+        "bread",
+        "the",
+        "of",
+        "and",
+        "runs",
+        "north",
+        "Zorblat",
+        "engine",
+        "paper",
+        "light",
+        "cold",
+        "market",
+        "stone",
+        "under",
+    ]
     return " ".join(rng.choice(words) for _ in range(n_words))
 
 
@@ -43,7 +63,9 @@ def test_plain_prompts_same_in_every_mode(mode, tiny_model_dir):
     for round_ in range(2):  # second round hits the radix cache in prefix/lazy/block modes
         outs = engine.generate(prompts, GREEDY)
         for p, out in zip(prompts, outs):
-            assert out["token_ids"] == hf_greedy(hf, engine.tokenizer(p).input_ids, 10, engine.eos_ids), round_
+            assert out["token_ids"] == hf_greedy(hf, engine.tokenizer(p).input_ids, 10, engine.eos_ids), (
+                round_
+            )
     if mode != "none":
         assert outs[1]["meta"]["cached_tokens"] > 0
 

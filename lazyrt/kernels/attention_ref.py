@@ -8,7 +8,9 @@ from lazyrt.kernels.metadata import AttentionMetadata
 from lazyrt.kernels.rope import RopeCache, apply_rope_ref
 
 
-def store_kv_ref(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor) -> None:
+def store_kv_ref(
+    kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor
+) -> None:
     """Write k, v [T, kv_heads, head_dim] into kv [num_pages, 2, page_size, kv_heads, head_dim]."""
     kv[pages, 0, slots] = k.to(kv.dtype)
     kv[pages, 1, slots] = v.to(kv.dtype)
@@ -44,7 +46,9 @@ def lazy_attention_ref(
     qo, kvp = meta.qo_indptr.tolist(), meta.kv_indptr.tolist()
     for b in range(meta.batch_size):
         e0, e1 = kvp[b], kvp[b + 1]
-        k, v, kpos = gather_keys_values(kv, meta.kv_indices[e0:e1], meta.pos_base[e0:e1], meta.valid_len[e0:e1])
+        k, v, kpos = gather_keys_values(
+            kv, meta.kv_indices[e0:e1], meta.pos_base[e0:e1], meta.valid_len[e0:e1]
+        )
         if meta.rotate_keys:
             k = apply_rope_ref(k.float(), kpos, rope)
         qb = q[qo[b] : qo[b + 1]].float()

@@ -83,7 +83,9 @@ class ModelConfig:
             if rope_type == "default":
                 rope_scaling = None
             elif rope_type not in ("llama3", "linear"):
-                raise UnsupportedModelError(f"unsupported rope_scaling type {rope_type!r} (supported: llama3, linear)")
+                raise UnsupportedModelError(
+                    f"unsupported rope_scaling type {rope_type!r} (supported: llama3, linear)"
+                )
         # Sliding windows are not implemented: the engine caps the context at the window instead,
         # which keeps attention exact.
         window = cfg.get("sliding_window") if cfg.get("use_sliding_window", model_type == "mistral") else None

@@ -77,7 +77,9 @@ class LlamaModel:
         h = F.embedding(input_ids, w["model.embed_tokens.weight"])
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
-            h = h + self._attention(i, rms_norm(h, w[p + "input_layernorm.weight"], c.rms_norm_eps), meta, rope, backend)
+            h = h + self._attention(
+                i, rms_norm(h, w[p + "input_layernorm.weight"], c.rms_norm_eps), meta, rope, backend
+            )
             x = rms_norm(h, w[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
             gate = F.linear(x, w[p + "mlp.gate_proj.weight"])
             up = F.linear(x, w[p + "mlp.up_proj.weight"])

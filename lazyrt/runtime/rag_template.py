@@ -22,5 +22,7 @@ def build_rag_prompt(tokenizer, docs: list[str], question: str, system: str | No
         text = (system + "\n\n" if system else "") + _MARK + question + "\n"
     head, sep, tail = text.partition(_MARK)
     if not sep or _MARK in tail:
-        raise ValueError("the chat template does not place the user message verbatim; cannot split documents out")
+        raise ValueError(
+            "the chat template does not place the user message verbatim; cannot split documents out"
+        )
     return RagPrompt(prefix=head, docs=[d + DOC_SEPARATOR for d in docs], suffix=tail)

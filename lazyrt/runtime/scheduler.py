@@ -103,8 +103,8 @@ class Scheduler:
         need = self.worst_case_pages(req)
         if need > self.pool.num_pages:
             raise RequestTooLarge(
-                f"request needs {need} KV pages ({need * self.page_size} tokens incl. max_tokens) but the KV cache "
-                f"holds {self.pool.num_pages} pages; raise kv_cache_tokens or shorten the prompt"
+                f"request needs {need} KV pages ({need * self.page_size} tokens incl. max_tokens) but the "
+                f"KV cache holds {self.pool.num_pages} pages; raise kv_cache_tokens or shorten the prompt"
             )
 
     def add(self, req: Request) -> None:
@@ -293,7 +293,9 @@ class Scheduler:
                 tokens = (req.prompt_ids + req.output_ids)[: req.own.start_pos + req.own.num_tokens]
                 full = len(tokens) // self.page_size
                 n_radix = len(req.radix_pages)
-                dup = self.radix.insert(tokens[: full * self.page_size], req.radix_pages + own[: full - n_radix])
+                dup = self.radix.insert(
+                    tokens[: full * self.page_size], req.radix_pages + own[: full - n_radix]
+                )
                 self.radix.unlock(req.radix_node)
                 self.pool.free(dup + own[max(full - n_radix, 0) :])
             else:

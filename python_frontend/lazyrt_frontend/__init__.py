@@ -1,0 +1,1 @@
+"""lazyrt_frontend: the RAG DSL (rag(), @function programs). Built in a later issue."""
