@@ -114,3 +114,28 @@ def test_sampling_seed_reproducible_and_stop_strings(default_engine):
     cut = default_engine.generate("Once upon a time", SamplingParams(max_tokens=12, stop=[stop_word]))[0]
     assert stop_word not in cut["text"] and greedy["text"].startswith(cut["text"])
     assert cut["meta"]["finish_reason"] == "stop"
+
+
+def test_continuous_batching_mixes_prefill_with_decode(tiny_model_dir):
+    path = tiny_model_dir("qwen2")
+    engine = Engine(path, device="cpu", kv_cache_tokens=4096, max_step_tokens=40)
+    rng = random.Random()
+    prompts = [_doc(rng, engine.tokenizer, 30) for _ in range(3)]
+    steps = []
+    execute = engine.runner.execute
+
+    def recording_execute(plan):
+        steps.append([len(it.token_ids) for it in plan.items if it.request is not None])
+        return execute(plan)
+
+    engine.runner.execute = recording_execute
+    outs = engine.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
+    # The token budget defers later prompts, so some step prefills one request while decoding another.
+    assert any(1 in s and any(n > 1 for n in s) for s in steps), steps
+    alone = Engine(path, device="cpu", kv_cache_tokens=4096)
+    for p, out in zip(prompts, outs):
+        assert len(out["token_ids"]) == 8
+        assert (
+            out["token_ids"]
+            == alone.generate(p, SamplingParams(max_tokens=8, ignore_eos=True))[0]["token_ids"]
+        )
