@@ -48,7 +48,9 @@ class Engine:
         dtype_name = (
             cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if dev.startswith("cuda") else "float32")
         )
-        loaded = load_model(cfg.model, load_format=cfg.load_format, dtype=_DTYPES[dtype_name], seed=cfg.seed)
+        loaded = load_model(
+            cfg.model, load_format=cfg.load_format, dtype=_DTYPES[dtype_name], seed=cfg.seed, device=dev
+        )
         self.tokenizer = loaded.tokenizer
         self.model_id = loaded.model_id
         self.model_config = loaded.config

@@ -33,3 +33,40 @@ class TorchAttentionBackend:
             k = apply_rope_ref(k, meta.positions, self.rope)
         store_kv_ref(kv, k, v, meta.store_pages, meta.store_slots)
         return lazy_attention_ref(q, kv, meta, self.rope, self.sm_scale)
+
+
+class TritonAttentionBackend:
+    """CUDA path: Triton kernels (imported lazily, so the CPU path never needs Triton)."""
+
+    def __init__(self, kv_layers: list[torch.Tensor], rope: RopeCache, sm_scale: float):
+        from lazyrt.kernels import triton_attention, triton_kv
+
+        self._attend = triton_attention.lazy_attention_triton
+        self._store = triton_kv.store_kv_triton
+        self._rope = triton_kv.apply_rope_triton
+        self.kv_layers = kv_layers
+        self.rope = rope
+        self.sm_scale = sm_scale
+
+    def forward(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        kv = self.kv_layers[layer]
+        if not meta.rotate_keys:
+            k = self._rope(k, meta.positions, self.rope)
+        self._store(kv, k, v, meta.store_pages, meta.store_slots)
+        return self._attend(
+            q,
+            kv,
+            meta,
+            self.rope,
+            self.sm_scale,
+            max_q_len=meta.max_q_len or None,
+            max_kv_entries=meta.max_kv_entries or None,
+        )
+
+
+def make_backend(device: torch.device, kv_layers: list[torch.Tensor], rope: RopeCache, sm_scale: float):
+    if device.type == "cuda":
+        return TritonAttentionBackend(kv_layers, rope, sm_scale)
+    return TorchAttentionBackend(kv_layers, rope, sm_scale)

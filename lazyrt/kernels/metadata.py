@@ -26,6 +26,8 @@ class AttentionMetadata:
     store_pages: torch.Tensor  # [T] int64 page that receives each new token's K/V
     store_slots: torch.Tensor  # [T] int64 slot in that page
     rotate_keys: bool  # lazy mode: pages hold unrotated keys, attention rotates them
+    max_q_len: int = 0  # host-side maxima, so GPU kernels launch without a device sync
+    max_kv_entries: int = 0
 
     @property
     def batch_size(self) -> int:

@@ -145,14 +145,15 @@ def preset_config(name: str) -> dict:
 
 
 def dummy_weights(
-    cfg: ModelConfig, dtype: torch.dtype = torch.float32, seed: int = 0
+    cfg: ModelConfig, dtype: torch.dtype = torch.float32, seed: int = 0, device: str | torch.device = "cpu"
 ) -> dict[str, torch.Tensor]:
-    """normal(0, 0.02) weights (norm scales: ones), made directly in dtype: no float32 copy of a big model."""
-    gen = torch.Generator().manual_seed(seed)
+    """normal(0, 0.02) weights (norm scales: ones), made directly in dtype and on device: no float32 or
+    host copy of a big model."""
+    gen = torch.Generator(device=device).manual_seed(seed)
     weights: dict[str, torch.Tensor] = {}
     for name, shape in param_shapes(cfg).items():
         if is_norm(name):
-            weights[name] = torch.ones(shape, dtype=dtype)
+            weights[name] = torch.ones(shape, dtype=dtype, device=device)
         else:
-            weights[name] = torch.empty(shape, dtype=dtype).normal_(0.0, 0.02, generator=gen)
+            weights[name] = torch.empty(shape, dtype=dtype, device=device).normal_(0.0, 0.02, generator=gen)
     return weights

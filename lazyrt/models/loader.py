@@ -59,6 +59,7 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
     cache_dir: str | None = None,
+    device: str | torch.device = "cpu",
 ) -> LoadedModel:
     """Load weights, config and tokenizer.
 
@@ -70,7 +71,7 @@ def load_model(
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; valid: {', '.join(LOAD_FORMATS)}")
     if load_format == "dummy":
-        return _load_dummy(model, dtype, seed, cache_dir)
+        return _load_dummy(model, dtype, seed, cache_dir, device)
     path = default_model_path() if model is None else os.path.expanduser(str(model))
     if not os.path.exists(path):
         hint = f" ({model!r} is a dummy preset: pass load_format='dummy')" if model in dummy.PRESETS else ""
@@ -128,7 +129,9 @@ def _load_gguf(gguf_path: str, dtype: torch.dtype, cache_dir: str | None) -> Loa
     return _load_hf_dir(converted, dtype, model_id=model_id)
 
 
-def _load_dummy(model: str | None, dtype: torch.dtype, seed: int, cache_dir: str | None) -> LoadedModel:
+def _load_dummy(
+    model: str | None, dtype: torch.dtype, seed: int, cache_dir: str | None, device: str | torch.device
+) -> LoadedModel:
     tokenizer = None
     if model is None:
         model = "smollm2-135m"  # the default model's shape
@@ -156,7 +159,7 @@ def _load_dummy(model: str | None, dtype: torch.dtype, seed: int, cache_dir: str
     return LoadedModel(
         config=config,
         hf_config=hf_config,
-        weights=dummy.dummy_weights(config, dtype, seed),
+        weights=dummy.dummy_weights(config, dtype, seed, device),
         tokenizer=tokenizer,
         model_id=f"dummy:{name}:{seed}",
         path=None,

@@ -6,7 +6,7 @@ import torch
 
 from lazyrt.cache.page_pool import PagePool
 from lazyrt.kernels.attention_ref import rerotate_pages_ref
-from lazyrt.kernels.backend import TorchAttentionBackend
+from lazyrt.kernels.backend import make_backend
 from lazyrt.kernels.metadata import AttentionMetadata
 from lazyrt.kernels.rope import RopeCache
 from lazyrt.models.llama import LlamaModel
@@ -20,7 +20,12 @@ class ModelRunner:
         self.device = model.device
         self.rope = RopeCache.build(model.config, max_positions, self.device)
         self.rotate_keys = rotate_keys
-        self.backend = TorchAttentionBackend(pool.kv, self.rope, model.config.head_dim**-0.5)
+        self.backend = make_backend(self.device, pool.kv, self.rope, model.config.head_dim**-0.5)
+        self._rerotate = rerotate_pages_ref
+        if self.device.type == "cuda":
+            from lazyrt.kernels.triton_kv import rerotate_pages_triton
+
+            self._rerotate = rerotate_pages_triton
 
     def build_metadata(self, plan: StepPlan) -> tuple[torch.Tensor, AttentionMetadata]:
         ps = self.pool.page_size
@@ -56,6 +61,8 @@ class ModelRunner:
             store_pages=t(store_pages, torch.long),
             store_slots=t(store_slots, torch.long),
             rotate_keys=self.rotate_keys,
+            max_q_len=max(len(it.token_ids) for it in plan.items),
+            max_kv_entries=max(b - a for a, b in zip(kvp, kvp[1:])),
         )
         return t(ids, torch.long), meta
 
@@ -67,7 +74,7 @@ class ModelRunner:
             dst = torch.tensor(copy.dst, device=self.device)
             for kv in self.pool.kv:
                 kv[dst] = kv[src]
-                rerotate_pages_ref(kv, dst, copy.delta, self.rope)
+                self._rerotate(kv, dst, copy.delta, self.rope)
         if not plan.items:
             return None
         input_ids, meta = self.build_metadata(plan)

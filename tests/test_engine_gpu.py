@@ -1,0 +1,65 @@
+"""Engine on CUDA (Triton kernels): same greedy tokens as the CPU path; an 8B-shaped dummy serves a batch."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from lazyrt import Engine, RagPrompt, SamplingParams
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+FACTS = [
+    "The Zorblat river flows through Quenta and is {n} km long.",
+    "Mount Feller in Arvania is {n} metres tall.",
+    "The glass market of Quenta opened in the year {n}.",
+    "Arvania's currency, the lumen, is split into {n} sparks.",
+    "The lighthouse of Port Ellin has {n} steps.",
+    "Professor Imra Solt wrote {n} books about tides.",
+]
+
+
+def _rag_items(n: int, rng: random.Random) -> list[tuple[list[str], str]]:
+    docs = [f.format(n=rng.randint(10, 9000)) for f in FACTS]
+    items = []
+    for _ in range(n):
+        d = rng.sample(docs, rng.randint(2, 4))
+        items.append((d, rng.choice(["How long is the river?", "How tall is Mount Feller?", "Summarize."])))
+    return items
+
+
+@pytest.mark.parametrize("mode", ["lazy", "block"])
+def test_cuda_matches_cpu_on_20_rag_prompts(mode):
+    rng = random.Random()
+    items = _rag_items(20, rng)
+    sp = SamplingParams(max_tokens=16)
+    cpu = Engine(device="cpu", cache_mode=mode, kv_cache_tokens=32768)
+    gpu = Engine(device="cuda", dtype="float32", cache_mode=mode, kv_cache_tokens=32768)
+    batch = [{"docs": d, "question": q, "sampling_params": {"max_tokens": 16}} for d, q in items]
+    out_gpu = gpu.rag_batch(batch)  # batched on the GPU: chunk sharing and mixed steps
+    for (d, q), og in zip(items, out_gpu):
+        oc = cpu.rag(d, q, sampling_params=sp)
+        assert og["token_ids"] == oc["token_ids"], (d, q)
+    assert sum(o["meta"]["chunk_hits"] for o in out_gpu) > 0
+
+
+def test_dummy_llama31_8b_serves_64_request_rag_batch():
+    engine = Engine(
+        "llama-3.1-8b", load_format="dummy", device="cuda", dtype="bfloat16", kv_cache_tokens=200_000
+    )
+    rng = random.Random(0)
+    vocab = engine.model_config.vocab_size
+    docs = [[rng.randrange(1000, vocab) for _ in range(512)] for _ in range(20)]
+    prompts = [
+        RagPrompt(
+            list(range(1000, 1032)), rng.sample(docs, 5), [rng.randrange(1000, vocab) for _ in range(32)]
+        )
+        for _ in range(64)
+    ]
+    outs = engine.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))
+    assert len(outs) == 64 and all(len(o["token_ids"]) == 16 for o in outs)
+    assert sum(o["meta"]["chunk_hits"] for o in outs) > 0
+    s = engine.cache_stats()
+    assert s["held_pages"] == 0 and s["free_pages"] + s["chunk_pages"] + s["radix_pages"] == s["total_pages"]
