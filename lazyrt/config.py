@@ -22,6 +22,7 @@ class EngineConfig:
     max_step_tokens: int = 8192  # prefill tokens per step (decodes ride along)
     max_model_len: int | None = None  # cap on the model's context length
     load_format: str = "auto"
+    cuda_graph_max_batch: int = 64  # decode steps up to this batch replay CUDA graphs; 0 = off
     seed: int = 0
 
     def validate(self) -> None:

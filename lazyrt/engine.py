@@ -72,6 +72,10 @@ class Engine:
         self.runner = ModelRunner(
             self.model, self.pool, self.max_context, rotate_keys=cfg.cache_mode == "lazy"
         )
+        if self.model.device.type == "cuda" and cfg.cuda_graph_max_batch > 0:
+            self.runner.enable_cuda_graphs(
+                min(cfg.cuda_graph_max_batch, cfg.max_running_requests), self.max_context
+            )
         eos = set(loaded.config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)

@@ -11,6 +11,7 @@ from lazyrt.kernels.metadata import AttentionMetadata
 from lazyrt.kernels.rope import RopeCache
 from lazyrt.models.llama import LlamaModel
 from lazyrt.runtime.scheduler import StepPlan
+from lazyrt.runtime.step_inputs import StepInputs
 
 
 class ModelRunner:
@@ -22,49 +23,39 @@ class ModelRunner:
         self.rotate_keys = rotate_keys
         self.backend = make_backend(self.device, pool.kv, self.rope, model.config.head_dim**-0.5)
         self._rerotate = rerotate_pages_ref
+        self.graphs = None
         if self.device.type == "cuda":
             from lazyrt.kernels.triton_kv import rerotate_pages_triton
 
             self._rerotate = rerotate_pages_triton
 
-    def build_metadata(self, plan: StepPlan) -> tuple[torch.Tensor, AttentionMetadata]:
-        ps = self.pool.page_size
-        ids, positions, store_pages, store_slots = [], [], [], []
-        qo, kvp = [0], [0]
-        indices, pos_base, valid_len = [], [], []
-        for item in plan.items:
-            n = len(item.token_ids)
-            ids += item.token_ids
-            qo.append(qo[-1] + n)
-            for p in range(item.start_pos, item.start_pos + n):
-                positions.append(p)
-                off = p - item.target.start_pos
-                store_pages.append(item.target.pages[off // ps])
-                store_slots.append(off % ps)
-            for seg in item.segments:
-                for j in range(-(-seg.num_tokens // ps)):
-                    indices.append(seg.pages[j])
-                    pos_base.append(seg.start_pos + j * ps)
-                    valid_len.append(min(ps, seg.num_tokens - j * ps))
-            kvp.append(len(indices))
+    def enable_cuda_graphs(self, max_batch: int, max_context: int) -> None:
+        """Capture decode graphs for batch sizes up to max_batch (CUDA only)."""
+        from lazyrt.runtime.cuda_graph import DecodeGraphs
 
+        ps = self.pool.page_size
+        # one entry per page plus slack for segments ending in a partly filled page (chunk tails)
+        max_entries = -(-max_context // ps) + 64
+        self.graphs = DecodeGraphs(self, max_batch, max_entries, scratch_page=self.pool.alloc(1)[0])
+
+    def build_metadata(self, s: StepInputs) -> tuple[torch.Tensor, AttentionMetadata]:
         def t(x: list[int], dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(x, dtype=dtype, device=self.device)
 
         meta = AttentionMetadata(
-            qo_indptr=t(qo, torch.int32),
-            positions=t(positions, torch.long),
-            kv_indptr=t(kvp, torch.int32),
-            kv_indices=t(indices, torch.int32),
-            pos_base=t(pos_base, torch.int32),
-            valid_len=t(valid_len, torch.int32),
-            store_pages=t(store_pages, torch.long),
-            store_slots=t(store_slots, torch.long),
+            qo_indptr=t(s.qo_indptr, torch.int32),
+            positions=t(s.positions, torch.long),
+            kv_indptr=t(s.kv_indptr, torch.int32),
+            kv_indices=t(s.kv_indices, torch.int32),
+            pos_base=t(s.pos_base, torch.int32),
+            valid_len=t(s.valid_len, torch.int32),
+            store_pages=t(s.store_pages, torch.long),
+            store_slots=t(s.store_slots, torch.long),
             rotate_keys=self.rotate_keys,
-            max_q_len=max(len(it.token_ids) for it in plan.items),
-            max_kv_entries=max(b - a for a, b in zip(kvp, kvp[1:])),
+            max_q_len=s.max_q_len,
+            max_kv_entries=s.max_kv_entries,
         )
-        return t(ids, torch.long), meta
+        return t(s.input_ids, torch.long), meta
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> torch.Tensor | None:
@@ -77,9 +68,11 @@ class ModelRunner:
                 self._rerotate(kv, dst, copy.delta, self.rope)
         if not plan.items:
             return None
-        input_ids, meta = self.build_metadata(plan)
+        s = StepInputs.from_plan(plan, self.pool.page_size)
+        if self.graphs is not None and self.graphs.fits(s):
+            return self.graphs.run(s)
+        input_ids, meta = self.build_metadata(s)
         hidden = self.model.forward(input_ids, meta, self.rope, self.backend)
-        last = [int(meta.qo_indptr[i + 1]) - 1 for i, it in enumerate(plan.items) if it.request is not None]
-        if not last:
+        if not s.sample_rows:
             return None
-        return self.model.logits(hidden[torch.tensor(last, device=self.device)])
+        return self.model.logits(hidden[torch.tensor(s.sample_rows, device=self.device)])
