@@ -8,22 +8,17 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-import torch
-
-from lazyrt.cache.page_pool import PagePool
 from lazyrt.config import EngineConfig
-from lazyrt.models.llama import LlamaModel
-from lazyrt.models.loader import load_model
 from lazyrt.prompt import RagPrompt
-from lazyrt.runtime.model_runner import ModelRunner
+from lazyrt.runtime.detokenizer import IncrementalDetokenizer
+from lazyrt.runtime.engine_core import EngineCore
+from lazyrt.runtime.model_worker import ModelWorker
 from lazyrt.runtime.rag_template import build_rag_prompt
 from lazyrt.runtime.request import Request, RequestState
-from lazyrt.runtime.sampler import sample_token
 from lazyrt.runtime.scheduler import Scheduler
 from lazyrt.sampling_params import SamplingParams
 
 PromptLike = str | Sequence[int] | RagPrompt
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 class Engine:
@@ -43,55 +38,24 @@ class Engine:
         )
         cfg.validate()
         self.config = cfg
-        dev = "cuda" if cfg.device == "auto" and torch.cuda.is_available() else cfg.device
-        dev = "cpu" if dev == "auto" else dev
-        dtype_name = (
-            cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if dev.startswith("cuda") else "float32")
-        )
-        loaded = load_model(
-            cfg.model, load_format=cfg.load_format, dtype=_DTYPES[dtype_name], seed=cfg.seed, device=dev
-        )
-        self.tokenizer = loaded.tokenizer
-        self.model_id = loaded.model_id
-        self.model_config = loaded.config
-        weights = {k: v.to(dev) for k, v in loaded.weights.items()}
-        self.model = LlamaModel(loaded.config, weights)
-        self.max_context = min(loaded.config.max_context, cfg.max_model_len or 1 << 62)
-        self.pool = PagePool(
-            loaded.config.num_layers,
-            self._num_pages(dtype_name),
-            cfg.page_size,
-            loaded.config.num_kv_heads,
-            loaded.config.head_dim,
-            _DTYPES[dtype_name],
-            dev,
-        )
+        # The offline Engine runs the server's step code in one process: the same ModelWorker and
+        # EngineCore (plan -> StepMsg -> worker -> StepResult), called directly instead of over ZMQ,
+        # so unit tests can reach the scheduler, pool and runner. Here the scheduler shares the
+        # worker's PagePool; the server's scheduler process keeps a tensor-free copy of the allocator.
+        self.worker = ModelWorker(cfg)
+        self.tokenizer = self.worker.tokenizer
+        self.model_id = self.worker.model_id
+        self.model_config = self.worker.model_config
+        self.model = self.worker.model
+        self.max_context = self.worker.max_context
+        self.pool = self.worker.pool
+        self.runner = self.worker.runner
+        self.eos_ids = self.worker.eos_ids
         self.scheduler = Scheduler(
             self.pool, cfg.cache_mode, self.model_id, cfg.max_running_requests, cfg.max_step_tokens
         )
-        self.runner = ModelRunner(
-            self.model, self.pool, self.max_context, rotate_keys=cfg.cache_mode == "lazy"
-        )
-        if self.model.device.type == "cuda" and cfg.cuda_graph_max_batch > 0:
-            self.runner.enable_cuda_graphs(
-                min(cfg.cuda_graph_max_batch, cfg.max_running_requests), self.max_context
-            )
-        eos = set(loaded.config.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
-        self.eos_ids = eos
+        self.core = EngineCore(self.scheduler, self.worker, self.eos_ids)
         self._rids = itertools.count()
-
-    def _num_pages(self, dtype_name: str) -> int:
-        c, ps = self.model_config, self.config.page_size
-        if self.config.kv_cache_tokens is not None:
-            return -(-self.config.kv_cache_tokens // ps)
-        per_page = PagePool.bytes_per_page(c.num_layers, ps, c.num_kv_heads, c.head_dim, _DTYPES[dtype_name])
-        budget = int(self.config.kv_cache_memory_gb * (1 << 30))
-        if torch.cuda.is_available() and self.model.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.model.device)
-            budget = int(free * 0.8)
-        return max(1, budget // per_page)
 
     # ---- tokenization and validation ----------------------------------------------------------
     def _tokens(self, part: Any, what: str, special: bool) -> list[int]:
@@ -197,56 +161,26 @@ class Engine:
         return self.generate(prompts, params)
 
     def _run(self, reqs: list[Request]) -> list[dict]:
-        sched = self.scheduler
+        core = self.core
         for r in reqs:
-            sched.add(r)
-        gens = {r.rid: self._generator(r.params) for r in reqs}
+            core.add(r)
+        detoks = {r.rid: IncrementalDetokenizer(self.tokenizer, r.params.stop) for r in reqs}
         try:
             while any(r.state is not RequestState.FINISHED for r in reqs):
-                plan = sched.schedule()
-                if not plan.items:
-                    raise RuntimeError("scheduler made no progress (no runnable work)")
-                logits = self.runner.execute(plan)
-                sched.on_step_done(plan)
-                sampled = [it.request for it in plan.items if it.request is not None]
-                now = time.perf_counter()
-                for row, req in enumerate(sampled):
-                    tok = sample_token(logits[row], req.params, gens.get(req.rid))
-                    req.output_ids.append(tok)
-                    req.first_token_time = req.first_token_time or now
-                    self._check_finish(req)
+                for out in core.step():
+                    d = detoks[out.rid]
+                    d.add(out.token_ids)
+                    if d.stopped:  # the detokenizer saw a stop string: end the request now
+                        core.abort(out.rid, "stop")
         except BaseException:
             for r in reqs:  # never leave pages held by requests nobody will finish
-                sched.finish(r, "abort")
+                core.abort(r.rid)
             raise
-        return [self._result(r) for r in reqs]
+        return [self._result(r, detoks[r.rid]) for r in reqs]
 
-    def _generator(self, params: SamplingParams) -> torch.Generator | None:
-        if params.temperature == 0:
-            return None
-        g = torch.Generator()
-        g.manual_seed(params.seed if params.seed is not None else torch.seed())
-        return g
-
-    def _check_finish(self, req: Request) -> None:
-        p = req.params
-        if not p.ignore_eos and req.output_ids[-1] in self.eos_ids:
-            self.scheduler.finish(req, "stop")
-        elif p.stop and any(s in self._text(req) for s in p.stop):
-            self.scheduler.finish(req, "stop")
-        elif len(req.output_ids) >= req.max_new_tokens:
-            self.scheduler.finish(req, "length")
-
-    def _text(self, req: Request) -> str:
-        return self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
-
-    def _result(self, req: Request) -> dict:
-        text = self._text(req)
-        cut = [text.find(s) for s in req.params.stop if s in text]
-        if cut:
-            text = text[: min(cut)]
+    def _result(self, req: Request, detok: IncrementalDetokenizer) -> dict:
         return {
-            "text": text,
+            "text": detok.take(final=True),
             "token_ids": list(req.output_ids),
             "meta": {
                 "prompt_tokens": req.prompt_len,
@@ -256,7 +190,7 @@ class Engine:
                 "chunk_misses": req.chunk_misses,
                 "ttft_s": (req.first_token_time or req.arrival) - req.arrival,
                 "e2e_s": time.perf_counter() - req.arrival,
-                "finish_reason": req.finish_reason,
+                "finish_reason": "stop" if detok.stopped else req.finish_reason,
             },
         }
 

@@ -1,0 +1,88 @@
+"""EngineCore: the scheduler side of the step loop, shared by the offline Engine and the scheduler
+process. It plans a step, ships it to a worker through one narrow call (`execute(StepMsg) ->
+StepResult`), applies the sampled tokens and reports TokenOuts. The worker is a ModelWorker object
+in-process, or a ZMQ link to the model worker process; the logic here is the same either way.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+from lazyrt.runtime.messages import StepMsg, StepResult, TokenOut
+from lazyrt.runtime.request import Request
+from lazyrt.runtime.scheduler import Scheduler
+from lazyrt.runtime.step_wire import plan_to_msg
+
+
+class WorkerLink(Protocol):
+    def execute(self, msg: StepMsg) -> StepResult: ...
+
+
+class NoProgress(RuntimeError):
+    pass
+
+
+class EngineCore:
+    def __init__(self, scheduler: Scheduler, worker: WorkerLink, eos_ids: set[int]):
+        self.scheduler = scheduler
+        self.worker = worker
+        self.eos_ids = set(eos_ids)
+        self.requests: dict[int, Request] = {}
+        self._release: list[int] = []  # finished rids the worker may still hold sampling state for
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def add(self, req: Request) -> None:
+        """Queue a request; raises RequestTooLarge if it could never fit the KV pool."""
+        self.scheduler.add(req)
+        self.requests[req.rid] = req
+
+    def abort(self, rid: int, reason: str = "abort") -> bool:
+        """Finish a request now (client gone, stop string seen): frees every page it holds."""
+        req = self.requests.pop(rid, None)
+        if req is None:
+            return False
+        self.scheduler.finish(req, reason)
+        self._release.append(rid)
+        return True
+
+    def step(self) -> list[TokenOut]:
+        plan = self.scheduler.schedule()
+        if not plan.items:
+            raise NoProgress("scheduler made no progress (no runnable work)")
+        msg = plan_to_msg(plan, self._release)
+        self._release = []
+        result = self.worker.execute(msg)
+        self.scheduler.on_step_done(plan)
+        sampled = [it.request for it in plan.items if it.request is not None]
+        now = time.perf_counter()
+        outs = []
+        for req, tok in zip(sampled, result.tokens):
+            first = not req.output_ids
+            req.output_ids.append(tok)
+            req.first_token_time = req.first_token_time or now
+            reason = self._finish_reason(req)
+            if reason is not None:
+                self.abort(req.rid, reason)
+            meta = request_meta(req) if first or reason else None
+            outs.append(TokenOut(req.rid, [tok], reason, meta))
+        return outs
+
+    def _finish_reason(self, req: Request) -> str | None:
+        if not req.params.ignore_eos and req.output_ids[-1] in self.eos_ids:
+            return "stop"
+        if len(req.output_ids) >= req.max_new_tokens:
+            return "length"
+        return None
+
+
+def request_meta(req: Request) -> dict:
+    return {
+        "prompt_tokens": req.prompt_len,
+        "cached_tokens": req.cached_tokens,
+        "chunk_hits": req.chunk_hits,
+        "chunk_misses": req.chunk_misses,
+    }

@@ -1,0 +1,205 @@
+"""Typed messages between the processes, and their wire format (msgpack, one type tag per class).
+
+No pickle: a message is a plain dataclass of ints, floats, strings, lists and dicts (and nested
+message dataclasses). Each dataclass travels as a msgpack ext value holding [tag, field values...],
+so decoding rebuilds exactly the registered classes and nothing else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from lazyrt.sampling_params import SamplingParams
+
+_EXT = 1
+_CLASSES: dict[str, type] = {}
+
+
+def message(cls: type) -> type:
+    """Register a dataclass as a wire message under its class name."""
+    _CLASSES[cls.__name__] = cls
+    return cls
+
+
+message(SamplingParams)
+
+
+# ---- HTTP -> tokenizer -------------------------------------------------------------------------
+@message
+@dataclass(slots=True)
+class GenerateReq:
+    """A validated request. Exactly one of text / input_ids / messages is set."""
+
+    rid: int
+    sampling: SamplingParams
+    text: str | None = None
+    input_ids: list[int] | None = None
+    messages: list[dict] | None = None  # chat: [{"role", "content"}], rendered with the chat template
+    docs: list[str] | None = None
+    system: str | None = None
+    # "raw": text is the whole prompt; "rag": text is a question wrapped in the chat template
+    text_mode: str = "raw"
+    param: str = "prompt"  # the request field errors about the prompt should name
+
+
+@message
+@dataclass(slots=True)
+class AbortReq:
+    rid: int
+    reason: str = "abort"
+
+
+@message
+@dataclass(slots=True)
+class ControlReq:
+    """Cache management and stats; answered by a ControlResp with the same rid."""
+
+    rid: int
+    op: str  # "stats" | "flush"
+
+
+# ---- tokenizer -> scheduler --------------------------------------------------------------------
+@message
+@dataclass(slots=True)
+class TokenizedReq:
+    rid: int
+    sampling: SamplingParams
+    max_new_tokens: int
+    prefix: list[int] = field(default_factory=list)
+    docs: list[list[int]] = field(default_factory=list)
+    suffix: list[int] = field(default_factory=list)
+
+
+# ---- scheduler <-> model worker ----------------------------------------------------------------
+@message
+@dataclass(slots=True)
+class StepItem:
+    """One sequence's new tokens; segments are [pages, start_pos, num_tokens] in position order."""
+
+    token_ids: list[int]
+    start_pos: int
+    segments: list[list]
+    target: int  # index into segments of the run the new tokens are written to
+    rid: int = -1  # >= 0: sample a token for this request from the last position
+    sampling: SamplingParams | None = None
+
+
+@message
+@dataclass(slots=True)
+class StepMsg:
+    items: list[StepItem]
+    copies: list[list] = field(default_factory=list)  # [src pages, dst pages, delta] (block mode)
+    release: list[int] = field(default_factory=list)  # finished rids: drop their sampling state
+
+
+@message
+@dataclass(slots=True)
+class StepResult:
+    tokens: list[int]  # one per item with rid >= 0, in order
+
+
+@message
+@dataclass(slots=True)
+class WorkerReady:
+    model_id: str
+    tokenizer_path: str
+    num_pages: int
+    page_size: int
+    max_context: int
+    vocab_size: int
+    eos_ids: list[int]
+    device: str
+
+
+# ---- scheduler -> detokenizer -> HTTP ----------------------------------------------------------
+@message
+@dataclass(slots=True)
+class TokenOut:
+    rid: int
+    token_ids: list[int]
+    finish_reason: str | None = None
+    meta: dict | None = None  # prompt_tokens, cached_tokens, chunk_hits, chunk_misses (first and last)
+
+
+@message
+@dataclass(slots=True)
+class TokenBatch:
+    outs: list[TokenOut]
+
+
+@message
+@dataclass(slots=True)
+class TextOut:
+    rid: int
+    text: str  # new text, safe to show (whole characters, never part of a stop string)
+    num_tokens: int  # new tokens this message accounts for
+    finish_reason: str | None = None
+    meta: dict | None = None
+    token_ids: list[int] | None = None  # all output ids, on the final message
+
+
+@message
+@dataclass(slots=True)
+class TextBatch:
+    outs: list[TextOut]
+
+
+@message
+@dataclass(slots=True)
+class ErrorOut:
+    """A request that cannot run; the HTTP layer turns it into a 4xx naming `param`."""
+
+    rid: int
+    message: str
+    param: str | None = None
+    status: int = 400
+    type: str = "invalid_request_error"
+
+
+@message
+@dataclass(slots=True)
+class ControlResp:
+    rid: int
+    data: dict
+
+
+@message
+@dataclass(slots=True)
+class Ready:
+    """The pipeline is up: sent by the scheduler, forwarded by the tokenizer once it has loaded."""
+
+    model_id: str
+    num_pages: int
+    page_size: int
+    max_context: int
+    device: str
+
+
+def _default(obj: Any) -> Any:
+    name = type(obj).__name__
+    if _CLASSES.get(name) is type(obj):
+        values = [getattr(obj, f.name) for f in dataclasses.fields(obj)]
+        return msgpack.ExtType(_EXT, msgpack.packb([name, *values], default=_default, use_bin_type=True))
+    raise TypeError(f"cannot serialize {name}: not a registered message")
+
+
+def _ext_hook(code: int, data: bytes) -> Any:
+    if code != _EXT:
+        raise ValueError(f"unknown msgpack ext code {code}")
+    name, *values = msgpack.unpackb(data, ext_hook=_ext_hook, raw=False, strict_map_key=False)
+    cls = _CLASSES.get(name)
+    if cls is None:
+        raise ValueError(f"unknown message type {name!r}")
+    return cls(*values)
+
+
+def encode(msg: Any) -> bytes:
+    return msgpack.packb(msg, default=_default, use_bin_type=True)
+
+
+def decode(data: bytes) -> Any:
+    return msgpack.unpackb(data, ext_hook=_ext_hook, raw=False, strict_map_key=False)

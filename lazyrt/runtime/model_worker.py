@@ -1,0 +1,109 @@
+"""ModelWorker: the only owner of the device, the model weights and the KV page tensors.
+
+It runs one StepMsg at a time and samples one token per requesting item (it holds the logits;
+per-request torch generators give seeded sampling). The scheduler never sees a tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lazyrt.cache.page_pool import PagePool
+from lazyrt.config import EngineConfig
+from lazyrt.models.llama import LlamaModel
+from lazyrt.models.loader import load_model
+from lazyrt.runtime.messages import StepMsg, StepResult, WorkerReady
+from lazyrt.runtime.model_runner import ModelRunner
+from lazyrt.runtime.sampler import sample_token
+from lazyrt.runtime.step_wire import msg_to_plan
+from lazyrt.sampling_params import SamplingParams
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(device: str) -> str:
+    dev = "cuda" if device == "auto" and torch.cuda.is_available() else device
+    return "cpu" if dev == "auto" else dev
+
+
+class ModelWorker:
+    def __init__(self, cfg: EngineConfig):
+        dev = resolve_device(cfg.device)
+        dtype_name = (
+            cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if dev.startswith("cuda") else "float32")
+        )
+        loaded = load_model(cfg.model, load_format=cfg.load_format, dtype=DTYPES[dtype_name], seed=cfg.seed)
+        self.config = cfg
+        self.tokenizer = loaded.tokenizer
+        self.model_id = loaded.model_id
+        self.model_config = loaded.config
+        weights = {k: v.to(dev) for k, v in loaded.weights.items()}
+        self.model = LlamaModel(loaded.config, weights)
+        self.max_context = min(loaded.config.max_context, cfg.max_model_len or 1 << 62)
+        c = loaded.config
+        self.pool = PagePool(
+            c.num_layers,
+            self._num_pages(DTYPES[dtype_name]),
+            cfg.page_size,
+            c.num_kv_heads,
+            c.head_dim,
+            DTYPES[dtype_name],
+            dev,
+        )
+        self.runner = ModelRunner(
+            self.model, self.pool, self.max_context, rotate_keys=cfg.cache_mode == "lazy"
+        )
+        eos = set(c.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_ids = eos
+        self._generators: dict[int, torch.Generator | None] = {}
+
+    def _num_pages(self, dtype: torch.dtype) -> int:
+        c, ps = self.model_config, self.config.page_size
+        if self.config.kv_cache_tokens is not None:
+            return -(-self.config.kv_cache_tokens // ps)
+        per_page = PagePool.bytes_per_page(c.num_layers, ps, c.num_kv_heads, c.head_dim, dtype)
+        budget = int(self.config.kv_cache_memory_gb * (1 << 30))
+        if torch.cuda.is_available() and self.model.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.model.device)
+            budget = int(free * 0.8)
+        return max(1, budget // per_page)
+
+    def ready_info(self) -> WorkerReady:
+        return WorkerReady(
+            model_id=self.model_id,
+            tokenizer_path=str(getattr(self.tokenizer, "name_or_path", "")),
+            num_pages=self.pool.num_pages,
+            page_size=self.pool.page_size,
+            max_context=self.max_context,
+            vocab_size=self.model_config.vocab_size,
+            eos_ids=sorted(self.eos_ids),
+            device=str(self.model.device),
+        )
+
+    def execute(self, msg: StepMsg) -> StepResult:
+        for rid in msg.release:
+            self._generators.pop(rid, None)
+        plan = msg_to_plan(msg)
+        logits = self.runner.execute(plan)
+        tokens = []
+        row = 0
+        for it in plan.items:
+            if it.request is None:
+                continue
+            params = it.request.params
+            rid = it.request.rid
+            if rid not in self._generators:
+                self._generators[rid] = _generator(params)
+            tokens.append(sample_token(logits[row], params, self._generators[rid]))
+            row += 1
+        return StepResult(tokens)
+
+
+def _generator(params: SamplingParams) -> torch.Generator | None:
+    if params.temperature == 0:
+        return None
+    g = torch.Generator()
+    g.manual_seed(params.seed if params.seed is not None else torch.seed())
+    return g
