@@ -196,21 +196,7 @@ class Engine:
 
     # ---- cache management ---------------------------------------------------------------------
     def cache_stats(self) -> dict:
-        s = self.scheduler
-        return {
-            "cache_mode": self.config.cache_mode,
-            "page_size": self.pool.page_size,
-            "total_pages": self.pool.num_pages,
-            "free_pages": self.pool.num_free,
-            "chunk_pages": s.chunks.num_pages,
-            "radix_pages": s.radix.num_pages,
-            "held_pages": s.held_pages(),
-            "chunks": len(s.chunks),
-            "chunk_hits": s.chunks.stats.hits,
-            "chunk_misses": s.chunks.stats.misses,
-            "chunk_evictions": s.chunks.stats.evictions,
-            "radix_hit_tokens": s.radix.stats.hit_tokens,
-        }
+        return self.core.cache_stats(self.config.cache_mode)
 
     def flush_cache(self) -> int:
         return self.scheduler.flush()

@@ -71,6 +71,25 @@ class EngineCore:
             outs.append(TokenOut(req.rid, [tok], reason, meta))
         return outs
 
+    def cache_stats(self, cache_mode: str) -> dict:
+        s = self.scheduler
+        return {
+            "cache_mode": cache_mode,
+            "page_size": s.pool.page_size,
+            "total_pages": s.pool.num_pages,
+            "free_pages": s.pool.num_free,
+            "chunk_pages": s.chunks.num_pages,
+            "radix_pages": s.radix.num_pages,
+            "held_pages": s.held_pages(),
+            "chunks": len(s.chunks),
+            "chunk_hits": s.chunks.stats.hits,
+            "chunk_misses": s.chunks.stats.misses,
+            "chunk_evictions": s.chunks.stats.evictions,
+            "radix_hit_tokens": s.radix.stats.hit_tokens,
+            "running_requests": len(s.running),
+            "waiting_requests": len(s.waiting),
+        }
+
     def _finish_reason(self, req: Request) -> str | None:
         if not req.params.ignore_eos and req.output_ids[-1] in self.eos_ids:
             return "stop"

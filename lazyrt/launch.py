@@ -1,0 +1,89 @@
+"""python -m lazyrt.launch: serve a model over HTTP (lazyrt /generate and the OpenAI API).
+
+Every engine option comes from EngineConfig (the same dataclass Engine takes); the server adds
+host, port, API key and log level.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from lazyrt.config import DTYPES, EngineConfig
+from lazyrt.models.loader import LOAD_FORMATS
+from lazyrt.runtime.scheduler import CACHE_MODES
+from lazyrt.runtime.server import ServerOptions, serve
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = EngineConfig()
+    p = argparse.ArgumentParser(
+        prog="python -m lazyrt.launch",
+        description="Serve a model: POST /generate, /v1/completions, /v1/chat/completions "
+        "(OpenAI-compatible, "
+        "with an extra body field `documents: [str]`), GET /health, /v1/models, /metrics, /cache_stats, "
+        "POST /flush_cache.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--model", default=None, help="HF model dir or .gguf file; default: embedded SmolLM2-135M")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=30000, help="port to listen on")
+    p.add_argument("--device", default=d.device, help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--dtype", default=d.dtype, choices=DTYPES, help="auto = float32 on CPU, bfloat16 on CUDA")
+    p.add_argument("--cache-mode", default=d.cache_mode, choices=CACHE_MODES, help="document KV reuse mode")
+    p.add_argument("--page-size", type=int, default=d.page_size, help="tokens per KV page (power of two)")
+    p.add_argument(
+        "--kv-cache-tokens",
+        type=int,
+        default=d.kv_cache_tokens,
+        help="KV cache size in tokens; default: from memory",
+    )
+    p.add_argument(
+        "--kv-cache-memory-gb",
+        type=float,
+        default=d.kv_cache_memory_gb,
+        help="CPU KV budget without --kv-cache-tokens",
+    )
+    p.add_argument(
+        "--max-running-requests", type=int, default=d.max_running_requests, help="batch size limit"
+    )
+    p.add_argument("--max-step-tokens", type=int, default=d.max_step_tokens, help="prefill tokens per step")
+    p.add_argument("--max-model-len", type=int, default=d.max_model_len, help="cap on the context length")
+    p.add_argument(
+        "--load-format", default=d.load_format, choices=LOAD_FORMATS, help="dummy = random weights"
+    )
+    p.add_argument("--seed", type=int, default=d.seed, help="seed for dummy weights")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (except /health)")
+    p.add_argument("--served-model-name", default=None, help="model name in the API; default from --model")
+    p.add_argument(
+        "--log-level", default="info", choices=("debug", "info", "warning", "error"), help="logging level"
+    )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    cfg = EngineConfig(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        page_size=args.page_size,
+        cache_mode=args.cache_mode,
+        kv_cache_tokens=args.kv_cache_tokens,
+        kv_cache_memory_gb=args.kv_cache_memory_gb,
+        max_running_requests=args.max_running_requests,
+        max_step_tokens=args.max_step_tokens,
+        max_model_len=args.max_model_len,
+        load_format=args.load_format,
+        seed=args.seed,
+    )
+    try:
+        cfg.validate()
+    except ValueError as e:
+        build_parser().error(str(e))
+    opts = ServerOptions(args.host, args.port, args.api_key, args.log_level, args.served_model_name)
+    return serve(cfg, opts)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""Prometheus metrics for one server, in its own CollectorRegistry (no global registry state).
+
+Request-level numbers (counts, TTFT, inter-token latency) are observed in the HTTP process as
+outputs arrive. Cache and queue numbers live in the scheduler process: /metrics fetches a fresh
+/cache_stats snapshot and a collector reports it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class _CacheCollector(Collector):
+    def __init__(self) -> None:
+        self.stats: dict = {}
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.stats
+        if not s:
+            return
+        gauges = {
+            "lazyrt_num_running_requests": ("requests being decoded or prefilled", "running_requests"),
+            "lazyrt_num_waiting_requests": ("requests waiting for KV pages", "waiting_requests"),
+            "lazyrt_kv_pages_total": ("KV pages in the pool", "total_pages"),
+            "lazyrt_kv_pages_free": ("free KV pages", "free_pages"),
+            "lazyrt_kv_pages_held": ("KV pages held by running requests", "held_pages"),
+            "lazyrt_kv_pages_chunk": ("KV pages holding document chunks", "chunk_pages"),
+            "lazyrt_kv_pages_radix": ("KV pages in the radix prefix cache", "radix_pages"),
+        }
+        for name, (doc, key) in gauges.items():
+            yield GaugeMetricFamily(name, doc, value=s[key])
+        yield GaugeMetricFamily(
+            "lazyrt_kv_pages_used", "KV pages not free", value=s["total_pages"] - s["free_pages"]
+        )
+        counters = {
+            "lazyrt_chunk_hits": ("document chunks served from the chunk table", "chunk_hits"),
+            "lazyrt_chunk_misses": ("document chunks that had to be computed", "chunk_misses"),
+            "lazyrt_chunk_evictions": ("document chunks evicted", "chunk_evictions"),
+            "lazyrt_radix_hit_tokens": (
+                "prompt tokens served from the radix prefix cache",
+                "radix_hit_tokens",
+            ),
+        }
+        for name, (doc, key) in counters.items():
+            yield CounterMetricFamily(name, doc, value=s[key])
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "lazyrt_requests", "finished requests", ["endpoint", "finish_reason"], registry=r
+        )
+        self.errors = Counter(
+            "lazyrt_request_errors", "rejected requests", ["endpoint", "status"], registry=r
+        )
+        self.prompt_tokens = Counter("lazyrt_prompt_tokens", "prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("lazyrt_generation_tokens", "generated tokens", registry=r)
+        self.cached_tokens = Counter(
+            "lazyrt_cached_prompt_tokens", "prompt tokens served from cache", registry=r
+        )
+        self.ttft = Histogram(
+            "lazyrt_time_to_first_token_seconds", "time to first token", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            "lazyrt_inter_token_latency_seconds", "time between tokens", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.e2e = Histogram(
+            "lazyrt_e2e_request_latency_seconds", "request latency", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self._cache = _CacheCollector()
+        r.register(self._cache)
+
+    def render(self, cache_stats: dict) -> bytes:
+        self._cache.stats = cache_stats
+        return generate_latest(self.registry)

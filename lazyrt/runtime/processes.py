@@ -1,0 +1,56 @@
+"""ProcessGroup: starts the tokenizer, scheduler and model worker processes and stops them all."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import shutil
+
+from lazyrt.config import EngineConfig
+from lazyrt.runtime.ipc import IpcPaths
+from lazyrt.runtime.scheduler_process import run_scheduler_process
+from lazyrt.runtime.tokenizer_process import run_tokenizer_process
+from lazyrt.runtime.worker_process import run_worker_process
+
+logger = logging.getLogger("lazyrt")
+
+
+class ProcessGroup:
+    def __init__(self, cfg: EngineConfig, log_level: str = "info"):
+        self.ipc = IpcPaths.create()
+        # spawn, not fork: children must not inherit the parent's threads, event loop or sockets.
+        ctx = mp.get_context("spawn")
+        self.procs: dict[str, mp.process.BaseProcess] = {
+            "tokenizer": ctx.Process(
+                target=run_tokenizer_process, args=(self.ipc, log_level), name="tokenizer"
+            ),
+            "scheduler": ctx.Process(
+                target=run_scheduler_process, args=(cfg, self.ipc, log_level), name="scheduler"
+            ),
+            "model worker": ctx.Process(
+                target=run_worker_process, args=(cfg, self.ipc, log_level), name="model worker"
+            ),
+        }
+
+    def start(self) -> None:
+        for p in self.procs.values():
+            p.daemon = True  # also stopped if the parent exits through an unexpected path
+            p.start()
+
+    def dead(self) -> list[tuple[str, int | None]]:
+        return [
+            (name, p.exitcode) for name, p in self.procs.items() if p.pid is not None and not p.is_alive()
+        ]
+
+    def stop(self, timeout: float = 5.0) -> None:
+        for p in self.procs.values():
+            if p.is_alive():
+                p.terminate()
+        for p in self.procs.values():
+            if p.pid is not None:
+                p.join(timeout)
+                if p.is_alive():
+                    logger.warning("%s did not stop in %.0fs; killing it", p.name, timeout)
+                    p.kill()
+                    p.join(timeout)
+        shutil.rmtree(self.ipc.dir, ignore_errors=True)

@@ -1,0 +1,120 @@
+"""Scheduler process: owns the radix cache and chunk table, admits requests, forms batches.
+
+Why a separate process from the model worker: the worker must be the only owner of the device and
+the KV tensors, and the scheduler keeps serving control requests and aborts between steps. The
+per-step round trip is one small msgpack message each way (token ids, positions, page ids ->
+sampled token ids), far below a forward pass. The scheduler's PagePool is bookkeeping only: its
+tensors live on the "meta" device (no storage), so the KV memory exists once, in the worker.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import zmq
+
+from lazyrt.cache.page_pool import PagePool
+from lazyrt.config import EngineConfig
+from lazyrt.runtime.engine_core import EngineCore, NoProgress
+from lazyrt.runtime.ipc import PARENT_CHECK_MS, IpcPaths, ParentWatch, child_setup, poll, recv, send, socket
+from lazyrt.runtime.messages import (
+    AbortReq,
+    ControlReq,
+    ControlResp,
+    ErrorOut,
+    StepMsg,
+    StepResult,
+    TokenBatch,
+    TokenizedReq,
+    WorkerReady,
+)
+from lazyrt.runtime.request import Request
+from lazyrt.runtime.scheduler import RequestTooLarge, Scheduler
+
+logger = logging.getLogger("lazyrt.scheduler")
+
+
+class ZmqWorkerLink:
+    """EngineCore's worker, over ZMQ: send the step, wait for the sampled tokens."""
+
+    def __init__(self, to_worker: zmq.Socket, from_worker: zmq.Socket, watch: ParentWatch):
+        self.to_worker, self.from_worker, self.watch = to_worker, from_worker, watch
+
+    def execute(self, msg: StepMsg) -> StepResult:
+        send(self.to_worker, msg)
+        while not poll([self.from_worker], PARENT_CHECK_MS):
+            self.watch.check()  # a dead worker is noticed by the parent, which stops us
+        return recv(self.from_worker)
+
+
+def run_scheduler_process(cfg: EngineConfig, ipc: IpcPaths, log_level: str) -> None:
+    watch = child_setup("scheduler", log_level)
+    ctx = zmq.Context()
+    inbox = socket(ctx, zmq.PULL, ipc.scheduler_in, bind=True)
+    from_worker = socket(ctx, zmq.PULL, ipc.worker_out, bind=True)
+    to_worker = socket(ctx, zmq.PUSH, ipc.worker_in, bind=False)
+    to_detok = socket(ctx, zmq.PUSH, ipc.detok_in, bind=False)
+    while not poll([from_worker], PARENT_CHECK_MS):
+        watch.check()
+    ready: WorkerReady = recv(from_worker)
+    pool = PagePool(1, ready.num_pages, ready.page_size, 1, 1, torch.float32, "meta")
+    sched = Scheduler(pool, cfg.cache_mode, ready.model_id, cfg.max_running_requests, cfg.max_step_tokens)
+    core = EngineCore(sched, ZmqWorkerLink(to_worker, from_worker, watch), set(ready.eos_ids))
+    send(to_detok, ready)
+    SchedulerLoop(core, cfg.cache_mode, inbox, to_detok, watch).run()
+
+
+class SchedulerLoop:
+    def __init__(
+        self, core: EngineCore, cache_mode: str, inbox: zmq.Socket, to_detok: zmq.Socket, watch: ParentWatch
+    ):
+        self.core, self.cache_mode, self.inbox, self.to_detok, self.watch = (
+            core,
+            cache_mode,
+            inbox,
+            to_detok,
+            watch,
+        )
+
+    def run(self) -> None:
+        while True:
+            # Block for input only when idle; between steps just drain what has arrived.
+            timeout = 0 if self.core.has_work else PARENT_CHECK_MS
+            while poll([self.inbox], timeout):
+                self.handle(recv(self.inbox))
+                timeout = 0
+            self.watch.check()
+            if not self.core.has_work:
+                continue
+            try:
+                outs = self.core.step()
+            except NoProgress:
+                self.fail_waiting("the scheduler could not make progress on this request")
+                continue
+            if outs:
+                send(self.to_detok, TokenBatch(outs))
+
+    def handle(self, msg: object) -> None:
+        if isinstance(msg, TokenizedReq):
+            req = Request(msg.rid, msg.sampling, prefix=msg.prefix, docs=msg.docs, suffix=msg.suffix)
+            req.max_new_tokens = msg.max_new_tokens
+            try:
+                self.core.add(req)
+            except RequestTooLarge as e:
+                send(self.to_detok, ErrorOut(msg.rid, str(e), "max_tokens"))
+        elif isinstance(msg, AbortReq):
+            self.core.abort(msg.rid, msg.reason)
+        elif isinstance(msg, ControlReq):
+            if msg.op == "flush":
+                data = {"freed_pages": self.core.scheduler.flush()}
+            else:
+                data = self.core.cache_stats(self.cache_mode)
+            send(self.to_detok, ControlResp(msg.rid, data))
+        else:
+            logger.error("unexpected message %s", type(msg).__name__)
+
+    def fail_waiting(self, why: str) -> None:
+        for req in list(self.core.scheduler.waiting):
+            self.core.abort(req.rid)
+            send(self.to_detok, ErrorOut(req.rid, why, None, 503, "server_error"))

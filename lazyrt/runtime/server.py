@@ -1,0 +1,138 @@
+"""serve(): run the processes and the HTTP app until a signal or a child's death.
+
+Startup: children load in the background while HTTP already answers (/health is 503). Once the
+pipeline reports ready, one real 1-token generation goes through every process; only then is
+/health 200. A child that dies fails pending requests, is logged, and the server exits non-zero.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from dataclasses import dataclass
+
+import uvicorn
+
+from lazyrt.config import EngineConfig
+from lazyrt.runtime.http_app import ServerState, create_app
+from lazyrt.runtime.messages import ErrorOut, GenerateReq
+from lazyrt.runtime.pipeline_client import PipelineClient
+from lazyrt.runtime.processes import ProcessGroup
+from lazyrt.sampling_params import SamplingParams
+
+logger = logging.getLogger("lazyrt")
+_WATCH_S = 0.5
+
+
+@dataclass
+class ServerOptions:
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    log_level: str = "info"
+    served_model_name: str | None = None
+
+
+def served_name(cfg: EngineConfig) -> str:
+    if cfg.model is None:
+        return "SmolLM2-135M-Instruct"
+    return os.path.basename(os.path.normpath(str(cfg.model))) or str(cfg.model)
+
+
+async def _warmup(state: ServerState) -> None:
+    client = state.client
+    await client.ready.wait()
+    req = GenerateReq(client.new_rid(), SamplingParams(max_tokens=1, ignore_eos=True), text="Hello")
+    q = client.submit(req)
+    while True:
+        out = await q.get()
+        if isinstance(out, ErrorOut):
+            logger.error("warm-up generation failed: %s", out.message)
+            return
+        if out.finish_reason is not None:
+            break
+    state.healthy = True
+    info = client.ready_info
+    logger.info(
+        "ready: %s on %s, %d KV pages of %d tokens",
+        info.model_id,
+        info.device,
+        info.num_pages,
+        info.page_size,
+    )
+
+
+async def _watch(procs: ProcessGroup, state: ServerState, server: uvicorn.Server, status: dict) -> None:
+    while not server.should_exit:
+        dead = procs.dead()
+        if dead:
+            name, code = dead[0]
+            why = f"the {name} process exited unexpectedly (exit code {code})"
+            logger.error("%s; shutting down", why)
+            state.healthy = False
+            state.client.fail_all(why)
+            status["code"] = 1
+            server.should_exit = True
+            return
+        await asyncio.sleep(_WATCH_S)
+
+
+def serve(cfg: EngineConfig, opts: ServerOptions) -> int:
+    """Run until SIGINT/SIGTERM (returns 0) or a child's death (returns 1)."""
+    cfg.validate()
+    logging.basicConfig(level=opts.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    holder: dict = {"server": None}
+
+    def on_signal(sig: int, _frame: object) -> None:
+        # Before uvicorn has its own handlers (and when it re-raises ours after shutdown).
+        if holder["server"] is not None:
+            holder["server"].should_exit = True
+        else:
+            raise KeyboardInterrupt
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    procs = ProcessGroup(cfg, opts.log_level)
+    status = {"code": 0}
+    try:
+        procs.start()
+        asyncio.run(_main(cfg, opts, procs, holder, status))
+    except KeyboardInterrupt:
+        pass
+    finally:
+        holder["server"] = None
+        procs.stop()
+    return status["code"]
+
+
+async def _main(
+    cfg: EngineConfig, opts: ServerOptions, procs: ProcessGroup, holder: dict, status: dict
+) -> None:
+    client = PipelineClient(procs.ipc)
+    state = ServerState(client, opts.served_model_name or served_name(cfg), opts.api_key)
+    app = create_app(state)
+    config = uvicorn.Config(
+        app,
+        host=opts.host,
+        port=opts.port,
+        log_level=opts.log_level.lower(),
+        access_log=False,
+        timeout_graceful_shutdown=2,
+    )
+    server = uvicorn.Server(config)
+    holder["server"] = server
+    tasks = [
+        asyncio.create_task(client.run()),
+        asyncio.create_task(_warmup(state)),
+        asyncio.create_task(_watch(procs, state, server, status)),
+    ]
+    try:
+        await server.serve()
+        if not server.started and status["code"] == 0:
+            status["code"] = 1  # could not bind the port, for example
+    finally:
+        for t in tasks:
+            t.cancel()
+        client.close()

@@ -1,0 +1,83 @@
+"""RequestTokenizer: GenerateReq (validated JSON shapes) -> TokenizedReq (token ids, limits checked).
+
+Each document is tokenized on its own (its KV is reused at any position, so its tokens must not
+depend on its neighbours). Errors name the request field at fault.
+"""
+
+from __future__ import annotations
+
+from lazyrt.prompt import RagPrompt
+from lazyrt.runtime.messages import GenerateReq, TokenizedReq
+from lazyrt.runtime.rag_template import DOC_SEPARATOR, build_rag_chat_prompt, build_rag_prompt, render_chat
+
+
+class InvalidRequest(ValueError):
+    def __init__(self, message: str, param: str | None):
+        super().__init__(message)
+        self.param = param
+
+
+class RequestTokenizer:
+    def __init__(self, tokenizer, max_context: int, vocab_size: int):
+        self.tokenizer = tokenizer
+        self.max_context = max_context
+        self.vocab_size = vocab_size
+
+    def _ids(self, text: str, special: bool) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=special).input_ids
+
+    def tokenize(self, req: GenerateReq) -> TokenizedReq:
+        docs = req.docs or []
+        doc_field = "docs" if req.text_mode == "rag" else "documents"
+        prompt: RagPrompt | None = None
+        plain: list[int] = []
+        try:
+            if req.messages is not None:
+                if docs:
+                    prompt = build_rag_chat_prompt(self.tokenizer, req.messages, docs)
+                else:
+                    templated = bool(getattr(self.tokenizer, "chat_template", None))
+                    plain = self._ids(render_chat(self.tokenizer, req.messages), not templated)
+            elif req.text is not None and req.text_mode == "rag" and (docs or req.system is not None):
+                prompt = build_rag_prompt(self.tokenizer, docs, req.text, req.system)
+            elif docs:  # a raw completion with documents: they go first, then the prompt
+                rest = req.text if req.text is not None else list(req.input_ids or [])
+                prompt = RagPrompt("", [d + DOC_SEPARATOR for d in docs], rest)
+            elif req.text is not None:
+                plain = self._ids(req.text, True)
+            else:
+                plain = self._check_ids(list(req.input_ids or []), req.param)
+        except ValueError as e:
+            if isinstance(e, InvalidRequest):
+                raise
+            raise InvalidRequest(str(e), req.param) from e
+        if prompt is not None:
+            prefix = self._ids(prompt.prefix, False) if isinstance(prompt.prefix, str) else prompt.prefix
+            doc_ids = [self._ids(d, False) for d in prompt.docs]
+            if isinstance(prompt.suffix, str):
+                suffix = self._ids(prompt.suffix, False)
+            else:
+                suffix = self._check_ids(list(prompt.suffix), req.param)
+            if not suffix:
+                raise InvalidRequest("there must be at least one token after the documents", req.param)
+            out = TokenizedReq(req.rid, req.sampling, 0, prefix=prefix, docs=doc_ids, suffix=suffix)
+        else:
+            if not plain:
+                raise InvalidRequest("the prompt is empty", req.param)
+            out = TokenizedReq(req.rid, req.sampling, 0, suffix=plain)
+        n = len(out.prefix) + sum(len(d) for d in out.docs) + len(out.suffix)
+        if n >= self.max_context:
+            where = f"{req.param} and {doc_field}" if docs else req.param
+            raise InvalidRequest(
+                f"the prompt is {n} tokens but the model's context length is {self.max_context}; "
+                f"shorten the {where}",
+                req.param,
+            )
+        out.max_new_tokens = min(req.sampling.max_tokens, self.max_context - n)
+        return out
+
+    def _check_ids(self, ids: list[int], param: str) -> list[int]:
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", param)
+        return ids

@@ -1,0 +1,122 @@
+"""Tokenizer/detokenizer process: turns requests into token ids on the way in and sampled tokens
+into text on the way out (incremental, whole characters only, stop strings never emitted).
+
+When it sees a stop string it finishes the request towards HTTP and sends an abort upstream so the
+scheduler frees the pages; tokens the scheduler produced meanwhile are dropped here.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import zmq
+
+from lazyrt.runtime.detokenizer import IncrementalDetokenizer
+from lazyrt.runtime.ipc import PARENT_CHECK_MS, IpcPaths, child_setup, poll, recv, send, socket
+from lazyrt.runtime.messages import (
+    AbortReq,
+    ControlReq,
+    ControlResp,
+    ErrorOut,
+    GenerateReq,
+    TextBatch,
+    TextOut,
+    TokenBatch,
+    WorkerReady,
+)
+from lazyrt.runtime.tokenizer import InvalidRequest, RequestTokenizer
+
+logger = logging.getLogger("lazyrt.tokenizer")
+
+
+@dataclass
+class _Live:
+    detok: IncrementalDetokenizer
+    meta: dict = field(default_factory=dict)
+
+
+class TokenizerLoop:
+    def __init__(self, tokenizer, ready: WorkerReady, to_sched: zmq.Socket, to_http: zmq.Socket):
+        self.tokenizer = tokenizer
+        self.req_tokenizer = RequestTokenizer(tokenizer, ready.max_context, ready.vocab_size)
+        self.to_sched, self.to_http = to_sched, to_http
+        self.live: dict[int, _Live] = {}
+
+    def on_http(self, msg: object) -> None:
+        if isinstance(msg, GenerateReq):
+            try:
+                tok = self.req_tokenizer.tokenize(msg)
+            except InvalidRequest as e:
+                send(self.to_http, ErrorOut(msg.rid, str(e), e.param))
+                return
+            except Exception as e:  # a tokenizer bug must fail one request, not the server
+                logger.exception("tokenizing request %d failed", msg.rid)
+                send(self.to_http, ErrorOut(msg.rid, f"tokenization failed: {e}", None, 500, "server_error"))
+                return
+            self.live[msg.rid] = _Live(IncrementalDetokenizer(self.tokenizer, msg.sampling.stop))
+            send(self.to_sched, tok)
+        elif isinstance(msg, AbortReq):
+            self.live.pop(msg.rid, None)
+            send(self.to_sched, msg)
+        elif isinstance(msg, ControlReq):
+            send(self.to_sched, msg)
+
+    def on_scheduler(self, msg: object) -> None:
+        if isinstance(msg, TokenBatch):
+            outs = [o for o in (self._detokenize(t) for t in msg.outs) if o is not None]
+            if outs:
+                send(self.to_http, TextBatch(outs))
+        elif isinstance(msg, ErrorOut):
+            self.live.pop(msg.rid, None)
+            send(self.to_http, msg)
+        elif isinstance(msg, (ControlResp, WorkerReady)):
+            send(self.to_http, msg)
+
+    def _detokenize(self, out) -> TextOut | None:
+        live = self.live.get(out.rid)
+        if live is None:  # aborted, or already finished by a stop string
+            return None
+        if out.meta:
+            live.meta.update(out.meta)
+        d = live.detok
+        used = d.add(out.token_ids)
+        reason = out.finish_reason
+        if d.stopped:
+            if reason is None:
+                send(self.to_sched, AbortReq(out.rid, "stop"))
+            reason = "stop"
+        final = reason is not None
+        text = d.take(final=final)
+        if not final:
+            return TextOut(out.rid, text, used)
+        del self.live[out.rid]
+        meta = {**live.meta, "completion_tokens": len(d.ids), "finish_reason": reason}
+        return TextOut(out.rid, text, used, reason, meta, list(d.ids))
+
+
+def run_tokenizer_process(ipc: IpcPaths, log_level: str) -> None:
+    watch = child_setup("tokenizer", log_level)
+    ctx = zmq.Context()
+    from_http = socket(ctx, zmq.PULL, ipc.tokenizer_in, bind=True)
+    from_sched = socket(ctx, zmq.PULL, ipc.detok_in, bind=True)
+    to_sched = socket(ctx, zmq.PUSH, ipc.scheduler_in, bind=False)
+    to_http = socket(ctx, zmq.PUSH, ipc.http_in, bind=False)
+    # The worker reports where its tokenizer lives, so only the worker resolves and loads the model.
+    while not poll([from_sched], PARENT_CHECK_MS):
+        watch.check()
+    ready = recv(from_sched)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(ready.tokenizer_path)
+    loop = TokenizerLoop(tokenizer, ready, to_sched, to_http)
+    send(to_http, ready)
+    while True:
+        ready_socks = poll([from_sched, from_http], PARENT_CHECK_MS)
+        if not ready_socks:
+            watch.check()
+        # Outputs first: they free memory and unblock clients.
+        if from_sched in ready_socks:
+            loop.on_scheduler(recv(from_sched))
+        if from_http in ready_socks:
+            loop.on_http(recv(from_http))
