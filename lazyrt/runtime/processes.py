@@ -36,6 +36,7 @@ class ProcessGroup:
         for p in self.procs.values():
             p.daemon = True  # also stopped if the parent exits through an unexpected path
             p.start()
+            logger.info("started the %s process (pid %d)", p.name, p.pid)
 
     def dead(self) -> list[tuple[str, int | None]]:
         return [

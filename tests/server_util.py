@@ -1,0 +1,83 @@
+"""Start and stop a real `python -m lazyrt.launch` on loopback for the server tests."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+STARTUP_TIMEOUT_S = 180
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProc:
+    def __init__(self, *args: str, port: int | None = None, env: dict | None = None):
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="lazyrt-server-", suffix=".log", delete=False)
+        cmd = [sys.executable, "-m", "lazyrt.launch", *args]
+        if port is None:
+            cmd += ["--port", str(self.port)]
+        self.proc = subprocess.Popen(
+            cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
+        self.health_codes: list[int] = []
+
+    def wait_healthy(self, headers: dict | None = None) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.read_log()}")
+            try:
+                r = httpx.get(self.url + "/health", headers=headers, timeout=5)
+                self.health_codes.append(r.status_code)
+                if r.status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"server not healthy after {STARTUP_TIMEOUT_S}s:\n{self.read_log()}")
+
+    def read_log(self) -> str:
+        with open(self.log.name) as f:
+            return f.read()
+
+    def child_pids(self) -> dict[str, int]:
+        found = re.findall(r"started the (.+?) process \(pid (\d+)\)", self.read_log())
+        return {name: int(pid) for name, pid in found}
+
+    def stop(self, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        return self.proc.returncode
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped) counts as gone.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

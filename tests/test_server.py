@@ -1,0 +1,396 @@
+"""The HTTP server end to end: real `python -m lazyrt.launch` processes on loopback, default model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+
+import httpx
+import pytest
+from openai import OpenAI
+from server_util import ServerProc
+
+from lazyrt import Engine, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+DOCS = [
+    "Quenta is the capital of Arvania and has two million inhabitants.",
+    "Mount Feller is the tallest peak in Arvania, at 5,210 metres.",
+    "The Arvanian currency is the lorn, divided into 100 pims.",
+]
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = ServerProc("--device", "cpu", "--kv-cache-tokens", "32768", "--log-level", "warning")
+    try:
+        srv.wait_healthy()
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    return OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine(device="cpu", kv_cache_tokens=8192)
+
+
+def _stats(server) -> dict:
+    return httpx.get(server.url + "/cache_stats", timeout=30).json()
+
+
+def _wait_idle(server, timeout: float = 30) -> dict:
+    """Aborts land between steps: wait until nothing runs, then return the stats."""
+    deadline = time.monotonic() + timeout
+    while True:
+        s = _stats(server)
+        if s["running_requests"] == 0 and s["waiting_requests"] == 0 or time.monotonic() > deadline:
+            return s
+        time.sleep(0.1)
+
+
+def _no_leaks(server) -> None:
+    s = _wait_idle(server)
+    assert s["running_requests"] == 0 and s["waiting_requests"] == 0
+    assert s["held_pages"] == 0
+    assert s["free_pages"] + s["chunk_pages"] + s["radix_pages"] == s["total_pages"]
+
+
+def test_health_models_and_served_name(server, oai):
+    assert httpx.get(server.url + "/health").status_code == 200
+    models = oai.models.list().data
+    assert [m.id for m in models] == ["SmolLM2-135M-Instruct"]
+
+
+def test_openai_chat_with_documents_equals_engine_rag(server, oai, engine):
+    question, system = "What is the capital of Arvania?", "Answer briefly."
+    for sys_msg in (None, system):
+        messages = ([{"role": "system", "content": sys_msg}] if sys_msg else []) + [
+            {"role": "user", "content": question}
+        ]
+        resp = oai.chat.completions.create(
+            model="SmolLM2-135M-Instruct",
+            messages=messages,
+            max_tokens=16,
+            temperature=0,
+            extra_body={"documents": DOCS[:2]},
+        )
+        want = engine.rag(DOCS[:2], question, system=sys_msg, sampling_params=SamplingParams(max_tokens=16))
+        assert resp.choices[0].message.content == want["text"]
+        assert resp.choices[0].finish_reason == want["meta"]["finish_reason"]
+        assert resp.usage.prompt_tokens == want["meta"]["prompt_tokens"]
+        assert resp.usage.completion_tokens == want["meta"]["completion_tokens"]
+        # Streaming gives the same text, in pieces, with usage at the end.
+        stream = oai.chat.completions.create(
+            model="SmolLM2-135M-Instruct",
+            messages=messages,
+            max_tokens=16,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"documents": DOCS[:2]},
+        )
+        chunks = list(stream)
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == want["text"]
+        assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) > 1
+        assert chunks[-1].usage.completion_tokens == want["meta"]["completion_tokens"]
+    # A multi-turn conversation: documents attach to the last user turn.
+    resp = oai.chat.completions.create(
+        model="SmolLM2-135M-Instruct",
+        messages=[
+            {"role": "user", "content": "Hi!"},
+            {"role": "assistant", "content": "Hello! How can I help?"},
+            {"role": "user", "content": "How tall is Mount Feller?"},
+        ],
+        max_tokens=8,
+        temperature=0,
+        extra_body={"documents": DOCS[1:]},
+    )
+    assert resp.choices[0].message.content.strip() and resp.usage.completion_tokens >= 1
+
+
+def test_openai_completions_stream_and_not(server, oai, engine):
+    prompt = "The three primary colours are"
+    want = engine.generate(prompt, SamplingParams(max_tokens=12))[0]
+    resp = oai.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=12, temperature=0)
+    assert resp.choices[0].text == want["text"]
+    assert resp.usage.prompt_tokens == want["meta"]["prompt_tokens"]
+    stream = oai.completions.create(
+        model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=12, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].text for c in stream) == want["text"]
+    # With documents (a raw completion: documents first, then the prompt), streaming == not streaming.
+    kw = dict(
+        model="SmolLM2-135M-Instruct", prompt="Q: the capital of Arvania?\nA:", max_tokens=8, temperature=0
+    )
+    plain = oai.completions.create(**kw, extra_body={"documents": DOCS})
+    streamed = oai.completions.create(**kw, stream=True, extra_body={"documents": DOCS})
+    assert "".join(c.choices[0].text for c in streamed) == plain.choices[0].text
+    again = oai.completions.create(**kw, extra_body={"documents": DOCS[::-1]})
+    assert plain.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens > 0  # its docs come from the chunk table
+
+
+def test_generate_endpoint_matches_engine_and_stop_strings(server, engine):
+    body = {"text": "What is the capital of Arvania?", "docs": DOCS, "sampling_params": {"max_tokens": 12}}
+    r = httpx.post(server.url + "/generate", json=body, timeout=60).json()
+    want = engine.rag(DOCS, body["text"], sampling_params=SamplingParams(max_tokens=12))
+    assert r["text"] == want["text"] and r["token_ids"] == want["token_ids"]
+    assert r["meta"]["prompt_tokens"] == want["meta"]["prompt_tokens"]
+    # A stop string is never emitted, not even in part, and the text is a prefix of the unstopped one.
+    stop = want["text"].split()[2]
+    body["sampling_params"]["stop"] = [stop]
+    body["stream"] = True
+    pieces, last = [], None
+    with httpx.stream("POST", server.url + "/generate", json=body, timeout=60) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                last = json.loads(line[6:])
+                pieces.append(last["text"])
+    text = "".join(pieces)
+    assert stop not in text and want["text"].startswith(text)
+    assert last["finish_reason"] == "stop"
+    cut = engine.rag(DOCS, body["text"], sampling_params=SamplingParams(max_tokens=12, stop=[stop]))
+    assert text == cut["text"] and last["meta"]["completion_tokens"] == cut["meta"]["completion_tokens"]
+    _no_leaks(server)
+
+
+def test_chunk_reuse_across_requests_in_stats_and_metrics(server, oai):
+    assert httpx.post(server.url + "/flush_cache", timeout=30).status_code == 200
+    before = _stats(server)
+    docs = [
+        "The river Sula runs 840 km from the Feller massif to the Grey Sea.",
+        "Arvania's national dish is pim stew, cooked with barley and smoked fish.",
+    ]
+    q = [{"role": "user", "content": "Tell me one fact."}]
+    kw = dict(model="SmolLM2-135M-Instruct", max_tokens=4, temperature=0)
+    first = oai.chat.completions.create(messages=q, extra_body={"documents": docs}, **kw)
+    second = oai.chat.completions.create(messages=q, extra_body={"documents": docs[::-1]}, **kw)
+    after = _stats(server)
+    assert after["chunk_misses"] - before["chunk_misses"] == 3  # the two docs and the shared prefix
+    assert after["chunk_hits"] - before["chunk_hits"] >= 2  # both docs again, in the other order
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens > 0
+    metrics = httpx.get(server.url + "/metrics", timeout=30).text
+    values = {
+        line.split()[0]: float(line.split()[1]) for line in metrics.splitlines() if line and line[0] != "#"
+    }
+    assert values["lazyrt_chunk_hits_total"] == after["chunk_hits"] >= 2
+    assert values["lazyrt_chunk_misses_total"] == after["chunk_misses"]
+    for name in (
+        "lazyrt_radix_hit_tokens_total",
+        "lazyrt_num_running_requests",
+        "lazyrt_num_waiting_requests",
+        "lazyrt_kv_pages_used",
+        "lazyrt_time_to_first_token_seconds_count",
+        "lazyrt_inter_token_latency_seconds_count",
+    ):
+        assert name in values, name
+    assert values["lazyrt_time_to_first_token_seconds_count"] >= 2
+    assert any(k.startswith('lazyrt_requests_total{endpoint="chat"') for k in values)
+
+
+def test_client_disconnect_mid_stream_aborts_and_frees_pages(server):
+    body = {
+        "prompt": "Write a long story about a dragon.",
+        "max_tokens": 400,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    start = time.monotonic()
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as resp:
+        lines = resp.iter_lines()
+        got = [line for line, _ in zip(lines, range(6)) if line.startswith("data: ")]
+        assert got
+    # 400 tokens would take far longer than this; the abort must free everything promptly.
+    _no_leaks(server)
+    assert time.monotonic() - start < 15
+
+
+# ---- bad input -----------------------------------------------------------------------------------
+LONG = "word " * 9000
+BAD = [
+    ("/v1/chat/completions", b"{not json", 400, "body"),
+    ("/v1/chat/completions", b"[1, 2]", 400, "body"),
+    ("/v1/completions", b'{"prompt": "' + b"x" * (9 << 20) + b'"}', 413, "body"),
+    ("/v1/chat/completions", {"messages": "hello"}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "model": "gpt-9"},
+        404,
+        "model",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "max_tokens": "5"},
+        400,
+        "max_tokens",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0},
+        400,
+        "max_tokens",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "temperature": 3},
+        400,
+        "temperature",
+    ),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_p": 0}, 400, "top_p"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "stream": "yes"},
+        400,
+        "stream",
+    ),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 3}, 400, "n"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "documents": "d"},
+        400,
+        "documents",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "documents": ["ok", 7]},
+        400,
+        "documents[1]",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "documents": [" "]},
+        400,
+        "documents[0]",
+    ),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}]}, 400, "messages"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "q"}], "documents": [LONG]},
+        400,
+        "messages",
+    ),
+    ("/v1/completions", {"max_tokens": 4}, 400, "prompt"),
+    ("/v1/completions", {"prompt": 17}, 400, "prompt"),
+    ("/v1/completions", {"prompt": LONG}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [1, 2, 10**9]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x", "stop": [""]}, 400, "stop"),
+    ("/v1/completions", {"prompt": "x", "seed": 1.5}, 400, "seed"),
+    ("/generate", {"text": "hi", "input_ids": [1]}, 400, "text"),
+    ("/generate", {"text": ""}, 400, "text"),
+    ("/generate", {"text": "hi", "sampling_params": {"nope": 1}}, 400, "sampling_params.nope"),
+    ("/generate", {"text": "hi", "sampling_params": {"top_k": -3}}, 400, "sampling_params.top_k"),
+    ("/generate", {"text": "hi", "docs": [1]}, 400, "docs[0]"),
+]
+
+
+@pytest.mark.parametrize("path, body, status, param", BAD, ids=[f"{i}-{b[3]}" for i, b in enumerate(BAD)])
+def test_bad_input_is_4xx_naming_the_field_and_server_keeps_serving(server, path, body, status, param):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(
+        server.url + path, content=content, headers={"content-type": "application/json"}, timeout=60
+    )
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["message"] and err["type"]
+    ok = httpx.post(
+        server.url + "/generate", json={"text": "Hi", "sampling_params": {"max_tokens": 2}}, timeout=60
+    )
+    assert ok.status_code == 200 and ok.json()["meta"]["completion_tokens"] >= 1
+
+
+# ---- concurrency -----------------------------------------------------------------------------
+async def _one(client: httpx.AsyncClient, i: int, rng: random.Random) -> tuple[str, int, int | None]:
+    """Returns (kind, wanted tokens, got tokens or None if this one was aborted on purpose)."""
+    max_tokens = rng.randint(4, 8)
+    chat = i % 2 == 0
+    stream = i % 4 >= 2
+    abort = i % 10 == 9
+    body: dict = {
+        "max_tokens": max_tokens,
+        "temperature": rng.choice([0, 0.8]),
+        "ignore_eos": True,
+        "seed": i,
+        "stream": stream,
+    }
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    if i % 3 == 0:
+        body["documents"] = rng.sample(DOCS, rng.randint(1, 3))
+    q = f"Question {i}: say something about number {i}."
+    if chat:
+        path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": q}]
+    else:
+        path, body["prompt"] = "/v1/completions", q
+    kind = ("chat" if chat else "completion") + ("-stream" if stream else "")
+    if abort:
+        if stream:
+            async with client.stream("POST", path, json=body) as resp:
+                async for line in resp.aiter_lines():
+                    if line.startswith("data: "):
+                        break  # hang up after the first event
+        else:
+            try:
+                await client.post(path, json=body, timeout=0.3)
+            except httpx.TimeoutException:
+                pass
+        return kind, max_tokens, None
+    if not stream:
+        r = await client.post(path, json=body)
+        assert r.status_code == 200, r.text
+        j = r.json()
+        assert j["choices"][0]["finish_reason"] == "length"
+        text = j["choices"][0]["message"]["content"] if chat else j["choices"][0]["text"]
+        assert text
+        return kind, max_tokens, j["usage"]["completion_tokens"]
+    usage, text, reasons, done = None, "", [], False
+    async with client.stream("POST", path, json=body) as resp:
+        assert resp.status_code == 200
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                done = True
+                break
+            ev = json.loads(line[6:])
+            if ev.get("usage"):
+                usage = ev["usage"]
+            for c in ev["choices"]:
+                text += (c["delta"].get("content") or "") if chat else c["text"]
+                reasons.append(c["finish_reason"])
+    assert done and text and reasons[-1] == "length"
+    return kind, max_tokens, usage["completion_tokens"]
+
+
+def test_300_concurrent_mixed_requests_complete_and_leak_nothing(server):
+    rng = random.Random(4)
+
+    async def main():
+        limits = httpx.Limits(max_connections=400, max_keepalive_connections=400)
+        async with httpx.AsyncClient(base_url=server.url, limits=limits, timeout=300) as client:
+            return await asyncio.gather(*[_one(client, i, random.Random(rng.random())) for i in range(300)])
+
+    start = time.monotonic()
+    results = asyncio.run(main())
+    elapsed = time.monotonic() - start
+    done = [r for r in results if r[2] is not None]
+    assert len(results) == 300 and len(done) == 270
+    assert {r[0] for r in done} == {"chat", "completion", "chat-stream", "completion-stream"}
+    for kind, want, got in done:
+        assert got == want, (kind, want, got)
+    _no_leaks(server)
+    print(f"300 concurrent requests in {elapsed:.1f}s")
