@@ -376,8 +376,16 @@ async def _one(client: httpx.AsyncClient, i: int, rng: random.Random) -> tuple[s
     return kind, max_tokens, usage["completion_tokens"]
 
 
+def _metric(server, name: str) -> float:
+    for line in httpx.get(server.url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return 0.0
+
+
 def test_300_concurrent_mixed_requests_complete_and_leak_nothing(server):
     rng = random.Random(4)
+    aborted_before = _metric(server, "lazyrt_requests_aborted_total")
 
     async def main():
         limits = httpx.Limits(max_connections=400, max_keepalive_connections=400)
@@ -393,4 +401,6 @@ def test_300_concurrent_mixed_requests_complete_and_leak_nothing(server):
     for kind, want, got in done:
         assert got == want, (kind, want, got)
     _no_leaks(server)
+    # The streaming hang-ups are noticed at their next token; the non-streaming ones by polling.
+    assert _metric(server, "lazyrt_requests_aborted_total") - aborted_before >= 15
     print(f"300 concurrent requests in {elapsed:.1f}s")

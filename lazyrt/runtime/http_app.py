@@ -153,6 +153,7 @@ def create_app(state: ServerState) -> FastAPI:
         first = await next_out(q, request)
         if first is None:
             client.abort(rid)
+            state.metrics.aborts.inc()
             return Response(status_code=499)
         if isinstance(first, ErrorOut):
             state.metrics.errors.labels(endpoint, str(first.status)).inc()
@@ -164,6 +165,7 @@ def create_app(state: ServerState) -> FastAPI:
                 nxt = await next_out(q, request)
                 if nxt is None:
                     client.abort(rid)
+                    state.metrics.aborts.inc()
                     return Response(status_code=499)
                 if isinstance(nxt, ErrorOut):
                     return error_response(ApiError(nxt.status, nxt.message, nxt.param, nxt.type))
@@ -196,6 +198,7 @@ def create_app(state: ServerState) -> FastAPI:
             finally:
                 if not finished:  # client gone (or cancelled): free the request's pages
                     client.abort(rid)
+                    state.metrics.aborts.inc()
 
         return StreamingResponse(events(), media_type="text/event-stream")
 

@@ -61,6 +61,7 @@ class ServerMetrics:
         self.errors = Counter(
             "lazyrt_request_errors", "rejected requests", ["endpoint", "status"], registry=r
         )
+        self.aborts = Counter("lazyrt_requests_aborted", "requests whose client went away", registry=r)
         self.prompt_tokens = Counter("lazyrt_prompt_tokens", "prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter("lazyrt_generation_tokens", "generated tokens", registry=r)
         self.cached_tokens = Counter(

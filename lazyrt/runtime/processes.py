@@ -33,6 +33,7 @@ class ProcessGroup:
         }
 
     def start(self) -> None:
+        logger.info("ipc sockets in %s", self.ipc.dir)
         for p in self.procs.values():
             p.daemon = True  # also stopped if the parent exits through an unexpected path
             p.start()
