@@ -52,6 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--load-format", default=d.load_format, choices=LOAD_FORMATS, help="dummy = random weights"
     )
+    p.add_argument(
+        "--cuda-graph-max-batch",
+        type=int,
+        default=d.cuda_graph_max_batch,
+        help="CUDA-graph decode up to this batch",
+    )
     p.add_argument("--seed", type=int, default=d.seed, help="seed for dummy weights")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (except /health)")
     p.add_argument("--served-model-name", default=None, help="model name in the API; default from --model")
@@ -75,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         max_step_tokens=args.max_step_tokens,
         max_model_len=args.max_model_len,
         load_format=args.load_format,
+        cuda_graph_max_batch=args.cuda_graph_max_batch,
         seed=args.seed,
     )
     try:

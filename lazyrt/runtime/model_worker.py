@@ -32,7 +32,9 @@ class ModelWorker:
         dtype_name = (
             cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if dev.startswith("cuda") else "float32")
         )
-        loaded = load_model(cfg.model, load_format=cfg.load_format, dtype=DTYPES[dtype_name], seed=cfg.seed)
+        loaded = load_model(
+            cfg.model, load_format=cfg.load_format, dtype=DTYPES[dtype_name], seed=cfg.seed, device=dev
+        )
         self.config = cfg
         self.tokenizer = loaded.tokenizer
         self.model_id = loaded.model_id
@@ -53,6 +55,10 @@ class ModelWorker:
         self.runner = ModelRunner(
             self.model, self.pool, self.max_context, rotate_keys=cfg.cache_mode == "lazy"
         )
+        if self.model.device.type == "cuda" and cfg.cuda_graph_max_batch > 0:
+            self.runner.enable_cuda_graphs(
+                min(cfg.cuda_graph_max_batch, cfg.max_running_requests), self.max_context
+            )
         eos = set(c.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
