@@ -501,3 +501,13 @@ def test_randomized_ownership_against_model():
         chunks[key]["ref"] -= 1
     pool.free(table.clear_unreferenced() + radix.reset())
     assert pool.num_free == num_pages and len(table) == 0 and radix.num_pages == 0
+
+
+def test_scratch_pages_are_never_allocated():
+    pool = PagePool(1, 4, page_size=4, num_kv_heads=1, head_dim=2, dtype=torch.float32, scratch_pages=1)
+    assert pool.kv[0].shape[0] == 5 and pool.scratch_pages == [4]
+    assert sorted(pool.alloc(4)) == [0, 1, 2, 3]
+    with pytest.raises(OutOfPages):
+        pool.alloc(1)
+    with pytest.raises(ValueError):
+        pool.free([4])

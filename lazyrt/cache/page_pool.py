@@ -27,6 +27,7 @@ class PagePool:
         head_dim: int,
         dtype: torch.dtype,
         device: str | torch.device = "cpu",
+        scratch_pages: int = 0,
     ) -> None:
         if min(num_layers, num_pages, page_size, num_kv_heads, head_dim) <= 0:
             raise ValueError("PagePool dimensions must all be positive")
@@ -37,7 +38,10 @@ class PagePool:
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)
-        shape = (num_pages, 2, page_size, num_kv_heads, head_dim)
+        # Scratch pages sit past num_pages, outside the allocator: CUDA-graph padding rows write
+        # there, so no allocator (the worker's or the scheduler process's copy) can ever hand them out.
+        self.scratch_pages = list(range(num_pages, num_pages + scratch_pages))
+        shape = (num_pages + scratch_pages, 2, page_size, num_kv_heads, head_dim)
         self.kv: list[torch.Tensor] = [
             torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)
         ]

@@ -36,7 +36,9 @@ class ModelRunner:
         ps = self.pool.page_size
         # one entry per page plus slack for segments ending in a partly filled page (chunk tails)
         max_entries = -(-max_context // ps) + 64
-        self.graphs = DecodeGraphs(self, max_batch, max_entries, scratch_page=self.pool.alloc(1)[0])
+        if not self.pool.scratch_pages:
+            raise ValueError("CUDA graphs need a PagePool built with scratch_pages=1")
+        self.graphs = DecodeGraphs(self, max_batch, max_entries, scratch_page=self.pool.scratch_pages[0])
 
     def build_metadata(self, s: StepInputs) -> tuple[torch.Tensor, AttentionMetadata]:
         def t(x: list[int], dtype: torch.dtype) -> torch.Tensor:

@@ -51,6 +51,7 @@ class ModelWorker:
             c.head_dim,
             DTYPES[dtype_name],
             dev,
+            scratch_pages=1,
         )
         self.runner = ModelRunner(
             self.model, self.pool, self.max_context, rotate_keys=cfg.cache_mode == "lazy"
