@@ -1,0 +1,350 @@
+"""Triton lazy paged attention: keys rotated in-register by their per-request position.
+
+Same contract as `attention_ref.lazy_attention_ref`. One kernel serves decode and extend:
+
+- a program owns ROWS query rows = BLOCK_M new tokens x the GQA group of one kv head, so each K/V
+  page is loaded (and rotated) once per group, and a decode row block (1 token x group, padded to 16)
+  feeds the tensor cores;
+- it walks the page-table entries of its split in blocks of BLOCK_N tokens (several small pages per
+  iteration), loads the two rotary halves of K, rotates them with cos/sin rows gathered from the
+  RopeCache at `pos_base + slot` (four FMAs a pair), masks `slot < valid_len` and `kv_pos <= q_pos`,
+  and runs an exp2 online softmax in fp32;
+- split-KV (flash-decoding): with few programs for the GPU, the entries of each sequence are cut into
+  `num_splits` ranges; each split writes a partial output + log2-sum-exp and `_merge_kernel` combines
+  them. With one split the kernel writes the output directly (no merge launch).
+
+cos/sin come from an fp16 copy of the RopeCache for 16-bit KV (fp32 tables added 13% at batch 64).
+Measured on an H100 (triton 3.6, CUDA-graph replays, do_bench median), 32/8 heads, d=128, page 16,
+bf16, 5 x 2,048 + 128 keys a request, distinct pages per request:
+  lazy decode  b1 / 2 / 4 / 8 / 16 / 32 / 64:  34.8 / 53 / 84 / 144 / 263 / 506 / 948 us
+  same kernel, rotate_keys=False:              32.3 / 50 / 79 / 137 / 250 / 474 / 906 us
+  FlashInfer plain decode (docs, CUDA.md):     31 / - / - / - / 256 / - / 957 us
+  extend, one request: 128 new tokens over 10k keys 232 us; causal 2,048-token chunk 283 us
+  (torch SDPA on contiguous, unrotated K/V: 124 / 86 us: extend has headroom, decode was the goal).
+Host cost of one eager call is ~110 us (Triton's Python launch path): capture decode in CUDA graphs.
+
+Tunables (swept on that H100; retune per GPU):
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from lazyrt.kernels.metadata import AttentionMetadata
+from lazyrt.kernels.rope import RopeCache
+
+# Decode: one token per sequence. Latency/bandwidth bound, so what matters is keeping one full wave
+# of programs resident. Keys per step and resident programs per SM (from registers, d=128, 4 warps):
+# 64 keys -> ~186 regs -> 2 programs/SM (fewer, longer steps: best when the grid is small);
+# 32 keys -> ~126 regs -> 4 programs/SM (best once batch x kv_heads passes 2 per SM).
+DECODE_BLOCK_N_WIDE, DECODE_SLOTS_WIDE = 64, 2
+DECODE_BLOCK_N, DECODE_SLOTS = 32, 4
+DECODE_WARPS = 4
+DECODE_STAGES = 2
+# Extend/prefill: ROWS query rows (tokens x group heads) per program against BLOCK_N keys a step.
+EXTEND_ROWS = 64
+EXTEND_BLOCK_N = 64
+EXTEND_WARPS = 4
+EXTEND_STAGES = 2
+EXTEND_SLOTS = 2
+# Split-KV: as many splits as fill one wave of resident programs (never more: a second, partial wave
+# costs more than it spreads), none once the grid alone has a program per SM, and no split shorter
+# than MIN_SPLIT_TOKENS keys.
+MIN_SPLIT_TOKENS = 256
+MAX_SPLITS = 64
+HALF_TABLES = True
+MIN_DOT = 16  # tl.dot needs every dim >= 16: small head halves / groups are zero-padded to it
+
+_LOG2E = 1.4426950408889634
+
+
+@functools.cache
+def _num_sms(device_index: int | None) -> int:
+    if device_index is None or not torch.cuda.is_available():
+        return 132  # interpreter / CPU: behave like an H100 so split choices match
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def _rope_rows(rope: RopeCache, kv_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin views of one [max_pos, 2, rotary_dim / 2] table (a position's cos and sin share
+    cache lines). For 16-bit KV it is fp16: half the table bytes per key, and its 5e-4 rounding is
+    far below that of the bf16/fp16 keys it rotates. Built once per RopeCache, kept on it."""
+    dtype = torch.float16 if HALF_TABLES and kv_dtype in (torch.float16, torch.bfloat16) else torch.float32
+    tables = rope.__dict__.setdefault("_triton_tables", {})
+    hit = tables.get(dtype)
+    if hit is None or hit[0] is not rope.cos or hit[1] is not rope.sin:  # rebuilt if cos/sin replaced
+        h = rope.rotary_dim // 2
+        table = torch.stack([rope.cos[:, :h], rope.sin[:, :h]], dim=1).to(dtype).contiguous()
+        hit = (rope.cos, rope.sin, table)
+        tables[dtype] = hit
+    return hit[2][:, 0], hit[2][:, 1]
+
+
+def pick_num_splits(base_programs: int, max_tokens: int, device: torch.device, slots_per_sm: int) -> int:
+    """Splits of each sequence's keys: fill one wave of `slots_per_sm` programs per SM (1 when the
+    unsplit grid already has a program per SM)."""
+    sms = _num_sms(device.index if device.type == "cuda" else None)
+    if base_programs >= sms:
+        return 1
+    by_len = max(1, max_tokens // MIN_SPLIT_TOKENS)
+    return max(1, min(sms * slots_per_sm // base_programs, by_len, MAX_SPLITS))
+
+
+def decode_tiles(base_programs: int, max_tokens: int, device: torch.device) -> tuple[int, int]:
+    """(keys per step, splits) for decode. H100, B x 8 kv heads, 10k keys: B <= 32 -> 64 keys/step
+    and B*8*splits ~ 2 per SM; B = 64 -> 32 keys/step, no split (4 per SM)."""
+    sms = _num_sms(device.index if device.type == "cuda" else None)
+    if base_programs <= sms * DECODE_SLOTS_WIDE:
+        return DECODE_BLOCK_N_WIDE, pick_num_splits(base_programs, max_tokens, device, DECODE_SLOTS_WIDE)
+    return DECODE_BLOCK_N, pick_num_splits(base_programs, max_tokens, device, DECODE_SLOTS)
+
+
+@triton.jit
+def _lazy_attn_kernel(
+    q_ptr, kv_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    qo_indptr_ptr, positions_ptr, kv_indptr_ptr, kv_indices_ptr, pos_base_ptr, valid_len_ptr,
+    cos_ptr, sin_ptr,
+    sm_scale_log2, q_blocks, num_splits, num_q_heads,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kp, stride_kk, stride_ks, stride_kh, stride_cos,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, ENTRY_ALIGN: tl.constexpr,
+    HALF: tl.constexpr, HALF_P: tl.constexpr, REST: tl.constexpr, REST_P: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_P: tl.constexpr,
+    ROTATE: tl.constexpr, CAUSAL_SKIP: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    pid0 = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    b = pid0 // q_blocks
+    m0 = (pid0 % q_blocks) * BLOCK_M
+    q_start = tl.load(qo_indptr_ptr + b)
+    q_end = tl.load(qo_indptr_ptr + b + 1)
+    if q_start + m0 >= q_end:
+        return
+
+    # Query rows: row r is token m0 + r // GROUP, head kvh * GROUP + r % GROUP.
+    rows = tl.arange(0, ROWS)
+    rm = rows // GROUP
+    tok = q_start + m0 + rm
+    row_ok = (rm < BLOCK_M) & (tok < q_end)
+    head = kvh * GROUP + rows % GROUP
+    qpos = tl.load(positions_ptr + tok, mask=row_ok, other=-1)
+    q_row = tok.to(tl.int64) * stride_qt + head * stride_qh
+    dt = kv_ptr.dtype.element_ty
+    ch = tl.arange(0, HALF_P)
+    ch_ok = ch < HALF
+    qmask = row_ok[:, None] & ch_ok[None, :]
+    q1 = tl.load(q_ptr + q_row[:, None] + ch[None, :], mask=qmask, other=0.0).to(dt)
+    q2 = tl.load(q_ptr + q_row[:, None] + HALF + ch[None, :], mask=qmask, other=0.0).to(dt)
+    if REST > 0:
+        cr = tl.arange(0, REST_P)
+        cr_ok = cr < REST
+        q3 = tl.load(q_ptr + q_row[:, None] + 2 * HALF + cr[None, :], mask=row_ok[:, None] & cr_ok[None, :],
+                     other=0.0).to(dt)
+    cd = tl.arange(0, HEAD_P)
+    cd_ok = cd < HEAD_DIM
+
+    # This split's entries [e_lo, e_hi) of the sequence (relative), aligned to whole key blocks.
+    e_begin = tl.load(kv_indptr_ptr + b)
+    e_count = tl.load(kv_indptr_ptr + b + 1) - e_begin
+    if SPLIT:
+        per = tl.cdiv(tl.cdiv(e_count, num_splits), ENTRY_ALIGN) * ENTRY_ALIGN
+        e_lo = split * per
+        e_hi = tl.minimum(e_lo + per, e_count)
+    else:
+        e_lo = 0
+        e_hi = e_count
+    n_blocks = tl.cdiv(tl.maximum(e_hi - e_lo, 0) * PAGE_SIZE, BLOCK_N)
+    if CAUSAL_SKIP:
+        qpos_max = tl.max(qpos, axis=0)
+
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, HEAD_P], tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    for blk in range(0, n_blocks):
+        # Token n of this block: entry e_lo + g // PAGE_SIZE, slot g % PAGE_SIZE (g = flat index), so
+        # a block spans several small pages or part of a large one.
+        g = blk * BLOCK_N + offs_n
+        ent = e_lo + g // PAGE_SIZE
+        slot = g % PAGE_SIZE
+        ent_ok = ent < e_hi
+        page = tl.load(kv_indices_ptr + e_begin + ent, mask=ent_ok, other=0)
+        vlen = tl.load(valid_len_ptr + e_begin + ent, mask=ent_ok, other=0)
+        base = tl.load(pos_base_ptr + e_begin + ent, mask=ent_ok, other=0)
+        kpos = base + slot
+        tok_ok = ent_ok & (slot < vlen)
+        if CAUSAL_SKIP:
+            # Whole key block in the future of every row (causal prefill): skip its loads and math.
+            # (A branch stalls load pipelining, but masking instead was 1.6x slower on causal chunks.)
+            live = tl.min(tl.where(tok_ok, kpos, 2147483647), axis=0) <= qpos_max
+        else:
+            live = True
+        if live:
+            k_off = page.to(tl.int64) * stride_kp + slot * stride_ks + kvh * stride_kh
+            kmask = tok_ok[:, None] & ch_ok[None, :]
+            k1 = tl.load(kv_ptr + k_off[:, None] + ch[None, :], mask=kmask, other=0.0)
+            k2 = tl.load(kv_ptr + k_off[:, None] + HALF + ch[None, :], mask=kmask, other=0.0)
+            # V issued with K: both in flight at once (decode is latency/bandwidth bound)
+            v = tl.load(kv_ptr + stride_kk + k_off[:, None] + cd[None, :],
+                        mask=tok_ok[:, None] & cd_ok[None, :], other=0.0)
+            if ROTATE:
+                # (k1, k2) -> (k1 cos - k2 sin, k2 cos + k1 sin); the cache's halves are equal.
+                c_off = kpos[:, None] * stride_cos + ch[None, :]
+                cos = tl.load(cos_ptr + c_off, mask=kmask, other=0.0).to(tl.float32)
+                sin = tl.load(sin_ptr + c_off, mask=kmask, other=0.0).to(tl.float32)
+                k1f = k1.to(tl.float32)
+                k2f = k2.to(tl.float32)
+                k1 = (k1f * cos - k2f * sin).to(dt)
+                k2 = (k2f * cos + k1f * sin).to(dt)
+            s = tl.dot(q1, tl.trans(k1), input_precision=DOT_PREC)
+            s = tl.dot(q2, tl.trans(k2), s, input_precision=DOT_PREC)
+            if REST > 0:
+                k3 = tl.load(kv_ptr + k_off[:, None] + 2 * HALF + cr[None, :],
+                             mask=tok_ok[:, None] & cr_ok[None, :], other=0.0)
+                s = tl.dot(q3, tl.trans(k3), s, input_precision=DOT_PREC)
+            s = s * sm_scale_log2
+            visible = tok_ok[None, :] & (kpos[None, :] <= qpos[:, None])
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # fully masked rows: no inf - inf
+            alpha = tl.math.exp2(m_i - m_use)
+            p = tl.math.exp2(s - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = tl.dot(p.to(dt), v, acc * alpha[:, None], input_precision=DOT_PREC)
+            m_i = m_new
+
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    omask = row_ok[:, None] & cd_ok[None, :]
+    if SPLIT:
+        idx = (tok.to(tl.int64) * num_q_heads + head) * num_splits + split
+        tl.store(part_out_ptr + idx[:, None] * HEAD_P + cd[None, :], o, mask=omask)
+        lse = tl.where(l_i > 0, m_i + tl.math.log2(l_safe), float("-inf"))
+        tl.store(part_lse_ptr + idx, lse, mask=row_ok)
+    else:
+        o_row = tok.to(tl.int64) * stride_ot + head * stride_oh
+        tl.store(out_ptr + o_row[:, None] + cd[None, :], o.to(out_ptr.dtype.element_ty), mask=omask)
+
+
+@triton.jit
+def _merge_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, num_splits, num_q_heads, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, HEAD_P: tl.constexpr, SPLIT_P: tl.constexpr,
+):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, SPLIT_P)
+    s_ok = s < num_splits
+    base = (t.to(tl.int64) * num_q_heads + h) * num_splits
+    lse = tl.load(part_lse_ptr + base + s, mask=s_ok, other=float("-inf"))
+    mx = tl.max(lse, axis=0)
+    w = tl.math.exp2(lse - tl.where(mx == float("-inf"), 0.0, mx))
+    tot = tl.sum(w, axis=0)
+    cd = tl.arange(0, HEAD_P)
+    cd_ok = cd < HEAD_DIM
+    omask = s_ok[:, None] & cd_ok[None, :]
+    o = tl.load(part_out_ptr + (base + s)[:, None] * HEAD_P + cd[None, :], mask=omask, other=0.0)
+    res = tl.sum(o * w[:, None], axis=0) / tl.where(tot > 0, tot, 1.0)
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + cd, res.to(out_ptr.dtype.element_ty),
+             mask=cd_ok)
+
+
+def lazy_attention_triton(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    meta: AttentionMetadata,
+    rope: RopeCache | None,
+    sm_scale: float,
+    *,
+    max_q_len: int | None = None,
+    max_kv_entries: int | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Triton version of `lazy_attention_ref`: q [T, q_heads, head_dim] (rotated) over paged K/V.
+
+    max_q_len / max_kv_entries (longest new-token run / page table of a sequence) are computed with
+    a device sync when not given: pass them from the host-side step plan. Upper bounds are fine (they
+    only size the grid and the splits; a CUDA graph can be captured per bucket), and max_q_len == 1
+    selects the decode path, so it must hold. num_splits forces the split-KV count (tests, tuning);
+    by default it is picked from the grid size and context length.
+    A query that sees no key gets zeros (the reference gives NaN).
+    """
+    T, num_q_heads, head_dim = q.shape
+    out = torch.empty((T, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
+    B = meta.batch_size
+    if T == 0 or B == 0:
+        return out
+    assert kv.dim() == 5 and kv.shape[1] == 2 and kv.stride(-1) == 1 and q.stride(-1) == 1
+    page_size, num_kv_heads = kv.shape[2], kv.shape[3]
+    assert kv.shape[4] == head_dim and num_q_heads % num_kv_heads == 0
+    group = num_q_heads // num_kv_heads
+    if max_q_len is None:
+        max_q_len = T if B == 1 else int((meta.qo_indptr[1:] - meta.qo_indptr[:-1]).max())
+    if max_kv_entries is None:
+        n_e = meta.kv_indices.numel()
+        max_kv_entries = n_e if B == 1 else int((meta.kv_indptr[1:] - meta.kv_indptr[:-1]).max())
+
+    rotate = bool(meta.rotate_keys)
+    if rotate:
+        assert rope is not None and rope.rotary_dim % 2 == 0 and rope.rotary_dim <= head_dim
+        half = rope.rotary_dim // 2
+        cos, sin = _rope_rows(rope, kv.dtype)
+    else:
+        half = head_dim // 2
+        cos = sin = q  # unused
+    rest = head_dim - 2 * half
+
+    decode = max_q_len == 1
+    max_tokens = max_kv_entries * page_size
+    if decode:
+        rows, block_m, q_blocks, warps, stages = max(MIN_DOT, _pow2(group)), 1, 1, DECODE_WARPS, DECODE_STAGES
+        block_n, auto_splits = decode_tiles(B * num_kv_heads, max_tokens, q.device)
+    else:
+        rows = max(MIN_DOT, EXTEND_ROWS, _pow2(group))
+        block_m, block_n, warps, stages = rows // group, EXTEND_BLOCK_N, EXTEND_WARPS, EXTEND_STAGES
+        q_blocks = triton.cdiv(max_q_len, block_m)
+        auto_splits = pick_num_splits(B * q_blocks * num_kv_heads, max_tokens, q.device, EXTEND_SLOTS)
+    if num_splits is None:
+        num_splits = auto_splits
+    num_splits = max(1, min(int(num_splits), max(1, max_kv_entries)))
+    head_p = max(MIN_DOT, _pow2(head_dim))
+    split = num_splits > 1
+    if split:
+        part_out = torch.empty((T, num_q_heads, num_splits, head_p), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((T, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_lse = out  # unused
+    entry_align = block_n // page_size if block_n % page_size == 0 else 1
+
+    _lazy_attn_kernel[(B * q_blocks, num_kv_heads, num_splits)](
+        q, kv, out, part_out, part_lse,
+        meta.qo_indptr, meta.positions, meta.kv_indptr, meta.kv_indices, meta.pos_base, meta.valid_len,
+        cos, sin,
+        float(sm_scale) * _LOG2E, q_blocks, num_splits, num_q_heads,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), cos.stride(0),
+        GROUP=group, BLOCK_M=block_m, ROWS=rows,
+        PAGE_SIZE=page_size, BLOCK_N=block_n, ENTRY_ALIGN=max(1, entry_align),
+        HALF=half, HALF_P=max(MIN_DOT, _pow2(half)),
+        REST=rest, REST_P=max(MIN_DOT, _pow2(rest)) if rest else 0,
+        HEAD_DIM=head_dim, HEAD_P=head_p,
+        ROTATE=rotate, CAUSAL_SKIP=not decode, SPLIT=split,
+        DOT_PREC="ieee" if kv.dtype == torch.float32 else "tf32",
+        num_warps=warps, num_stages=stages,
+    )
+    if split:
+        _merge_kernel[(T, num_q_heads)](
+            part_out, part_lse, out, num_splits, num_q_heads, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, HEAD_P=head_p, SPLIT_P=max(2, _pow2(num_splits)), num_warps=4,
+        )
+    return out

@@ -1,0 +1,221 @@
+"""Triton kernels vs their torch references under the Triton CPU interpreter, on fresh random inputs."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # must precede the import of the modules that define kernels
+
+import random  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+try:
+    import triton  # noqa: F401, E402
+except Exception as e:  # noqa: BLE001
+    pytest.skip(f"triton is not importable ({e}); pip install 'triton>=3.8'", allow_module_level=True)
+
+from lazyrt.kernels import triton_attention as ta  # noqa: E402
+from lazyrt.kernels.attention_ref import lazy_attention_ref, rerotate_pages_ref, store_kv_ref  # noqa: E402
+from lazyrt.kernels.metadata import AttentionMetadata  # noqa: E402
+from lazyrt.kernels.rope import RopeCache, apply_rope_ref  # noqa: E402
+from lazyrt.kernels.triton_kv import apply_rope_triton, rerotate_pages_triton, store_kv_triton  # noqa: E402
+from lazyrt.models.config import ModelConfig  # noqa: E402
+
+SEED = int.from_bytes(os.urandom(4), "little")
+print(f"test_triton_kernels seed {SEED}")  # fresh inputs each run; rerun a failure with this seed
+TOL = {torch.float32: 1e-4, torch.float16: 2e-2}
+
+
+@pytest.fixture(autouse=True)
+def _seed(request):
+    s = SEED + sum(map(ord, request.node.name))
+    torch.manual_seed(s)
+    random.seed(s)
+
+
+def make_rope(head_dim: int, llama3: bool = False, rotary_dim: int | None = None, max_pos: int = 512):
+    scaling = None
+    if llama3:
+        scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 64}
+    cfg = ModelConfig(
+        model_type="llama", vocab_size=8, hidden_size=head_dim, intermediate_size=8, num_layers=1,
+        num_heads=1,
+        num_kv_heads=1, head_dim=head_dim, rope_theta=10000.0, rope_scaling=scaling,
+        partial_rotary_factor=(rotary_dim or head_dim) / head_dim,
+    )
+    return RopeCache.build(cfg, max_pos)
+
+
+def make_batch(q_lens, page_size, kv_heads, head_dim, dtype, rotate_keys, max_pos=400, docs=3, prior=None,
+               shuffle=True):
+    """Random ragged batch: each sequence sees a few chunks at arbitrary (gapped) positions, then the
+    chunk holding its new tokens (whose K/V the model stored just before attending)."""
+    qo, kvp, positions, pos_base, valid_len = [0], [0], [], [], []
+    chunks = []
+    for q_len in q_lens:
+        pos = random.randint(0, 9)
+        for _ in range(random.randint(0, docs)):  # documents: page-aligned chunks, tails partly filled
+            n = random.randint(1, 3 * page_size)
+            chunks.append((pos, n))
+            pos += n + random.randint(0, 5)
+        # own chunk: earlier tokens + the new ones
+        n_prior = random.randint(0, 2 * page_size) if prior is None else prior
+        chunks.append((pos, n_prior + q_len))
+        positions += range(pos + n_prior, pos + n_prior + q_len)
+        qo.append(qo[-1] + q_len)
+        chunk_entries = []
+        for start, n in chunks:
+            for j in range(-(-n // page_size)):
+                chunk_entries.append((start + j * page_size, min(page_size, n - j * page_size)))
+        chunks.clear()
+        if shuffle:
+            random.shuffle(chunk_entries)  # entry order must not matter
+        for base, vl in chunk_entries:
+            pos_base.append(base)
+            valid_len.append(vl)
+        kvp.append(len(pos_base))
+        assert pos + n_prior + q_len <= max_pos
+    num_pages = len(pos_base) + 3
+    perm = torch.randperm(num_pages)[: len(pos_base)]
+    kv = torch.randn(num_pages, 2, page_size, kv_heads, head_dim).to(dtype)
+    for e, p in enumerate(perm.tolist()):  # poison slots past valid_len: they must never be read
+        kv[p, :, valid_len[e]:] = float("nan")
+    i32 = dict(dtype=torch.int32)
+    meta = AttentionMetadata(
+        qo_indptr=torch.tensor(qo, **i32), positions=torch.tensor(positions, dtype=torch.long),
+        kv_indptr=torch.tensor(kvp, **i32), kv_indices=perm.to(torch.int32),
+        pos_base=torch.tensor(pos_base, **i32), valid_len=torch.tensor(valid_len, **i32),
+        store_pages=torch.zeros(0, dtype=torch.long), store_slots=torch.zeros(0, dtype=torch.long),
+        rotate_keys=rotate_keys,
+    )
+    return kv, meta
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert not torch.isnan(a).any(), "NaN in kernel output"
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    """Shrink the kernels' tiles so small test contexts still span many key blocks and query tiles."""
+    monkeypatch.setattr(ta, "DECODE_BLOCK_N", 16)
+    monkeypatch.setattr(ta, "DECODE_BLOCK_N_WIDE", 16)
+    monkeypatch.setattr(ta, "EXTEND_BLOCK_N", 16)
+    monkeypatch.setattr(ta, "EXTEND_ROWS", 16)
+
+
+def check_attention(q_lens, group, kv_heads, head_dim, page_size, dtype, rotate, llama3=False,
+                    num_splits=None, rotary_dim=None, **batch):
+    kv, meta = make_batch(q_lens, page_size, kv_heads, head_dim, dtype, rotate, **batch)
+    rope = make_rope(head_dim, llama3, rotary_dim)
+    q = torch.randn(sum(q_lens), kv_heads * group, head_dim).to(dtype)
+    scale = head_dim**-0.5
+    ref = lazy_attention_ref(q, kv, meta, rope if rotate else None, scale)
+    out = ta.lazy_attention_triton(q, kv, meta, rope if rotate else None, scale, num_splits=num_splits)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    err = rel_err(out, ref)
+    assert err < TOL[dtype], f"relative error {err:.2e} (seed {SEED})"
+
+
+# Decode: one new token per sequence; forced split counts cover empty splits and the merge.
+@pytest.mark.parametrize(
+    "group,kv_heads,head_dim,page_size,dtype,rotate,llama3,num_splits,small",
+    [
+        (4, 2, 64, 8, torch.float32, True, False, 3, True),
+        (8, 1, 128, 16, torch.float16, True, True, 5, False),
+        (8, 1, 64, 16, torch.float16, True, False, 4, True),
+        (1, 2, 64, 4, torch.float16, False, False, 2, True),
+        (4, 1, 128, 4, torch.float32, False, False, None, False),
+        (8, 1, 64, 16, torch.float32, True, True, 1, True),
+        (4, 1, 64, 32, torch.float32, True, False, 2, True),  # page larger than a key block
+    ],
+)
+def test_decode(request, group, kv_heads, head_dim, page_size, dtype, rotate, llama3, num_splits, small):
+    if small:
+        request.getfixturevalue("small_blocks")
+    q_lens = [1] * random.randint(2, 4)
+    check_attention(q_lens, group, kv_heads, head_dim, page_size, dtype, rotate, llama3, num_splits)
+
+
+# Extend: several sequences, q lengths not multiples of BLOCK_M, mixed with decode-like rows.
+@pytest.mark.parametrize(
+    "group,head_dim,page_size,dtype,rotate,llama3,num_splits,small",
+    [
+        (4, 64, 8, torch.float32, True, True, None, True),
+        (1, 128, 16, torch.float16, True, False, 2, False),
+        (8, 64, 4, torch.float16, False, False, None, True),
+        (4, 128, 16, torch.float32, False, False, 3, True),
+        (8, 128, 16, torch.float16, True, True, None, False),
+    ],
+)
+def test_extend(request, group, head_dim, page_size, dtype, rotate, llama3, num_splits, small):
+    if small:
+        request.getfixturevalue("small_blocks")
+    q_lens = [random.randint(2, 23), 1, random.randint(17, 40)]
+    check_attention(q_lens, group, 1, head_dim, page_size, dtype, rotate, llama3, num_splits)
+
+
+def test_extend_causal_block_edge(small_blocks):
+    # A query tile whose only token sits at slot 0 of the next key block: that block must not be skipped.
+    check_attention([17, 33], 1, 1, 64, 16, torch.float32, True, docs=0, prior=0, shuffle=False)
+
+
+def test_odd_shapes():
+    check_attention([1, 1], 4, 1, 64, 8, torch.float32, True, rotary_dim=32, num_splits=2)  # partial rotary
+    check_attention([5, 3], 2, 1, 16, 4, torch.float32, True)  # d=16: halves padded to the dot minimum
+    check_attention([1, 1, 1], 3, 2, 32, 8, torch.float16, True, num_splits=2)  # group of 3
+    check_attention([9, 2], 3, 1, 32, 12, torch.float32, True)  # page size not a power of two
+
+
+def test_split_heuristics():
+    cpu = torch.device("cpu")  # the CPU path assumes an H100's 132 SMs
+    assert ta.decode_tiles(64 * 8, 10368, cpu) == (ta.DECODE_BLOCK_N, 1)  # big batch: grid fills the GPU
+    block_n, splits = ta.decode_tiles(8, 10368, cpu)  # batch 1, long context: one full wave of splits
+    assert block_n == ta.DECODE_BLOCK_N_WIDE and 8 * splits <= 132 * ta.DECODE_SLOTS_WIDE and splits > 16
+    assert ta.decode_tiles(8, 100, cpu)[1] == 1  # short context: not worth splitting
+    assert ta.pick_num_splits(4096, 10368, cpu, 2) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_store_kv(dtype):
+    kv_heads, head_dim, page_size, T = 3, 64, 8, 11
+    kv = torch.randn(6, 2, page_size, kv_heads, head_dim).to(dtype)
+    ref = kv.clone()
+    flat = torch.randperm(6 * page_size)[:T]
+    pages, slots = flat // page_size, flat % page_size
+    kvs = torch.randn(T, 2 * kv_heads, head_dim)
+    k, v = kvs[:, :kv_heads], kvs[:, kv_heads:]  # strided views, as from a fused projection
+    store_kv_ref(ref, k, v, pages, slots)
+    store_kv_triton(kv, k, v, pages, slots)
+    assert torch.equal(kv, ref)
+
+
+@pytest.mark.parametrize("dtype,head_dim,rotary_dim", [(torch.float32, 64, None), (torch.float16, 128, 64)])
+def test_rerotate_pages(dtype, head_dim, rotary_dim):
+    rope = make_rope(head_dim, llama3=True, rotary_dim=rotary_dim)
+    kv = torch.randn(7, 2, 4, 2, head_dim).to(dtype)
+    orig, ref = kv.clone(), kv.clone()
+    pages = torch.randperm(7)[:4]
+    delta = random.randint(1, 300)
+    rerotate_pages_ref(ref, pages, delta, rope)
+    rerotate_pages_triton(kv, pages, delta, rope)
+    assert rel_err(kv, ref) < TOL[dtype] / 10
+    assert torch.equal(kv[:, 1], ref[:, 1])
+    rerotate_pages_triton(kv, pages, -delta, rope)  # a negative delta rotates back
+    assert rel_err(kv, orig) < (1e-5 if dtype == torch.float32 else 2e-3)
+
+
+@pytest.mark.parametrize(
+    "dtype,heads,head_dim,rotary_dim", [(torch.float32, 4, 64, None), (torch.float16, 6, 128, 32)]
+)
+def test_apply_rope(dtype, heads, head_dim, rotary_dim):
+    rope = make_rope(head_dim, llama3=True, rotary_dim=rotary_dim)
+    x = torch.randn(9, heads + 2, head_dim).to(dtype)[:, 1 : heads + 1]  # non-contiguous view
+    pos = torch.randint(0, 512, (9,))
+    ref = apply_rope_ref(x, pos, rope)
+    out = apply_rope_triton(x, pos, rope)
+    assert out.dtype == x.dtype and rel_err(out, ref) < TOL[dtype] / 10
