@@ -46,8 +46,8 @@ DECODE_BLOCK_N, DECODE_SLOTS = 32, 4
 DECODE_WARPS = 4
 DECODE_STAGES = 2
 # Extend/prefill: ROWS query rows (tokens x group heads) per program against BLOCK_N keys a step.
-EXTEND_ROWS = 64
-EXTEND_BLOCK_N = 64
+EXTEND_ROWS = 128
+EXTEND_BLOCK_N = 32
 EXTEND_WARPS = 4
 EXTEND_STAGES = 2
 EXTEND_SLOTS = 2
