@@ -149,6 +149,39 @@ class Engine:
     ) -> dict:
         return self.generate([self.rag_prompt(docs, question, system)], sampling_params)[0]
 
+    def score_request(self, prompt: PromptLike, continuation: str) -> Request:
+        """A request whose prompt is `prompt` + `continuation` (tokenized on its own, appended after
+        the prompt's last part) that reports each continuation token's logprob (Request.score_len)."""
+        if not isinstance(continuation, str) or not continuation:
+            raise ValueError("a continuation must be a non-empty string")
+        cont = self._tokens(continuation, "continuation", False)
+        if isinstance(prompt, RagPrompt):
+            suffix = self._tokens(prompt.suffix, "RagPrompt.suffix", False)
+            if not suffix:
+                raise ValueError("RagPrompt.suffix is empty: the continuation needs a token before it")
+            full: PromptLike = RagPrompt(prompt.prefix, list(prompt.docs), suffix + cont)
+        else:
+            full = self._tokens(prompt, "prompt", True) + cont
+        req = self._make_request(full, SamplingParams(max_tokens=1))
+        req.score_len = len(cont)
+        return req
+
+    def score(self, prompt: PromptLike, continuations: Sequence[str], normalize: bool = True) -> list[float]:
+        """Log-probability of each continuation given the prompt (mean per token if normalize).
+
+        Computed by the same model path as generation (one prefill of prompt + continuation, with
+        the prompt's documents served from the chunk table), so it agrees with what gen would do.
+        """
+        if isinstance(continuations, str):
+            raise TypeError("continuations must be a list of strings")
+        reqs = [self.score_request(prompt, c) for c in continuations]
+        self._run(reqs)
+        out = []
+        for r in reqs:
+            lps = r.score_logprobs or []
+            out.append(sum(lps) / len(lps) if normalize else sum(lps))
+        return out
+
     def rag_batch(self, items: Sequence[dict]) -> list[dict]:
         """items: dicts with docs, question, optional system and sampling_params (dict or SamplingParams)."""
         prompts, params = [], []

@@ -6,6 +6,7 @@ stream), POST /v1/completions and POST /v1/chat/completions (OpenAI, plus `docum
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -221,10 +222,68 @@ def parse_chat(body: dict, served: str) -> Parsed:
     return Parsed(req, stream, usage)
 
 
+def _messages(body: dict) -> list[dict]:
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise bad("messages", "must be a non-empty list of {role, content} objects")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise bad(f"messages[{i}]", "must be an object with role and content")
+        if m.get("role") not in ROLES:
+            raise bad(f"messages[{i}].role", f"must be one of {', '.join(ROLES)}, got {m.get('role')!r}")
+        out.append({"role": m["role"], "content": _content(m, i)})
+    return out
+
+
+def _parse_program(body: dict, sp: SamplingParams) -> GenerateReq:
+    """/generate with `messages` (a frontend program's state): docs go into messages[doc_turn]
+    (default: the last user message); continue_final continues the last, assistant, message."""
+    messages = _messages(body)
+    docs = _str_list(body, "docs")
+    if body.get("system") is not None:
+        raise bad("system", "with messages, give the system prompt as a system message")
+    doc_turn = body.get("doc_turn")
+    if doc_turn is not None:
+        if not _is_int(doc_turn) or not 0 <= doc_turn < len(messages):
+            raise bad("doc_turn", f"must be an index into messages, got {doc_turn!r}")
+        if messages[doc_turn]["role"] != "user":
+            raise bad("doc_turn", "must name a user message")
+    if docs and not any(m["role"] == "user" for m in messages):
+        raise bad("messages", "documents need a user message to attach to")
+    cont = _bool(body, "continue_final")
+    if cont and messages[-1]["role"] != "assistant":
+        raise bad("continue_final", "needs the last message to be an assistant message")
+    return GenerateReq(
+        -1,
+        sp,
+        messages=messages,
+        docs=docs,
+        text_mode="program",
+        param="messages",
+        doc_turn=doc_turn,
+        continue_final=cont,
+    )
+
+
+def _generate_sampling(body: dict) -> SamplingParams:
+    sp_in = body.get("sampling_params") or {}
+    if not isinstance(sp_in, dict):
+        raise bad("sampling_params", "must be an object")
+    unknown = sorted(set(sp_in) - set(SamplingParams.__dataclass_fields__))
+    if unknown:
+        raise bad(f"sampling_params.{unknown[0]}", "unknown sampling parameter")
+    return _sampling(sp_in, "sampling_params.", 128, 0.0)
+
+
 def parse_generate(body: dict) -> Parsed:
     text, ids = body.get("text"), body.get("input_ids")
+    if body.get("messages") is not None:
+        if text is not None or ids is not None:
+            raise bad("messages", "give exactly one of text, input_ids or messages")
+        return Parsed(_parse_program(body, _generate_sampling(body)), _bool(body, "stream"))
     if (text is None) == (ids is None):
-        raise bad("text", "give exactly one of text or input_ids")
+        raise bad("text", "give exactly one of text, input_ids or messages")
     if text is not None and (not isinstance(text, str) or not text.strip()):
         raise bad("text", "must be a non-empty string")
     if ids is not None and (not isinstance(ids, list) or not ids or not all(_is_int(t) for t in ids)):
@@ -235,15 +294,26 @@ def parse_generate(body: dict) -> Parsed:
         raise bad("system", f"must be a string, got {type(system).__name__}")
     if ids is not None and system is not None:
         raise bad("system", "is only supported with text")
-    sp_in = body.get("sampling_params") or {}
-    if not isinstance(sp_in, dict):
-        raise bad("sampling_params", "must be an object")
-    unknown = sorted(set(sp_in) - set(SamplingParams.__dataclass_fields__))
-    if unknown:
-        raise bad(f"sampling_params.{unknown[0]}", "unknown sampling parameter")
-    sp = _sampling(sp_in, "sampling_params.", 128, 0.0)
+    sp = _generate_sampling(body)
     param = "text" if text is not None else "input_ids"
     req = GenerateReq(
         -1, sp, text=text, input_ids=ids, docs=docs, system=system, text_mode="rag", param=param
     )
     return Parsed(req, _bool(body, "stream"))
+
+
+def parse_score(body: dict) -> list[GenerateReq]:
+    """POST /score: the prompt as for /generate, plus `continuations: [str]`; one scoring request per
+    continuation (a 1-token prefill whose continuation tokens report their logprobs)."""
+    conts = body.get("continuations")
+    if not isinstance(conts, list) or not conts:
+        raise bad("continuations", "must be a non-empty list of strings")
+    for i, c in enumerate(conts):
+        if not isinstance(c, str) or not c:
+            raise bad(f"continuations[{i}]", "must be a non-empty string")
+    if body.get("stream"):
+        raise bad("stream", "is not supported by /score")
+    rest = {k: v for k, v in body.items() if k not in ("continuations", "sampling_params")}
+    base = parse_generate(rest).req
+    base.sampling = SamplingParams(max_tokens=1)
+    return [dataclasses.replace(base, continuation=c) for c in conts]

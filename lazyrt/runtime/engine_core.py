@@ -58,6 +58,9 @@ class EngineCore:
         result = self.worker.execute(msg)
         self.scheduler.on_step_done(plan)
         sampled = [it.request for it in plan.items if it.request is not None]
+        for rid, logprobs in (result.scores or {}).items():
+            if int(rid) in self.requests:
+                self.requests[int(rid)].score_logprobs = list(logprobs)
         now = time.perf_counter()
         outs = []
         for req, tok in zip(sampled, result.tokens):
@@ -99,9 +102,12 @@ class EngineCore:
 
 
 def request_meta(req: Request) -> dict:
-    return {
+    meta = {
         "prompt_tokens": req.prompt_len,
         "cached_tokens": req.cached_tokens,
         "chunk_hits": req.chunk_hits,
         "chunk_misses": req.chunk_misses,
     }
+    if req.score_logprobs is not None:
+        meta["continuation_logprobs"] = req.score_logprobs
+    return meta

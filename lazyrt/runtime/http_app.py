@@ -18,7 +18,14 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from lazyrt.runtime.api_protocol import ApiError, Parsed, parse_chat, parse_completion, parse_generate
+from lazyrt.runtime.api_protocol import (
+    ApiError,
+    Parsed,
+    parse_chat,
+    parse_completion,
+    parse_generate,
+    parse_score,
+)
 from lazyrt.runtime.messages import ErrorOut, TextOut
 from lazyrt.runtime.metrics import ServerMetrics
 from lazyrt.runtime.pipeline_client import PipelineClient
@@ -218,6 +225,43 @@ def create_app(state: ServerState) -> FastAPI:
             return out
 
         return await run(request, "generate", parse_generate, finish, chunk)
+
+    @app.post("/score")
+    async def score(request: Request) -> Response:
+        """Log-probability of each continuation given the prompt (as /generate describes it):
+        `scores` are per-token means (length-normalized), `logprobs` the per-token values."""
+        rids: list[int] = []
+        try:
+            if client.ready_info is None:
+                raise ApiError(503, "the model is still loading", None, "server_error")
+            if client.failed:
+                raise ApiError(503, client.failed, None, "server_error")
+            reqs = parse_score(await read_json(request))
+            queues = []
+            for req in reqs:  # all at once: they batch together in the scheduler
+                req.rid = client.new_rid()
+                rids.append(req.rid)
+                queues.append(client.submit(req))
+            per_token: list[list[float]] = []
+            for q in queues:
+                while True:
+                    out = await next_out(q, request)
+                    if out is None:
+                        for rid in rids:
+                            client.abort(rid)
+                        return Response(status_code=499)
+                    if isinstance(out, ErrorOut):
+                        raise ApiError(out.status, out.message, out.param, out.type)
+                    if out.finish_reason is not None:
+                        per_token.append(list((out.meta or {}).get("continuation_logprobs") or []))
+                        break
+        except ApiError as e:
+            for rid in rids:
+                client.abort(rid)
+            state.metrics.errors.labels("score", str(e.status)).inc()
+            return error_response(e)
+        scores = [sum(lp) / len(lp) if lp else None for lp in per_token]
+        return JSONResponse({"scores": scores, "logprobs": per_token})
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

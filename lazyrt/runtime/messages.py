@@ -44,6 +44,11 @@ class GenerateReq:
     # "raw": text is the whole prompt; "rag": text is a question wrapped in the chat template
     text_mode: str = "raw"
     param: str = "prompt"  # the request field errors about the prompt should name
+    # messages only: docs go into messages[doc_turn] (default: the last user message); with
+    # continue_final the last (assistant) message is continued rather than closed.
+    doc_turn: int | None = None
+    continue_final: bool = False
+    continuation: str | None = None  # scoring: appended to the prompt; its token logprobs reported
 
 
 @message
@@ -72,6 +77,7 @@ class TokenizedReq:
     prefix: list[int] = field(default_factory=list)
     docs: list[list[int]] = field(default_factory=list)
     suffix: list[int] = field(default_factory=list)
+    score_len: int = 0  # the last score_len prompt tokens are scored (see Request.score_len)
 
 
 # ---- scheduler <-> model worker ----------------------------------------------------------------
@@ -86,6 +92,7 @@ class StepItem:
     target: int  # index into segments of the run the new tokens are written to
     rid: int = -1  # >= 0: sample a token for this request from the last position
     sampling: SamplingParams | None = None
+    score_len: int = 0  # report logprobs of this item's last score_len tokens (a scoring prefill)
 
 
 @message
@@ -100,6 +107,7 @@ class StepMsg:
 @dataclass(slots=True)
 class StepResult:
     tokens: list[int]  # one per item with rid >= 0, in order
+    scores: dict | None = None  # rid -> logprobs of its scored tokens (items with score_len > 0)
 
 
 @message

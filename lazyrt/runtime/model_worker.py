@@ -15,6 +15,8 @@ from lazyrt.models.loader import load_model
 from lazyrt.runtime.messages import StepMsg, StepResult, WorkerReady
 from lazyrt.runtime.model_runner import ModelRunner
 from lazyrt.runtime.sampler import sample_token
+from lazyrt.runtime.scheduler import StepPlan
+from lazyrt.runtime.step_inputs import StepInputs
 from lazyrt.runtime.step_wire import msg_to_plan
 from lazyrt.sampling_params import SamplingParams
 
@@ -93,7 +95,11 @@ class ModelWorker:
         for rid in msg.release:
             self._generators.pop(rid, None)
         plan = msg_to_plan(msg)
-        logits = self.runner.execute(plan)
+        scores = None
+        if any(it.request is not None and it.request.score_len > 0 for it in plan.items):
+            logits, scores = self._execute_scoring(plan)
+        else:
+            logits = self.runner.execute(plan)
         tokens = []
         row = 0
         for it in plan.items:
@@ -105,7 +111,32 @@ class ModelWorker:
                 self._generators[rid] = _generator(params)
             tokens.append(sample_token(logits[row], params, self._generators[rid]))
             row += 1
-        return StepResult(tokens)
+        return StepResult(tokens, scores)
+
+    @torch.inference_mode()
+    def _execute_scoring(self, plan: StepPlan) -> tuple[torch.Tensor, dict[int, list[float]]]:
+        """ModelRunner.execute, but keeping every row's hidden state: a scoring item's last score_len
+        tokens get log P(token | everything before it) from the row before each. Same model path;
+        rare (select), so it skips CUDA graphs."""
+        self.runner.execute(StepPlan(copies=plan.copies))  # block-mode page copies only
+        plan = StepPlan(items=plan.items)
+        s = StepInputs.from_plan(plan, self.pool.page_size)
+        input_ids, meta = self.runner.build_metadata(s)
+        hidden = self.model.forward(input_ids, meta, self.runner.rope, self.runner.backend)
+        logits = self.model.logits(hidden[torch.tensor(s.sample_rows, device=self.model.device)])
+        scores: dict[int, list[float]] = {}
+        for i, it in enumerate(plan.items):
+            n = it.request.score_len if it.request is not None else 0
+            if n <= 0:
+                continue
+            end = s.qo_indptr[i + 1]
+            if n >= end - s.qo_indptr[i]:
+                raise ValueError("a scored continuation needs at least one computed token before it")
+            rows = torch.arange(end - n - 1, end - 1, device=self.model.device)
+            lp = torch.log_softmax(self.model.logits(hidden[rows]).float(), dim=-1)
+            targets = input_ids[end - n : end].to(lp.device)
+            scores[it.request.rid] = lp.gather(1, targets[:, None])[:, 0].tolist()
+        return logits, scores
 
 
 def _generator(params: SamplingParams) -> torch.Generator | None:

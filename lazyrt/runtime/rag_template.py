@@ -8,8 +8,17 @@ _MARK = "\x1eLAZYRT_DOCS\x1e"
 DOC_SEPARATOR = "\n\n"
 
 
-def render_chat(tokenizer, messages: list[dict]) -> str:
-    """The prompt text for chat messages, ending where the assistant's answer starts."""
+def render_chat(tokenizer, messages: list[dict], continue_final: bool = False) -> str:
+    """The prompt text for chat messages, ending where the assistant's answer starts.
+
+    continue_final: the last message is an assistant turn still being written; the text ends right
+    after its content (no end-of-turn), so generation continues it.
+    """
+    if continue_final:
+        if not messages or messages[-1].get("role") != "assistant":
+            raise ValueError("continue_final needs the last message to be an assistant message")
+        # The template's generation prompt opens the assistant turn; its content follows verbatim.
+        return render_chat(tokenizer, messages[:-1]) + messages[-1]["content"]
     if getattr(tokenizer, "chat_template", None):
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     # No template: a plain rendering (system text, then each turn on its own line).
@@ -19,18 +28,27 @@ def render_chat(tokenizer, messages: list[dict]) -> str:
     return out
 
 
-def build_rag_chat_prompt(tokenizer, messages: list[dict], docs: list[str]) -> RagPrompt:
-    """Docs go at the start of the last user message's content.
+def build_rag_chat_prompt(
+    tokenizer,
+    messages: list[dict],
+    docs: list[str],
+    doc_turn: int | None = None,
+    continue_final: bool = False,
+) -> RagPrompt:
+    """Docs go at the start of a user message's content: the last one, or messages[doc_turn].
 
     prefix = the rendered conversation up to that content (what each doc's KV is conditioned on),
-    docs = each doc + blank line, suffix = the user's text and the rest of the template.
+    docs = each doc + blank line, suffix = the user's text and the rest of the conversation.
     """
-    last = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=None)
-    if last is None:
-        raise ValueError("documents need a user message to attach to")
+    if doc_turn is None:
+        doc_turn = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=None)
+        if doc_turn is None:
+            raise ValueError("documents need a user message to attach to")
+    elif not 0 <= doc_turn < len(messages) or messages[doc_turn].get("role") != "user":
+        raise ValueError(f"doc_turn={doc_turn} does not name a user message")
     msgs = [dict(m) for m in messages]
-    msgs[last]["content"] = _MARK + msgs[last]["content"]
-    text = render_chat(tokenizer, msgs)
+    msgs[doc_turn]["content"] = _MARK + msgs[doc_turn]["content"]
+    text = render_chat(tokenizer, msgs, continue_final)
     head, sep, tail = text.partition(_MARK)
     if not sep or _MARK in tail:
         raise ValueError(
@@ -45,3 +63,16 @@ def build_rag_prompt(tokenizer, docs: list[str], question: str, system: str | No
         {"role": "user", "content": question}
     ]
     return build_rag_chat_prompt(tokenizer, messages, docs)
+
+
+def build_program_prompt(
+    tokenizer,
+    messages: list[dict],
+    docs: list[str],
+    doc_turn: int | None = None,
+    continue_final: bool = False,
+) -> RagPrompt:
+    """A frontend program's state as a RagPrompt (also with no docs, so both backends tokenize alike)."""
+    if docs:
+        return build_rag_chat_prompt(tokenizer, messages, docs, doc_turn, continue_final)
+    return RagPrompt(prefix="", docs=[], suffix=render_chat(tokenizer, messages, continue_final))

@@ -53,6 +53,10 @@ class Request:
     chunk_misses: int = 0
     arrival: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
+    # Scoring: the last `score_len` prompt tokens get their log-probabilities reported (given all
+    # before them) in `score_logprobs`, from the prefill step that computes them.
+    score_len: int = 0
+    score_logprobs: list[float] | None = None
 
     @property
     def is_rag(self) -> bool:

@@ -135,7 +135,8 @@ class Scheduler:
         pages, node = [], None
         if self.cache_mode != "none":
             # Keep at least one token to compute: its logits give the first output token.
-            usable = (len(tokens) - 1) // self.page_size * self.page_size
+            # A scored tail must be computed in this request's prefill, so never take it from the cache.
+            usable = max(len(tokens) - 1 - req.score_len, 0) // self.page_size * self.page_size
             pages, node = self.radix.match_prefix(tokens[:usable])
             self.radix.lock(node)
         matched = len(pages) * self.page_size

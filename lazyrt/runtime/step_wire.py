@@ -28,6 +28,8 @@ def plan_to_msg(plan: StepPlan, release: list[int]) -> StepMsg:
                 target=target,
                 rid=req.rid if req is not None else -1,
                 sampling=req.params if req is not None else None,
+                # only the prefill item (no output yet) holds the scored prompt tokens
+                score_len=req.score_len if req is not None and not req.output_ids else 0,
             )
         )
     copies = [[list(c.src), list(c.dst), c.delta] for c in plan.copies]
@@ -39,7 +41,7 @@ def msg_to_plan(msg: StepMsg) -> StepPlan:
     plan = StepPlan()
     for it in msg.items:
         segs = [Segment(list(p), s, n) for p, s, n in it.segments]
-        req = Request(it.rid, it.sampling) if it.rid >= 0 else None
+        req = Request(it.rid, it.sampling, score_len=it.score_len) if it.rid >= 0 else None
         plan.items.append(ForwardItem(list(it.token_ids), it.start_pos, segs, segs[it.target], request=req))
     plan.copies = [PageCopy(list(s), list(d), delta) for s, d, delta in msg.copies]
     return plan

@@ -8,7 +8,13 @@ from __future__ import annotations
 
 from lazyrt.prompt import RagPrompt
 from lazyrt.runtime.messages import GenerateReq, TokenizedReq
-from lazyrt.runtime.rag_template import DOC_SEPARATOR, build_rag_chat_prompt, build_rag_prompt, render_chat
+from lazyrt.runtime.rag_template import (
+    DOC_SEPARATOR,
+    build_program_prompt,
+    build_rag_chat_prompt,
+    build_rag_prompt,
+    render_chat,
+)
 
 
 class InvalidRequest(ValueError):
@@ -32,7 +38,11 @@ class RequestTokenizer:
         prompt: RagPrompt | None = None
         plain: list[int] = []
         try:
-            if req.messages is not None:
+            if req.text_mode == "program":
+                prompt = build_program_prompt(
+                    self.tokenizer, req.messages, docs, req.doc_turn, req.continue_final
+                )
+            elif req.messages is not None:
                 if docs:
                     prompt = build_rag_chat_prompt(self.tokenizer, req.messages, docs)
                 else:
@@ -65,6 +75,10 @@ class RequestTokenizer:
             if not plain:
                 raise InvalidRequest("the prompt is empty", req.param)
             out = TokenizedReq(req.rid, req.sampling, 0, suffix=plain)
+        if req.continuation is not None:  # scoring: the continuation is tokenized on its own
+            cont = self._ids(req.continuation, False)
+            out.suffix = out.suffix + cont
+            out.score_len = len(cont)
         n = len(out.prefix) + sum(len(d) for d in out.docs) + len(out.suffix)
         if n >= self.max_context:
             where = f"{req.param} and {doc_field}" if docs else req.param
