@@ -1,0 +1,112 @@
+"""EngineLoop: one background thread runs an offline Engine's step loop, so many threads can submit
+requests at once and they batch together (continuous batching), like the server's scheduler does.
+
+Engine.generate runs a fixed list of prompts to completion; a frontend program or a batch job instead
+produces requests one at a time from several threads. The Engine object is not thread-safe, so only
+this thread touches it once the loop is running.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from lazyrt.engine import Engine, PromptLike
+from lazyrt.runtime.detokenizer import IncrementalDetokenizer
+from lazyrt.runtime.request import Request, RequestState
+from lazyrt.sampling_params import SamplingParams
+
+TextCallback = Callable[[str], None]
+
+
+@dataclass
+class _Live:
+    req: Request
+    detok: IncrementalDetokenizer
+    on_text: TextCallback | None
+    future: Future
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._inbox: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+
+    def submit(self, make_request: Callable[[], Request], on_text: TextCallback | None = None) -> Future:
+        """Queue a request (built on the loop thread by `make_request`, e.g. a bound
+        Engine._make_request); the future gets the result dict Engine.generate would return, with
+        `score_logprobs` added for scoring requests. on_text receives text pieces as they decode."""
+        fut: Future = Future()
+        self._inbox.put((make_request, on_text, fut))
+        with self._start_lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="lazyrt-engine-loop", daemon=True)
+                self._thread.start()
+        return fut
+
+    def generate(
+        self, prompt: PromptLike, params: SamplingParams, on_text: TextCallback | None = None
+    ) -> Future:
+        """Like Engine.generate for one prompt, but returns at once; the future gets its result dict."""
+        return self.submit(lambda: self.engine._make_request(prompt, params), on_text)
+
+    def score(self, prompt: PromptLike, continuations: list[str]) -> list[Future]:
+        """Like Engine.score; each future's result has `score_logprobs` (one per continuation token)."""
+        return [self.submit(lambda c=c: self.engine.score_request(prompt, c)) for c in continuations]
+
+    def _admit(self, live: dict[int, _Live], block: bool) -> None:
+        while True:
+            try:
+                make, on_text, fut = self._inbox.get(block=block)
+            except queue.Empty:
+                return
+            block = False
+            try:
+                req = make()
+                self.engine.core.add(req)
+            except Exception as e:  # a bad request fails alone
+                fut.set_exception(e)
+                continue
+            detok = IncrementalDetokenizer(self.engine.tokenizer, req.params.stop)
+            live[req.rid] = _Live(req, detok, on_text, fut)
+
+    def _run(self) -> None:
+        core = self.engine.core
+        live: dict[int, _Live] = {}
+        while True:
+            self._admit(live, block=not live)
+            if not live:
+                continue
+            try:
+                outs = core.step()
+            except Exception as e:  # fail what is running; the loop keeps serving new requests
+                for rid, lv in live.items():
+                    core.abort(rid)
+                    lv.future.set_exception(e)
+                live.clear()
+                continue
+            for out in outs:
+                lv = live.get(out.rid)
+                if lv is None:
+                    continue
+                lv.detok.add(out.token_ids)
+                if lv.detok.stopped:
+                    core.abort(out.rid, "stop")
+                if lv.on_text is not None and lv.req.state is not RequestState.FINISHED:
+                    piece = lv.detok.take()
+                    if piece:
+                        lv.on_text(piece)
+            for rid in [r for r, lv in live.items() if lv.req.state is RequestState.FINISHED]:
+                lv = live.pop(rid)
+                result = self.engine._result(lv.req, lv.detok)
+                if lv.on_text is not None and result["text"]:
+                    lv.on_text(result["text"])  # the rest that was held back
+                result["text"] = lv.detok.text
+                if lv.req.score_logprobs is not None:
+                    result["score_logprobs"] = list(lv.req.score_logprobs)
+                lv.future.set_result(result)

@@ -1,0 +1,39 @@
+"""The backend interface: four calls, each taking a program's state as chat messages plus docs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+TextCallback = Callable[[str], None]
+
+
+@dataclass
+class ProgramPrompt:
+    """What gen/select send: the conversation so far, its docs and the user turn they belong to.
+
+    The last message is the assistant turn being written (continued, not closed). Both backends turn
+    this into the same RagPrompt with lazyrt.runtime.rag_template.build_program_prompt, so each doc
+    is a position-agnostic chunk conditioned only on the text before its user turn.
+    """
+
+    messages: list[dict]
+    docs: list[str] = field(default_factory=list)
+    doc_turn: int | None = None
+
+
+class Backend(Protocol):
+    def generate(self, prompt: ProgramPrompt, sampling: dict, on_text: TextCallback | None = None) -> dict:
+        """Continue the last (assistant) message; returns {"text", "meta"}."""
+        ...
+
+    def score(self, prompt: ProgramPrompt, continuations: list[str]) -> list[float]:
+        """Mean per-token log-probability of each continuation appended to the last message."""
+        ...
+
+    def rag(self, docs: list[str], question: str, system: str | None, sampling: dict) -> dict:
+        """Exactly lazyrt.Engine.rag: {"text", "meta"}."""
+        ...
+
+    def cache_stats(self) -> dict: ...

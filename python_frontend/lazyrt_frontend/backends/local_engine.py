@@ -1,0 +1,45 @@
+"""LocalEngine: a program's backend on an in-process lazyrt.Engine.
+
+Requests from many threads (run_batch) go through one EngineLoop thread, so they batch together.
+"""
+
+from __future__ import annotations
+
+from lazyrt import Engine, SamplingParams
+from lazyrt.runtime.engine_loop import EngineLoop
+from lazyrt.runtime.rag_template import build_program_prompt
+from lazyrt_frontend.backends.base import ProgramPrompt, TextCallback
+
+
+class LocalEngine:
+    def __init__(self, engine: Engine | None = None, **engine_kwargs: object):
+        self.engine = engine if engine is not None else Engine(**engine_kwargs)
+        self.loop = EngineLoop(self.engine)
+
+    def _rag_prompt(self, prompt: ProgramPrompt):
+        # The server's tokenizer process calls the same function: one chat-template path for both.
+        return build_program_prompt(
+            self.engine.tokenizer, prompt.messages, prompt.docs, prompt.doc_turn, continue_final=True
+        )
+
+    def generate(self, prompt: ProgramPrompt, sampling: dict, on_text: TextCallback | None = None) -> dict:
+        out = self.loop.generate(
+            self._rag_prompt(prompt), SamplingParams.from_dict(sampling), on_text
+        ).result()
+        return {"text": out["text"], "meta": out["meta"]}
+
+    def score(self, prompt: ProgramPrompt, continuations: list[str]) -> list[float]:
+        futures = self.loop.score(self._rag_prompt(prompt), list(continuations))
+        scores = []
+        for f in futures:
+            lps = f.result()["score_logprobs"]
+            scores.append(sum(lps) / len(lps))
+        return scores
+
+    def rag(self, docs: list[str], question: str, system: str | None, sampling: dict) -> dict:
+        prompt = self.engine.rag_prompt(docs, question, system)
+        out = self.loop.generate(prompt, SamplingParams.from_dict(sampling)).result()
+        return {"text": out["text"], "meta": out["meta"]}
+
+    def cache_stats(self) -> dict:
+        return self.engine.cache_stats()

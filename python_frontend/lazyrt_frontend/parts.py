@@ -1,0 +1,91 @@
+"""The parts a program adds to its state with `s += ...`: plain values, applied by ProgramState."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class System:
+    text: str
+
+
+@dataclass(frozen=True)
+class Doc:
+    """A retrieved document: its KV is computed once and reused wherever it appears."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class User:
+    text: str
+
+
+@dataclass(frozen=True)
+class Assistant:
+    text: str
+
+
+@dataclass(frozen=True)
+class Gen:
+    name: str
+    sampling: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Select:
+    name: str
+    choices: tuple[str, ...]
+
+
+Part = System | Doc | User | Assistant | Gen | Select
+
+
+def _text(what: str, text: object) -> str:
+    if not isinstance(text, str):
+        raise TypeError(f"{what}() takes a string, got {type(text).__name__}")
+    return text
+
+
+def system(text: str) -> System:
+    return System(_text("system", text))
+
+
+def doc(text: str) -> Doc:
+    if not _text("doc", text).strip():
+        raise ValueError("doc() text is empty")
+    return Doc(text)
+
+
+def user(text: str) -> User:
+    return User(_text("user", text))
+
+
+def assistant(text: str) -> Assistant:
+    return Assistant(_text("assistant", text))
+
+
+def gen(
+    name: str,
+    max_tokens: int = 128,
+    stop: str | list[str] | None = None,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = -1,
+    seed: int | None = None,
+) -> Gen:
+    """Generate into the assistant turn; the text is stored as s[name]. temperature 0 = greedy."""
+    sampling: dict = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k}
+    if stop:
+        sampling["stop"] = [stop] if isinstance(stop, str) else list(stop)
+    if seed is not None:
+        sampling["seed"] = seed
+    return Gen(_text("gen", name), sampling)
+
+
+def select(name: str, choices: list[str]) -> Select:
+    """Append the choice with the highest mean per-token log-probability; stored as s[name]."""
+    if isinstance(choices, str) or not choices or not all(isinstance(c, str) and c for c in choices):
+        raise ValueError("select() needs choices: a non-empty list of non-empty strings")
+    return Select(_text("select", name), tuple(choices))
