@@ -1,0 +1,217 @@
+"""python -m lazyrt.batch: JSONL questions in, JSONL answers out; resumable, bad lines do not stop it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from tqdm import tqdm
+
+from lazyrt.batch_input import Job, key, parse_line
+
+EXAMPLE = """\
+example:
+  $ cat questions.jsonl
+  {"id": "q1", "docs": ["Quenta is the capital of Arvania."], "question": "What is the capital of Arvania?"}
+  {"id": "q2", "prompt": "The tallest mountain on Earth is", "sampling_params": {"max_tokens": 8}}
+  $ python -m lazyrt.batch --input questions.jsonl --output answers.jsonl --max-tokens 32
+  $ cat answers.jsonl
+  {"id": "q1", "line": 1, "text": "The capital of Arvania is Quenta.", "meta": {"prompt_tokens": 57, ...}}
+  {"id": "q2", "line": 2, "text": " Mount Everest, ...", "meta": {...}}
+
+Each input line is {"id", "docs", "question", "system"?, "sampling_params"?} or {"id", "prompt",
+"sampling_params"?}. One output line per input line, in input order: {"id", "line", "text", "meta"}, or
+{"id", "line", "error": {"message"}} for a bad line (the job goes on). Re-running with the same
+--output skips ids already there and appends the rest. --endpoint URL uses a running
+`python -m lazyrt.launch` instead of loading a model here."""
+
+
+@dataclass
+class Totals:
+    requests: int = 0
+    errors: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    chunk_hits: int = 0
+    chunk_misses: int = 0
+
+    def add(self, rec: dict) -> None:
+        self.requests += 1
+        if "error" in rec:
+            self.errors += 1
+            return
+        m = rec.get("meta") or {}
+        self.prompt_tokens += m.get("prompt_tokens", 0)
+        self.completion_tokens += m.get("completion_tokens", 0)
+        self.cached_tokens += m.get("cached_tokens", 0)
+        self.chunk_hits += m.get("chunk_hits", 0)
+        self.chunk_misses += m.get("chunk_misses", 0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m lazyrt.batch",
+        description="Run RAG questions / prompts from a JSONL file through lazyrt.",
+        epilog=EXAMPLE,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--input", required=True, help="input JSONL file")
+    p.add_argument("--output", required=True, help="output JSONL file (appended to; finished ids skipped)")
+    p.add_argument("--model", default=None, help="model for the local engine (default: embedded SmolLM2)")
+    p.add_argument("--endpoint", default=None, help="URL of a running lazyrt server instead of a local model")
+    p.add_argument("--api-key", default=None, help="API key for --endpoint")
+    p.add_argument(
+        "--concurrency", type=int, default=None, help="requests in flight (default: 32 local, 8 endpoint)"
+    )
+    p.add_argument("--device", default="auto", help="local engine device: auto, cpu, cuda")
+    p.add_argument("--cache-mode", default="lazy", help="local engine cache mode: lazy, block, prefix, none")
+    p.add_argument("--kv-cache-tokens", type=int, default=None, help="local engine KV budget in tokens")
+    g = p.add_argument_group("sampling defaults (a line's sampling_params override them)")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--seed", type=int, default=None)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--stop-after", type=int, default=None, help=argparse.SUPPRESS)  # test hook: interrupt
+    return p
+
+
+def read_done(path: str) -> set[tuple]:
+    """Keys of inputs already answered. A torn last line (killed mid-write) is cut off first."""
+    if not os.path.exists(path):
+        return set()
+    with open(path, "rb+") as f:
+        data = f.read()
+        if data and not data.endswith(b"\n"):
+            f.truncate(data.rfind(b"\n") + 1)
+            data = data[: data.rfind(b"\n") + 1]
+    done = set()
+    for raw in data.splitlines():
+        try:
+            rec = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get("line"), int):
+            done.add(key(rec.get("id"), rec["line"]))
+    return done
+
+
+def read_jobs(path: str, done: set[tuple], defaults: dict) -> tuple[list[Job], int]:
+    """Jobs still to do (bad lines included, as error jobs) and how many lines were already done."""
+    jobs, seen, skipped = [], set(), 0
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for n, text in enumerate(f, 1):
+            if not text.strip():
+                continue
+            job = parse_line(text, n, defaults)
+            k = key(job.id, n)
+            if k in done:
+                skipped += 1
+                continue
+            if job.id is not None and job.error is None and k in seen:
+                job.error = f"line {n}: duplicate id {job.id!r} (an earlier line has it)"
+            seen.add(k)
+            jobs.append(job)
+    return jobs, skipped
+
+
+def make_runner(args: argparse.Namespace):
+    if args.endpoint:
+        from lazyrt.batch_runners import EndpointRunner
+
+        runner = EndpointRunner(args.endpoint, args.concurrency or 8, args.api_key)
+        runner.check()
+        return runner
+    from lazyrt import Engine
+    from lazyrt.batch_runners import LocalRunner
+
+    kw = {"kv_cache_tokens": args.kv_cache_tokens} if args.kv_cache_tokens else {}
+    engine = Engine(args.model, device=args.device, cache_mode=args.cache_mode, **kw)
+    return LocalRunner(engine, args.concurrency or 32)
+
+
+def results(runner, jobs: list[Job]) -> Iterator[tuple[Job, dict]]:
+    """Bad lines get their error record in place; the rest go to the runner, order kept."""
+    good = iter(runner.run(j for j in jobs if j.error is None))
+    for job in jobs:
+        if job.error is not None:
+            yield job, {"error": {"message": job.error, "type": "invalid_line"}}
+        else:
+            yield next(good)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    defaults = {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "seed": args.seed,
+    }
+    try:
+        from lazyrt.sampling_params import SamplingParams
+
+        SamplingParams.from_dict(defaults)
+        done = read_done(args.output)
+        jobs, skipped = read_jobs(args.input, done, defaults)
+    except (OSError, ValueError) as e:
+        print(f"lazyrt.batch: {e}", file=sys.stderr)
+        return 2
+    totals = Totals()
+    start = time.perf_counter()
+    stopped = False
+    if jobs:
+        try:
+            runner = make_runner(args)
+        except Exception as e:  # no model / no server: the job itself cannot run
+            print(f"lazyrt.batch: cannot start: {e}", file=sys.stderr)
+            return 1
+        bar = tqdm(total=len(jobs), disable=args.no_progress, unit="req", file=sys.stderr)
+        try:
+            with open(args.output, "a", encoding="utf-8") as out:
+                for job, res in results(runner, jobs):
+                    rec = {"id": job.id, "line": job.line, **res}
+                    out.write(json.dumps(rec, ensure_ascii=False) + "\n")
+                    out.flush()  # written as it completes: an interrupt loses little
+                    totals.add(rec)
+                    bar.update(1)
+                    elapsed = time.perf_counter() - start
+                    bar.set_postfix(
+                        tok_s=f"{totals.completion_tokens / max(elapsed, 1e-9):.1f}", err=totals.errors
+                    )
+                    if args.stop_after is not None and totals.requests >= args.stop_after:
+                        stopped = True
+                        break
+        except KeyboardInterrupt:
+            stopped = True
+        finally:
+            bar.close()
+    elapsed = time.perf_counter() - start
+    chunks = totals.chunk_hits + totals.chunk_misses
+    summary = {
+        "requests": totals.requests,
+        "errors": totals.errors,
+        "skipped_already_done": skipped,
+        "remaining": len(jobs) - totals.requests,
+        "prompt_tokens": totals.prompt_tokens,
+        "completion_tokens": totals.completion_tokens,
+        "cached_tokens": totals.cached_tokens,
+        "elapsed_s": round(elapsed, 3),
+        "tok_per_s": round(totals.completion_tokens / elapsed, 2) if elapsed > 0 else 0.0,
+        "chunk_hit_ratio": round(totals.chunk_hits / chunks, 4) if chunks else None,
+        "stopped_early": stopped,
+    }
+    print("lazyrt.batch summary: " + json.dumps(summary), file=sys.stderr)
+    return 130 if stopped and args.stop_after is None else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""Where batch jobs run: an in-process Engine (chunks through Engine.generate, so each chunk is one
+continuously batched run) or a running server (concurrent POST /generate). Both yield results in
+input order, each as soon as it and everything before it is done."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+from lazyrt.batch_input import Job
+
+Result = dict  # {"text", "meta"} or {"error": {"message"}}
+
+
+def _error(e: BaseException) -> Result:
+    return {"error": {"message": str(e) or type(e).__name__, "type": type(e).__name__}}
+
+
+class LocalRunner:
+    def __init__(self, engine, chunk_size: int):
+        self.engine = engine
+        self.chunk_size = max(1, chunk_size)
+
+    def _prompt(self, job: Job):
+        if job.prompt is not None:
+            return job.prompt
+        return self.engine.rag_prompt(job.docs, job.question, job.system)
+
+    def _run_chunk(self, jobs: list[Job]) -> list[Result]:
+        results: list[Result | None] = [None] * len(jobs)
+        prompts, params, where = [], [], []
+        for i, job in enumerate(jobs):
+            try:
+                prompts.append(self._prompt(job))
+            except (ValueError, TypeError) as e:
+                results[i] = _error(e)
+                continue
+            params.append(job.sampling)
+            where.append(i)
+        if prompts:
+            try:
+                outs = self.engine.generate(prompts, params)
+            except (ValueError, TypeError):  # one bad prompt rejects the chunk: run one by one
+                outs = []
+                for p, sp in zip(prompts, params):
+                    try:
+                        outs.append(self.engine.generate([p], sp)[0])
+                    except (ValueError, TypeError) as e:
+                        outs.append(_error(e))
+            for i, out in zip(where, outs):
+                results[i] = out if "error" in out else {"text": out["text"], "meta": out["meta"]}
+        return results  # type: ignore[return-value]
+
+    def run(self, jobs: Iterable[Job]) -> Iterator[tuple[Job, Result]]:
+        chunk: list[Job] = []
+        for job in jobs:
+            chunk.append(job)
+            if len(chunk) == self.chunk_size:
+                yield from zip(chunk, self._run_chunk(chunk))
+                chunk = []
+        if chunk:
+            yield from zip(chunk, self._run_chunk(chunk))
+
+
+class EndpointRunner:
+    def __init__(self, url: str, concurrency: int, api_key: str | None = None, timeout: float = 600.0):
+        import httpx
+
+        self.url = url.rstrip("/")
+        self.concurrency = max(1, concurrency)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.client = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
+
+    def check(self) -> None:
+        """Raise if the server cannot take work (then the job cannot run at all)."""
+        r = self.client.get("/health")
+        if r.status_code != 200:
+            raise RuntimeError(f"{self.url}/health answered {r.status_code}: {r.text[:200]}")
+
+    def _one(self, job: Job) -> Result:
+        sp = job.sampling
+        params = {
+            "max_tokens": sp.max_tokens,
+            "temperature": sp.temperature,
+            "top_p": sp.top_p,
+            "top_k": sp.top_k,
+            "stop": sp.stop,
+            "seed": sp.seed,
+            "ignore_eos": sp.ignore_eos,
+        }
+        if job.prompt is not None:
+            body: dict = {"text": job.prompt, "sampling_params": params}
+        else:
+            body = {"text": job.question, "docs": job.docs, "system": job.system, "sampling_params": params}
+        try:
+            r = self.client.post("/generate", json=body)
+        except Exception as e:  # transport errors fail this line; the job goes on
+            return _error(e)
+        if r.status_code != 200:
+            try:
+                msg = r.json()["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                msg = r.text[:500]
+            return {"error": {"message": f"HTTP {r.status_code}: {msg}", "type": "http_error"}}
+        out = r.json()
+        return {"text": out["text"], "meta": out["meta"]}
+
+    def run(self, jobs: Iterable[Job]) -> Iterator[tuple[Job, Result]]:
+        with ThreadPoolExecutor(self.concurrency) as pool:
+            window: deque = deque()
+            for job in jobs:  # keep ~2x concurrency in flight, hand results back in order
+                window.append((job, pool.submit(self._one, job)))
+                while len(window) > 2 * self.concurrency or (window and window[0][1].done()):
+                    j, f = window.popleft()
+                    yield j, f.result()
+            while window:
+                j, f = window.popleft()
+                yield j, f.result()
