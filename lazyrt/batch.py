@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def read_done(path: str) -> set[tuple]:
-    """Keys of inputs already answered. A torn last line (killed mid-write) is cut off first."""
+    """(key, line) of each input already answered. A torn last line (killed mid-write) is cut first."""
     if not os.path.exists(path):
         return set()
     with open(path, "rb+") as f:
@@ -99,12 +99,13 @@ def read_done(path: str) -> set[tuple]:
         except (json.JSONDecodeError, UnicodeDecodeError):
             continue
         if isinstance(rec, dict) and isinstance(rec.get("line"), int):
-            done.add(key(rec.get("id"), rec["line"]))
+            done.add((key(rec.get("id"), rec["line"]), rec["line"]))
     return done
 
 
 def read_jobs(path: str, done: set[tuple], defaults: dict) -> tuple[list[Job], int]:
     """Jobs still to do (bad lines included, as error jobs) and how many lines were already done."""
+    done_keys = {k for k, _ in done}
     jobs, seen, skipped = [], set(), 0
     with open(path, encoding="utf-8", errors="replace") as f:
         for n, text in enumerate(f, 1):
@@ -112,12 +113,14 @@ def read_jobs(path: str, done: set[tuple], defaults: dict) -> tuple[list[Job], i
                 continue
             job = parse_line(text, n, defaults)
             k = key(job.id, n)
-            if k in done:
+            dup = job.id is not None and k in seen
+            seen.add(k)
+            # A duplicate's error record is tied to its line; any other id is done wherever it was.
+            if (k, n) in done or (not dup and k in done_keys):
                 skipped += 1
                 continue
-            if job.id is not None and job.error is None and k in seen:
+            if dup and job.error is None:
                 job.error = f"line {n}: duplicate id {job.id!r} (an earlier line has it)"
-            seen.add(k)
             jobs.append(job)
     return jobs, skipped
 
