@@ -66,7 +66,21 @@ class TritonAttentionBackend:
         )
 
 
-def make_backend(device: torch.device, kv_layers: list[torch.Tensor], rope: RopeCache, sm_scale: float):
-    if device.type == "cuda":
-        return TritonAttentionBackend(kv_layers, rope, sm_scale)
-    return TorchAttentionBackend(kv_layers, rope, sm_scale)
+def make_backend(
+    device: torch.device,
+    kv_layers: list[torch.Tensor],
+    rope: RopeCache,
+    sm_scale: float,
+    use_flashinfer: bool,
+):
+    """CPU: torch references. CUDA: Triton, with FlashInfer prefill for dense page tables when asked
+    (non-lazy modes in fp16/bf16; FlashInfer has no fp32 kernels)."""
+    if device.type != "cuda":
+        return TorchAttentionBackend(kv_layers, rope, sm_scale)
+    triton_backend = TritonAttentionBackend(kv_layers, rope, sm_scale)
+    if use_flashinfer and kv_layers[0].dtype in (torch.float16, torch.bfloat16):
+        from lazyrt.kernels.flashinfer_backend import FlashInferPrefillBackend, flashinfer_available
+
+        if flashinfer_available():
+            return FlashInferPrefillBackend(triton_backend, kv_layers, rope, sm_scale)
+    return triton_backend

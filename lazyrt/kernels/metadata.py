@@ -28,6 +28,9 @@ class AttentionMetadata:
     rotate_keys: bool  # lazy mode: pages hold unrotated keys, attention rotates them
     max_q_len: int = 0  # host-side maxima, so GPU kernels launch without a device sync
     max_kv_entries: int = 0
+    # Every sequence's table is pages 0.. of its positions, all full but the last: the layout
+    # plain paged attention (FlashInfer) understands.
+    dense_pages: bool = False
 
     @property
     def batch_size(self) -> int:

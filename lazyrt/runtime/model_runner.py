@@ -21,7 +21,9 @@ class ModelRunner:
         self.device = model.device
         self.rope = RopeCache.build(model.config, max_positions, self.device)
         self.rotate_keys = rotate_keys
-        self.backend = make_backend(self.device, pool.kv, self.rope, model.config.head_dim**-0.5)
+        self.backend = make_backend(
+            self.device, pool.kv, self.rope, model.config.head_dim**-0.5, use_flashinfer=not rotate_keys
+        )
         self._rerotate = rerotate_pages_ref
         self.graphs = None
         if self.device.type == "cuda":
@@ -56,6 +58,7 @@ class ModelRunner:
             rotate_keys=self.rotate_keys,
             max_q_len=s.max_q_len,
             max_kv_entries=s.max_kv_entries,
+            dense_pages=s.dense_pages(self.pool.page_size),
         )
         return t(s.input_ids, torch.long), meta
 

@@ -34,6 +34,14 @@ class StepInputs:
         n = len(self.qo_indptr) - 1
         return self.max_q_len == 1 and len(self.sample_rows) == n
 
+    def dense_pages(self, page_size: int) -> bool:
+        """Each table maps positions 0.. onto its pages in order, every page but the last full."""
+        for a, b in zip(self.kv_indptr, self.kv_indptr[1:]):
+            for j, e in enumerate(range(a, b)):
+                if self.pos_base[e] != j * page_size or (e < b - 1 and self.valid_len[e] != page_size):
+                    return False
+        return True
+
     @classmethod
     def from_plan(cls, plan: StepPlan, page_size: int) -> StepInputs:
         s = cls()
