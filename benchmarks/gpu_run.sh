@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Device-machine driver, run from the repo root: bash benchmarks/gpu_run.sh STAGE...
-# Stages: kernels-test | bench BATCHES... | sweep BATCHES... | engine-test | jit
+# Stages: kernels-test | bench BATCHES... | sweep BATCHES... | engine-test | fi-test | jit
+# (fi-test needs .gpu_carry_tok: a config.json + tokenizer dir of the default model, for dummy weights)
 # Needs .whl/ (bash ../shared/gpu/make-wheels.sh pyzmq gguf msgpack); restores .jit.tgz if carried.
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
@@ -26,12 +27,14 @@ run_stage() {
       LAZYRT_CACHE_DIR=/tmp/lazyrt-cache python3 -m pytest -q -p no:cacheprovider tests/test_engine_gpu.py 2>&1 | tail -25 ;;
     sweep) python3 benchmarks/kernels.py --sweep-extend --skip-flashinfer --batches "${batches[@]}" 2>&1 \
              | grep SWEEP | sort -t: -k2 -n | head -12 ;;
+    fi-test) LAZYRT_GPU_MODEL_DIR="$PWD/.gpu_carry_tok" python3 -m pytest -q -p no:cacheprovider \
+               tests/test_flashinfer_gpu.py 2>&1 | tail -15 ;;
     jit) tar czf "$OUT/jit.tgz" -C .jit . && ls -la "$OUT/jit.tgz" ;;
   esac
 }
 for a in "$@"; do
   case "$a" in
-    kernels-test|bench|sweep|engine-test|jit) [ -n "$stage" ] && run_stage "$stage"; stage="$a"; batches=() ;;
+    kernels-test|bench|sweep|engine-test|fi-test|jit) [ -n "$stage" ] && run_stage "$stage"; stage="$a"; batches=() ;;
     *) batches+=("$a") ;;
   esac
 done
