@@ -24,6 +24,7 @@ try:
 except Exception as e:  # noqa: BLE001
     pytest.skip(f"triton is not importable ({e})", allow_module_level=True)
 
+from lazyrt.kernels import triton_attention as ta  # noqa: E402
 from lazyrt.kernels.attention_ref import lazy_attention_ref, rerotate_pages_ref, store_kv_ref  # noqa: E402
 from lazyrt.kernels.metadata import AttentionMetadata  # noqa: E402
 from lazyrt.kernels.rope import RopeCache, apply_rope_ref  # noqa: E402
@@ -116,6 +117,21 @@ def test_extend_bf16(q_lens, num_splits, rotate):
     ref = lazy_attention_ref(q, kv, meta, rope, HEAD_DIM**-0.5)
     out = lazy_attention_triton(q, kv, meta, rope, HEAD_DIM**-0.5, num_splits=num_splits)
     assert rel_err(out, ref) <= 1e-2
+
+
+@pytest.mark.parametrize("lowp,lazy,large_min", [(True, 0.0, 2), (False, 8.0, 2), (True, 8.0, 0)])
+def test_extend_bf16_variants(monkeypatch, lowp, lazy, large_min):
+    # 16-bit rotation math, lazily skipped rescales, the large-grid tile on every grid.
+    monkeypatch.setattr(ta, "EXTEND_ROT_LOWP", lowp)
+    monkeypatch.setattr(ta, "EXTEND_LAZY_RESCALE", lazy)
+    monkeypatch.setattr(ta, "EXTEND_LARGE_MIN_PER_SM", large_min)
+    for q_lens, splits in (([300], None), ([1, 77, 513], None), ([129, 64], 3)):
+        kv, meta = rag_batch(q_lens, docs=4, doc_len=704, rotate_keys=True, jitter=False)
+        rope = make_rope()
+        q = torch.randn(sum(q_lens), Q_HEADS, HEAD_DIM, device=DEV, dtype=BF16)
+        ref = lazy_attention_ref(q, kv, meta, rope, HEAD_DIM**-0.5)
+        out = lazy_attention_triton(q, kv, meta, rope, HEAD_DIM**-0.5, num_splits=splits)
+        assert rel_err(out, ref) <= 1e-2
 
 
 def test_decode_cuda_graph():

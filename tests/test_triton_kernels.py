@@ -50,7 +50,7 @@ def make_rope(head_dim: int, llama3: bool = False, rotary_dim: int | None = None
 
 
 def make_batch(q_lens, page_size, kv_heads, head_dim, dtype, rotate_keys, max_pos=400, docs=3, prior=None,
-               shuffle=True):
+               shuffle=True, full_pages=False):
     """Random ragged batch: each sequence sees a few chunks at arbitrary (gapped) positions, then the
     chunk holding its new tokens (whose K/V the model stored just before attending)."""
     qo, kvp, positions, pos_base, valid_len = [0], [0], [], [], []
@@ -58,7 +58,7 @@ def make_batch(q_lens, page_size, kv_heads, head_dim, dtype, rotate_keys, max_po
     for q_len in q_lens:
         pos = random.randint(0, 9)
         for _ in range(random.randint(0, docs)):  # documents: page-aligned chunks, tails partly filled
-            n = random.randint(1, 3 * page_size)
+            n = page_size * random.randint(1, 3) if full_pages else random.randint(1, 3 * page_size)
             chunks.append((pos, n))
             pos += n + random.randint(0, 5)
         # own chunk: earlier tokens + the new ones
@@ -162,6 +162,34 @@ def test_extend(request, group, head_dim, page_size, dtype, rotate, llama3, num_
 def test_extend_causal_block_edge(small_blocks):
     # A query tile whose only token sits at slot 0 of the next key block: that block must not be skipped.
     check_attention([17, 33], 1, 1, 64, 16, torch.float32, True, docs=0, prior=0, shuffle=False)
+
+
+@pytest.mark.parametrize("split", [None, 3])
+def test_extend_unmasked_blocks(small_blocks, split):
+    # Full document pages in order before the question: most key blocks take the unmasked path, the
+    # question's own pages the masked one; empty and partial splits included.
+    check_attention([40, 1, 23], 2, 1, 64, 8, torch.float32, True, num_splits=split, docs=5, shuffle=False,
+                    full_pages=True)
+    check_attention([33], 4, 1, 64, 16, torch.float16, True, num_splits=split, docs=4, shuffle=False,
+                    full_pages=True, prior=16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_extend_lazy_rescale_lowp_rotation(small_blocks, monkeypatch, dtype):
+    # Skipped rescales (tiny threshold: some blocks rescale, some not) and 16-bit rotation math.
+    monkeypatch.setattr(ta, "EXTEND_LAZY_RESCALE", 0.25)
+    monkeypatch.setattr(ta, "EXTEND_ROT_LOWP", True)
+    check_attention([40, 1, 23], 2, 1, 64, 8, dtype, True, docs=5, shuffle=False, full_pages=True)
+    monkeypatch.setattr(ta, "EXTEND_LAZY_RESCALE", 8.0)
+    check_attention([33, 5], 4, 1, 64, 16, dtype, True, num_splits=2, docs=4, shuffle=False, full_pages=True)
+
+
+def test_extend_large_tile(monkeypatch):
+    # Enough query tiles for the large-grid tile choice.
+    monkeypatch.setattr(ta, "EXTEND_LARGE", (32, 16, 4, 2))
+    monkeypatch.setattr(ta, "EXTEND_ROWS", 16)
+    monkeypatch.setattr(ta, "EXTEND_LARGE_MIN_PER_SM", 0)
+    check_attention([40, 17], 2, 1, 64, 8, torch.float32, True, docs=2)
 
 
 def test_odd_shapes():

@@ -9,6 +9,10 @@ Same contract as `attention_ref.lazy_attention_ref`. One kernel serves decode an
   iteration), loads the two rotary halves of K, rotates them with cos/sin rows gathered from the
   RopeCache at `pos_base + slot` (four FMAs a pair), masks `slot < valid_len` and `kv_pos <= q_pos`,
   and runs an exp2 online softmax in fp32;
+- extend/prefill first scans its split's page table: blocks of "clean" entries (full pages whose last
+  slot is visible to every query row of the tile) run in a branch-free, unmasked loop that the
+  compiler software-pipelines (cp.async for K, V, cos, sin and the page table); the rest run masked;
+  entries after the last one any row can see are never visited (causal skip without a branch);
 - split-KV (flash-decoding): with few programs for the GPU, the entries of each sequence are cut into
   `num_splits` ranges; each split writes a partial output + log2-sum-exp and `_merge_kernel` combines
   them. With one split the kernel writes the output directly (no merge launch).
@@ -21,6 +25,9 @@ bf16, 5 x 2,048 + 128 keys a request, distinct pages per request:
   FlashInfer plain decode (docs, CUDA.md):     31 / - / - / - / 256 / - / 957 us
   extend, one request: 128 new tokens over 10k keys 232 us; causal 2,048-token chunk 283 us
   (torch SDPA on contiguous, unrotated K/V: 124 / 86 us: extend has headroom, decode was the goal).
+  prefill of the 128-token question, b1 / 4 / 16 / 64: 110 / 342 / 1192 / 4723 us = 0.78 / 1.92 /
+  1.68 / 1.46x FlashInfer paged prefill without RoPE (was 146 / 492 / 1940 / 7715 us when the K/V
+  loads sat under a causal-skip branch and were not pipelined). benchmarks/sweep_kernels.py.
 Host cost of one eager call is ~110 us (Triton's Python launch path): capture decode in CUDA graphs.
 
 Tunables (swept on that H100; retune per GPU):
@@ -46,11 +53,21 @@ DECODE_BLOCK_N, DECODE_SLOTS = 32, 4
 DECODE_WARPS = 4
 DECODE_STAGES = 2
 # Extend/prefill: ROWS query rows (tokens x group heads) per program against BLOCK_N keys a step.
+# H100 sweep (RAG shape): 128 x 32 keys, 4 warps best for small grids (b <= 4); 256 x 64, 8 warps for
+# large ones (b 16 / 64: -10%). Rotating in 16-bit math: -7% for the small tile at b >= 16 but +3% for
+# the large one, rel. err 4e-3 vs 2.8e-3: off. Lazy rescale (tau 8): 5-10% slower (branch + a cross-
+# warp max per block, more spills): off.
 EXTEND_ROWS = 128
 EXTEND_BLOCK_N = 32
 EXTEND_WARPS = 4
 EXTEND_STAGES = 2
 EXTEND_SLOTS = 2
+# Grids with at least this many 128-row programs per SM use the large tile (rows, keys, warps, stages).
+EXTEND_LARGE = (256, 64, 8, 2)
+EXTEND_LARGE_MIN_PER_SM = 2
+EXTEND_ROT_LOWP = False  # rotate 16-bit keys in their own dtype (packed math) instead of fp32
+EXTEND_LAZY_RESCALE = 0.0  # >0: skip rescaling acc on unmasked blocks unless a row max grows this much (log2)
+EXTEND_SCAN = 128  # page-table entries scanned per step to find the unmasked / live key blocks
 # Split-KV: as many splits as fill one wave of resident programs (never more: a second, partial wave
 # costs more than it spreads), none once the grid alone has a program per SM, and no split shorter
 # than MIN_SPLIT_TOKENS keys.
@@ -73,11 +90,17 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-def _rope_rows(rope: RopeCache, kv_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _rope_rows(
+    rope: RopeCache, kv_dtype: torch.dtype, same_dtype: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin views of one [max_pos, 2, rotary_dim / 2] table (a position's cos and sin share
     cache lines). For 16-bit KV it is fp16: half the table bytes per key, and its 5e-4 rounding is
-    far below that of the bf16/fp16 keys it rotates. Built once per RopeCache, kept on it."""
-    dtype = torch.float16 if HALF_TABLES and kv_dtype in (torch.float16, torch.bfloat16) else torch.float32
+    far below that of the bf16/fp16 keys it rotates (same_dtype: the KV dtype itself, for rotating
+    in packed 16-bit math). Built once per RopeCache, kept on it."""
+    half_kv = kv_dtype in (torch.float16, torch.bfloat16)
+    dtype = torch.float16 if HALF_TABLES and half_kv else torch.float32
+    if same_dtype and half_kv:
+        dtype = kv_dtype
     tables = rope.__dict__.setdefault("_triton_tables", {})
     hit = tables.get(dtype)
     if hit is None or hit[0] is not rope.cos or hit[1] is not rope.sin:  # rebuilt if cos/sin replaced
@@ -108,6 +131,114 @@ def decode_tiles(base_programs: int, max_tokens: int, device: torch.device) -> t
 
 
 @triton.jit
+def _attend_block(
+    blk, m_i, l_i, acc, q1, q2, q3, qpos,
+    kv_ptr, kv_indices_ptr, pos_base_ptr, valid_len_ptr, cos_ptr, sin_ptr,
+    e_begin, e_lo, e_hi, kvh, sm_scale_log2,
+    stride_kp, stride_kk, stride_ks, stride_kh, stride_cos,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    HALF: tl.constexpr, HALF_P: tl.constexpr, REST: tl.constexpr, REST_P: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_P: tl.constexpr,
+    ROTATE: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr,
+    ROT_LOWP: tl.constexpr, LAZY_RESCALE: tl.constexpr,
+):
+    """One key block into the online softmax. MASKED=False: the caller guarantees every key of the
+    block is a valid slot of an entry in range and visible to every query row (no load/score masks)."""
+    dt = kv_ptr.dtype.element_ty
+    offs_n = tl.arange(0, BLOCK_N)
+    ch = tl.arange(0, HALF_P)
+    ch_ok = ch < HALF
+    cd = tl.arange(0, HEAD_P)
+    cd_ok = cd < HEAD_DIM
+    # Token n of this block: entry e_lo + g // PAGE_SIZE, slot g % PAGE_SIZE (g = flat index), so
+    # a block spans several small pages or part of a large one.
+    g = blk * BLOCK_N + offs_n
+    ent = e_lo + g // PAGE_SIZE
+    slot = g % PAGE_SIZE
+    if MASKED:
+        ent_ok = ent < e_hi
+        page = tl.load(kv_indices_ptr + e_begin + ent, mask=ent_ok, other=0)
+        vlen = tl.load(valid_len_ptr + e_begin + ent, mask=ent_ok, other=0)
+        base = tl.load(pos_base_ptr + e_begin + ent, mask=ent_ok, other=0)
+        tok_ok = ent_ok & (slot < vlen)
+    else:
+        page = tl.load(kv_indices_ptr + e_begin + ent)
+        base = tl.load(pos_base_ptr + e_begin + ent)
+        tok_ok = offs_n < BLOCK_N
+    kpos = base + slot
+    k_off = page.to(tl.int64) * stride_kp + slot * stride_ks + kvh * stride_kh
+    kmask = tok_ok[:, None] & ch_ok[None, :]
+    vmask = tok_ok[:, None] & cd_ok[None, :]
+    if MASKED or HALF_P != HALF:
+        k1 = tl.load(kv_ptr + k_off[:, None] + ch[None, :], mask=kmask, other=0.0)
+        k2 = tl.load(kv_ptr + k_off[:, None] + HALF + ch[None, :], mask=kmask, other=0.0)
+    else:
+        k1 = tl.load(kv_ptr + k_off[:, None] + ch[None, :])
+        k2 = tl.load(kv_ptr + k_off[:, None] + HALF + ch[None, :])
+    # V issued with K: both in flight at once (decode is latency/bandwidth bound)
+    if MASKED or HEAD_P != HEAD_DIM:
+        v = tl.load(kv_ptr + stride_kk + k_off[:, None] + cd[None, :], mask=vmask, other=0.0)
+    else:
+        v = tl.load(kv_ptr + stride_kk + k_off[:, None] + cd[None, :])
+    if ROTATE:
+        # (k1, k2) -> (k1 cos - k2 sin, k2 cos + k1 sin); the cache's halves are equal.
+        c_off = kpos[:, None] * stride_cos + ch[None, :]
+        if ROT_LOWP:
+            # 16-bit KV with tables in its dtype: packed 16-bit math (half the instructions)
+            cos = tl.load(cos_ptr + c_off, mask=kmask, other=0.0)
+            sin = tl.load(sin_ptr + c_off, mask=kmask, other=0.0)
+            k1r = k1 * cos - k2 * sin
+            k2 = k2 * cos + k1 * sin
+            k1 = k1r
+        else:
+            cos = tl.load(cos_ptr + c_off, mask=kmask, other=0.0).to(tl.float32)
+            sin = tl.load(sin_ptr + c_off, mask=kmask, other=0.0).to(tl.float32)
+            k1f = k1.to(tl.float32)
+            k2f = k2.to(tl.float32)
+            k1 = (k1f * cos - k2f * sin).to(dt)
+            k2 = (k2f * cos + k1f * sin).to(dt)
+    s = tl.dot(q1, tl.trans(k1), input_precision=DOT_PREC)
+    s = tl.dot(q2, tl.trans(k2), s, input_precision=DOT_PREC)
+    if REST > 0:
+        cr = tl.arange(0, REST_P)
+        cr_ok = cr < REST
+        k3 = tl.load(kv_ptr + k_off[:, None] + 2 * HALF + cr[None, :],
+                     mask=tok_ok[:, None] & cr_ok[None, :], other=0.0)
+        s = tl.dot(q3, tl.trans(k3), s, input_precision=DOT_PREC)
+    # s stays unscaled: m_i is in scaled log2 units and p = exp2(s * scale - m) is one FMA + exp2.
+    if MASKED:
+        visible = tok_ok[None, :] & (kpos[None, :] <= qpos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) * sm_scale_log2)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # fully masked rows: no inf - inf
+        alpha = tl.math.exp2(m_i - m_use)
+        p = tl.math.exp2(s * sm_scale_log2 - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = tl.dot(p.to(dt), v, acc * alpha[:, None], input_precision=DOT_PREC)
+    elif LAZY_RESCALE > 0:
+        # Unmasked block: keep the running max (and skip rescaling acc) unless some row's max grew by
+        # more than LAZY_RESCALE (log2 units): p <= 2^LAZY_RESCALE stays exact enough in fp32/bf16.
+        m_blk = tl.max(s, axis=1) * sm_scale_log2
+        if tl.max(m_blk - m_i, axis=0) > LAZY_RESCALE:
+            m_new = tl.maximum(m_i, m_blk)
+            alpha = tl.math.exp2(m_i - m_new)
+            l_i = l_i * alpha
+            acc = acc * alpha[:, None]
+        else:
+            m_new = m_i
+        p = tl.math.exp2(s * sm_scale_log2 - m_new[:, None])
+        l_i = l_i + tl.sum(p, axis=1)
+        acc = tl.dot(p.to(dt), v, acc, input_precision=DOT_PREC)
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) * sm_scale_log2)
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s * sm_scale_log2 - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = tl.dot(p.to(dt), v, acc * alpha[:, None], input_precision=DOT_PREC)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _lazy_attn_kernel(
     q_ptr, kv_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     qo_indptr_ptr, positions_ptr, kv_indptr_ptr, kv_indices_ptr, pos_base_ptr, valid_len_ptr,
@@ -119,7 +250,8 @@ def _lazy_attn_kernel(
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, ENTRY_ALIGN: tl.constexpr,
     HALF: tl.constexpr, HALF_P: tl.constexpr, REST: tl.constexpr, REST_P: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_P: tl.constexpr,
-    ROTATE: tl.constexpr, CAUSAL_SKIP: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
+    ROTATE: tl.constexpr, SCAN: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
+    ROT_LOWP: tl.constexpr, LAZY_RESCALE: tl.constexpr,
 ):
     pid0 = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -150,6 +282,8 @@ def _lazy_attn_kernel(
         cr_ok = cr < REST
         q3 = tl.load(q_ptr + q_row[:, None] + 2 * HALF + cr[None, :], mask=row_ok[:, None] & cr_ok[None, :],
                      other=0.0).to(dt)
+    else:
+        q3 = q1  # unused
     cd = tl.arange(0, HEAD_P)
     cd_ok = cd < HEAD_DIM
 
@@ -164,64 +298,49 @@ def _lazy_attn_kernel(
         e_lo = 0
         e_hi = e_count
     n_blocks = tl.cdiv(tl.maximum(e_hi - e_lo, 0) * PAGE_SIZE, BLOCK_N)
-    if CAUSAL_SKIP:
+    n_clean = 0
+    if SCAN > 0:
+        # Prefill: scan this split's page table once. Keys of "clean" entries (full page, last slot
+        # <= every row's position) need no mask; entries after the last one that any row can see are
+        # not visited at all (causal skip). Blocks before the first non-clean entry run unmasked (a
+        # branch-free loop the compiler pipelines), the rest masked. Any entry order stays correct.
         qpos_max = tl.max(qpos, axis=0)
+        qpos_min = tl.min(tl.where(row_ok, qpos, 2147483647), axis=0)
+        first_dirty = e_hi
+        last_live = e_lo - 1
+        for e0 in range(e_lo, e_hi, SCAN):
+            e = e0 + tl.arange(0, SCAN)
+            e_ok = e < e_hi
+            pb = tl.load(pos_base_ptr + e_begin + e, mask=e_ok, other=0)
+            vl = tl.load(valid_len_ptr + e_begin + e, mask=e_ok, other=0)
+            dirty = e_ok & ((vl < PAGE_SIZE) | (pb + PAGE_SIZE - 1 > qpos_min))
+            first_dirty = tl.minimum(first_dirty, tl.min(tl.where(dirty, e, e_hi), axis=0))
+            live = e_ok & (vl > 0) & (pb <= qpos_max)
+            last_live = tl.maximum(last_live, tl.max(tl.where(live, e, e_lo - 1), axis=0))
+        n_blocks = tl.cdiv((last_live + 1 - e_lo) * PAGE_SIZE, BLOCK_N)
+        n_clean = tl.maximum(tl.minimum(((first_dirty - e_lo) * PAGE_SIZE) // BLOCK_N, n_blocks), 0)
 
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, HEAD_P], tl.float32)
-    offs_n = tl.arange(0, BLOCK_N)
-    for blk in range(0, n_blocks):
-        # Token n of this block: entry e_lo + g // PAGE_SIZE, slot g % PAGE_SIZE (g = flat index), so
-        # a block spans several small pages or part of a large one.
-        g = blk * BLOCK_N + offs_n
-        ent = e_lo + g // PAGE_SIZE
-        slot = g % PAGE_SIZE
-        ent_ok = ent < e_hi
-        page = tl.load(kv_indices_ptr + e_begin + ent, mask=ent_ok, other=0)
-        vlen = tl.load(valid_len_ptr + e_begin + ent, mask=ent_ok, other=0)
-        base = tl.load(pos_base_ptr + e_begin + ent, mask=ent_ok, other=0)
-        kpos = base + slot
-        tok_ok = ent_ok & (slot < vlen)
-        if CAUSAL_SKIP:
-            # Whole key block in the future of every row (causal prefill): skip its loads and math.
-            # (A branch stalls load pipelining, but masking instead was 1.6x slower on causal chunks.)
-            live = tl.min(tl.where(tok_ok, kpos, 2147483647), axis=0) <= qpos_max
-        else:
-            live = True
-        if live:
-            k_off = page.to(tl.int64) * stride_kp + slot * stride_ks + kvh * stride_kh
-            kmask = tok_ok[:, None] & ch_ok[None, :]
-            k1 = tl.load(kv_ptr + k_off[:, None] + ch[None, :], mask=kmask, other=0.0)
-            k2 = tl.load(kv_ptr + k_off[:, None] + HALF + ch[None, :], mask=kmask, other=0.0)
-            # V issued with K: both in flight at once (decode is latency/bandwidth bound)
-            v = tl.load(kv_ptr + stride_kk + k_off[:, None] + cd[None, :],
-                        mask=tok_ok[:, None] & cd_ok[None, :], other=0.0)
-            if ROTATE:
-                # (k1, k2) -> (k1 cos - k2 sin, k2 cos + k1 sin); the cache's halves are equal.
-                c_off = kpos[:, None] * stride_cos + ch[None, :]
-                cos = tl.load(cos_ptr + c_off, mask=kmask, other=0.0).to(tl.float32)
-                sin = tl.load(sin_ptr + c_off, mask=kmask, other=0.0).to(tl.float32)
-                k1f = k1.to(tl.float32)
-                k2f = k2.to(tl.float32)
-                k1 = (k1f * cos - k2f * sin).to(dt)
-                k2 = (k2f * cos + k1f * sin).to(dt)
-            s = tl.dot(q1, tl.trans(k1), input_precision=DOT_PREC)
-            s = tl.dot(q2, tl.trans(k2), s, input_precision=DOT_PREC)
-            if REST > 0:
-                k3 = tl.load(kv_ptr + k_off[:, None] + 2 * HALF + cr[None, :],
-                             mask=tok_ok[:, None] & cr_ok[None, :], other=0.0)
-                s = tl.dot(q3, tl.trans(k3), s, input_precision=DOT_PREC)
-            s = s * sm_scale_log2
-            visible = tok_ok[None, :] & (kpos[None, :] <= qpos[:, None])
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # fully masked rows: no inf - inf
-            alpha = tl.math.exp2(m_i - m_use)
-            p = tl.math.exp2(s - m_use[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = tl.dot(p.to(dt), v, acc * alpha[:, None], input_precision=DOT_PREC)
-            m_i = m_new
+    for blk in range(0, n_clean):
+        m_i, l_i, acc = _attend_block(
+            blk, m_i, l_i, acc, q1, q2, q3, qpos,
+            kv_ptr, kv_indices_ptr, pos_base_ptr, valid_len_ptr, cos_ptr, sin_ptr,
+            e_begin, e_lo, e_hi, kvh, sm_scale_log2,
+            stride_kp, stride_kk, stride_ks, stride_kh, stride_cos,
+            PAGE_SIZE, BLOCK_N, HALF, HALF_P, REST, REST_P, HEAD_DIM, HEAD_P, ROTATE, False, DOT_PREC,
+            ROT_LOWP, LAZY_RESCALE,
+        )
+    for blk in range(n_clean, n_blocks):
+        m_i, l_i, acc = _attend_block(
+            blk, m_i, l_i, acc, q1, q2, q3, qpos,
+            kv_ptr, kv_indices_ptr, pos_base_ptr, valid_len_ptr, cos_ptr, sin_ptr,
+            e_begin, e_lo, e_hi, kvh, sm_scale_log2,
+            stride_kp, stride_kk, stride_ks, stride_kh, stride_cos,
+            PAGE_SIZE, BLOCK_N, HALF, HALF_P, REST, REST_P, HEAD_DIM, HEAD_P, ROTATE, True, DOT_PREC,
+            ROT_LOWP, 0.0,
+        )
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     o = acc / l_safe[:, None]
@@ -295,23 +414,29 @@ def lazy_attention_triton(
         max_kv_entries = n_e if B == 1 else int((meta.kv_indptr[1:] - meta.kv_indptr[:-1]).max())
 
     rotate = bool(meta.rotate_keys)
+    decode = max_q_len == 1
+    rot_lowp = bool(EXTEND_ROT_LOWP) and not decode and kv.dtype in (torch.float16, torch.bfloat16)
     if rotate:
         assert rope is not None and rope.rotary_dim % 2 == 0 and rope.rotary_dim <= head_dim
         half = rope.rotary_dim // 2
-        cos, sin = _rope_rows(rope, kv.dtype)
+        cos, sin = _rope_rows(rope, kv.dtype, rot_lowp)
     else:
         half = head_dim // 2
         cos = sin = q  # unused
     rest = head_dim - 2 * half
 
-    decode = max_q_len == 1
     max_tokens = max_kv_entries * page_size
     if decode:
         rows, block_m, q_blocks, warps, stages = max(MIN_DOT, _pow2(group)), 1, 1, DECODE_WARPS, DECODE_STAGES
         block_n, auto_splits = decode_tiles(B * num_kv_heads, max_tokens, q.device)
     else:
-        rows = max(MIN_DOT, EXTEND_ROWS, _pow2(group))
-        block_m, block_n, warps, stages = rows // group, EXTEND_BLOCK_N, EXTEND_WARPS, EXTEND_STAGES
+        ext_rows, block_n, warps, stages = EXTEND_ROWS, EXTEND_BLOCK_N, EXTEND_WARPS, EXTEND_STAGES
+        rows = max(MIN_DOT, ext_rows, _pow2(group))
+        grid0 = B * triton.cdiv(max_q_len, rows // group) * num_kv_heads
+        if grid0 >= EXTEND_LARGE_MIN_PER_SM * _num_sms(q.device.index if q.device.type == "cuda" else None):
+            ext_rows, block_n, warps, stages = EXTEND_LARGE
+            rows = max(MIN_DOT, ext_rows, _pow2(group))
+        block_m = rows // group
         q_blocks = triton.cdiv(max_q_len, block_m)
         auto_splits = pick_num_splits(B * q_blocks * num_kv_heads, max_tokens, q.device, EXTEND_SLOTS)
     if num_splits is None:
@@ -338,7 +463,8 @@ def lazy_attention_triton(
         HALF=half, HALF_P=max(MIN_DOT, _pow2(half)),
         REST=rest, REST_P=max(MIN_DOT, _pow2(rest)) if rest else 0,
         HEAD_DIM=head_dim, HEAD_P=head_p,
-        ROTATE=rotate, CAUSAL_SKIP=not decode, SPLIT=split,
+        ROTATE=rotate, SCAN=0 if decode else EXTEND_SCAN, SPLIT=split,
+        ROT_LOWP=rot_lowp, LAZY_RESCALE=0.0 if decode else float(EXTEND_LAZY_RESCALE),
         DOT_PREC="ieee" if kv.dtype == torch.float32 else "tf32",
         num_warps=warps, num_stages=stages,
     )
