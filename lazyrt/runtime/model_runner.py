@@ -58,7 +58,8 @@ class ModelRunner:
             rotate_keys=self.rotate_keys,
             max_q_len=s.max_q_len,
             max_kv_entries=s.max_kv_entries,
-            dense_pages=s.dense_pages(self.pool.page_size),
+            # only prefill steps of non-lazy modes can go to FlashInfer: skip the scan otherwise
+            dense_pages=not self.rotate_keys and s.max_q_len > 1 and s.dense_pages(self.pool.page_size),
         )
         return t(s.input_ids, torch.long), meta
 
