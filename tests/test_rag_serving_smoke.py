@@ -1,0 +1,109 @@
+"""benchmarks/rag_serving.py: the workload generator, and one tiny end-to-end point on a CPU server."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+
+import numpy as np
+import pytest
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+sys.path.insert(0, BENCH)
+
+import rag_workload as rw  # noqa: E402
+
+
+def _wl(**kw):
+    cfg = rw.WorkloadConfig(**{"num_docs": 50, "doc_tokens": 16, "num_requests": 400, "rate": 4.0, **kw})
+    return rw.build_workload(cfg, rw.fallback_words())
+
+
+def test_workload_deterministic():
+    a, b = _wl(), _wl()
+    assert a.docs == b.docs
+    assert [(r.arrival_s, r.doc_ids, r.question) for r in a.requests] == [
+        (r.arrival_s, r.doc_ids, r.question) for r in b.requests
+    ]
+    c = _wl(seed=1)
+    assert c.docs != a.docs and [r.doc_ids for r in c.requests] != [r.doc_ids for r in a.requests]
+    # The document pool does not depend on popularity or rate: every point shares it.
+    assert _wl(popularity="uniform", rate=1.0).docs == a.docs
+    for r in a.requests:
+        assert len(r.doc_ids) == 5 and len(set(r.doc_ids)) == 5
+
+
+def test_zipf_skew_and_uniform():
+    z = np.sort(_wl().doc_counts())[::-1]
+    u = np.sort(_wl(popularity="uniform").doc_counts())[::-1]
+    assert z.sum() == u.sum() == 400 * 5
+    # Zipf(2.1) with 5 distinct docs a request: the top documents appear in almost every request,
+    # the tail rarely; uniform: every document about 400 * 5 / 50 = 40 times.
+    assert z[0] >= 0.9 * 400 and z[:5].sum() > 0.6 * z.sum() and z[-10:].sum() < 0.05 * z.sum()
+    assert u.max() < 70 and u.min() > 15
+
+
+def test_poisson_arrivals():
+    for rate in (0.5, 4.0):
+        t = np.array([r.arrival_s for r in _wl(rate=rate, num_requests=2000).requests])
+        gaps = np.diff(np.concatenate([[0.0], t]))
+        assert np.all(gaps >= 0)
+        assert abs(gaps.mean() - 1 / rate) < 0.1 / rate
+        assert abs(gaps.std() / gaps.mean() - 1) < 0.1  # exponential: cv = 1
+    assert all(r.arrival_s == 0 for r in _wl(rate=math.inf).requests)
+
+
+def test_docs_tokenize_to_exact_length(tokenizer):
+    words = rw.single_token_words(tokenizer)
+    docs = rw.make_docs(words, 4, 200, seed=3)
+    assert rw.check_doc_tokens(tokenizer, docs) == [200] * 4
+
+
+def test_tokenizer_dir_env_for_dummy_preset(tokenizer, tmp_path, monkeypatch):
+    """LAZYRT_TOKENIZER_DIR gives a dummy preset a tokenizer without the default GGUF."""
+    from lazyrt.models import loader
+
+    tokenizer.save_pretrained(tmp_path)
+    monkeypatch.setenv(loader.TOKENIZER_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(loader, "default_model_path", lambda: (_ for _ in ()).throw(FileNotFoundError("x")))
+    m = loader.load_model("tiny-llama", load_format="dummy")
+    assert m.tokenizer.get_vocab() == tokenizer.get_vocab()
+    monkeypatch.delenv(loader.TOKENIZER_DIR_ENV)
+    with pytest.raises(FileNotFoundError):
+        loader.load_model("tiny-llama", load_format="dummy")
+
+
+@pytest.mark.slow
+def test_end_to_end_point_on_cpu_server(tmp_path):
+    """One tiny point through the real harness: launches a CPU server, streams, reports, plots."""
+    import rag_serving
+
+    out, md, png = tmp_path / "r.jsonl", tmp_path / "r.md", tmp_path / "r.png"
+    rows = rag_serving.main(
+        [
+            "--model", "default", "--load-format", "auto", "--device", "cpu",
+            "--docs", "4", "--doc-tokens", "24", "--docs-per-request", "2", "--num-requests", "3",
+            "--rates", "inf", "--popularity", "zipf", "--modes", "lazy", "--output-tokens", "3",
+            "--warmup", "0", "--out", str(out), "--md", str(md), "--plot", str(png),
+            "--startup-timeout", "240", "--request-timeout", "240",
+        ]
+    )  # fmt: skip
+    assert len(rows) == 1
+    row = json.loads(out.read_text().splitlines()[0])
+    assert row["mode"] == "lazy" and row["completed"] == 3 and row["failed"] == 0
+    assert row["total_output_tokens"] == 9 and row["output_tokens"] == 3
+    assert row["ttft_ms"]["p50"] > 0 and row["e2e_ms"]["p99"] >= row["ttft_ms"]["p99"]
+    assert row["chunk_hits"] + row["chunk_misses"] == 6  # 3 requests x 2 docs
+    assert row["chunk_misses"] >= 1 and row["kv_pages_total"] > 0
+    assert "| lazy | zipf |" in md.read_text()
+    try:
+        import matplotlib  # noqa: F401
+
+        assert png.stat().st_size > 1000
+    except ImportError:
+        pass
+    # --report-only rebuilds the table from the JSON lines.
+    again = rag_serving.main(["--report-only", "--out", str(out), "--plot", ""])
+    assert again[0]["ttft_ms"] == row["ttft_ms"]
