@@ -1,0 +1,175 @@
+"""Synthetic RAG QA data for benchmarks/quality.py: made-up facts, one answer doc among distractors.
+
+Every document describes one invented entity with a few facts (kind-specific templates). A
+question asks for one fact of one entity; its retrieved set is that entity's document plus 2-4
+distractors of the same kind (same template, other entities, other values), shuffled. Every value
+in the pool is unique, so the answer string appears in exactly one retrieved document. No
+downloads; everything follows from the seed.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass, field
+
+_ONSETS = ["b", "c", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br", "tr", "dr"]
+_VOWELS = ["a", "e", "i", "o", "u"]
+_CODAS = ["", "", "n", "l", "r", "s", "m"]
+
+
+def _name(rng: random.Random, syllables: int) -> str:
+    s = "".join(rng.choice(_ONSETS) + rng.choice(_VOWELS) + rng.choice(_CODAS) for _ in range(syllables))
+    return s.capitalize()
+
+
+# kind -> (document template, {fact: (question template, value generator name)})
+# Templates use {name} for the entity and one placeholder per fact.
+KINDS: dict[str, tuple[str, dict[str, str]]] = {
+    "bridge": (
+        "The {name} Bridge in {town} was completed in {year} and is {length} metres long.",
+        {
+            "town": "In which town is the {name} Bridge?",
+            "year": "In which year was the {name} Bridge completed?",
+            "length": "How long is the {name} Bridge in metres?",
+        },
+    ),
+    "chemist": (
+        "{name} is a chemist born in {town} in {year}. {name} discovered the metal {metal}.",
+        {
+            "town": "In which town was the chemist {name} born?",
+            "year": "In which year was the chemist {name} born?",
+            "metal": "Which metal did the chemist {name} discover?",
+        },
+    ),
+    "company": (
+        "{name} Industries is based in {town}. It was founded in {year} and has {staff} employees.",
+        {
+            "town": "In which town is {name} Industries based?",
+            "year": "In which year was {name} Industries founded?",
+            "staff": "How many employees does {name} Industries have?",
+        },
+    ),
+    "lake": (
+        "Lake {name} lies near {town}. It is {depth} metres deep and is home to the {fish} fish.",
+        {
+            "town": "Near which town does Lake {name} lie?",
+            "depth": "How deep is Lake {name} in metres?",
+            "fish": "Which fish lives in Lake {name}?",
+        },
+    ),
+    "ship": (
+        "The ship {name} was launched in {year} from the port of {town}. Its captain is {captain}.",
+        {
+            "year": "In which year was the ship {name} launched?",
+            "town": "From which port was the ship {name} launched?",
+            "captain": "Who is the captain of the ship {name}?",
+        },
+    ),
+}
+
+
+@dataclass
+class Doc:
+    kind: str
+    entity: str
+    facts: dict[str, str]
+    text: str
+
+
+@dataclass
+class Question:
+    qid: int
+    kind: str
+    fact: str
+    question: str
+    answer: str
+    docs: list[str]
+    answer_doc: int  # index into docs
+    distractor_values: list[str] = field(default_factory=list)  # the same fact of the distractors
+
+
+class _Values:
+    """Draws values that are unique across the whole pool (no answer can appear in two docs)."""
+
+    def __init__(self, rng: random.Random):
+        self.rng = rng
+        self.used: set[str] = set()
+
+    def _unique(self, make) -> str:
+        for _ in range(10_000):
+            v = make()
+            if normalize(v) not in self.used and all(normalize(v) not in u and u not in normalize(v)
+                                                     for u in self.used if not v.isdigit()):
+                self.used.add(normalize(v))
+                return v
+        raise RuntimeError("value space exhausted")
+
+    def get(self, kind: str) -> str:
+        r = self.rng
+        makers = {
+            "name": lambda: _name(r, r.choice([2, 3])),
+            "town": lambda: _name(r, 2) + r.choice(["ton", "ford", "holm", "by", "mere", "stad"]),
+            "year": lambda: str(r.randint(1700, 1999)),
+            "length": lambda: str(r.randint(120, 2900)),
+            "depth": lambda: str(r.randint(20, 990)),
+            "staff": lambda: str(r.randint(1100, 9800)),
+            "metal": lambda: _name(r, 2) + "ium",
+            "fish": lambda: _name(r, 2) + r.choice(["fin", "gill", "scale"]),
+            "captain": lambda: _name(r, 2) + " " + _name(r, 2),
+        }
+        return self._unique(makers[kind])
+
+
+def make_docs(rng: random.Random, per_kind: int) -> list[Doc]:
+    vals = _Values(rng)
+    docs = []
+    for kind, (template, facts) in KINDS.items():
+        for _ in range(per_kind):
+            name = vals.get("name") if kind != "chemist" else vals.get("captain")
+            fv = {f: vals.get("year" if f == "year" else f) for f in facts}
+            docs.append(Doc(kind, name, fv, template.format(name=name, **fv)))
+    return docs
+
+
+def make_dataset(n_questions: int = 200, seed: int = 0, per_kind: int = 16,
+                 min_docs: int = 3, max_docs: int = 5) -> list[Question]:
+    """n_questions questions over a pool of len(KINDS) * per_kind documents (docs repeat across
+    questions, so a chunk cache gets reused)."""
+    rng = random.Random(seed)
+    docs = make_docs(rng, per_kind)
+    by_kind: dict[str, list[Doc]] = {}
+    for d in docs:
+        by_kind.setdefault(d.kind, []).append(d)
+    out = []
+    for qid in range(n_questions):
+        kind = rng.choice(list(KINDS))
+        target = rng.choice(by_kind[kind])
+        fact = rng.choice(list(KINDS[kind][1]))
+        n = rng.randint(min_docs, max_docs)
+        distractors = rng.sample([d for d in by_kind[kind] if d is not target], n - 1)
+        retrieved = distractors + [target]
+        rng.shuffle(retrieved)
+        out.append(Question(
+            qid=qid, kind=kind, fact=fact,
+            question=KINDS[kind][1][fact].format(name=target.entity),
+            answer=target.facts[fact],
+            docs=[d.text for d in retrieved],
+            answer_doc=retrieved.index(target),
+            distractor_values=[d.facts[fact] for d in distractors],
+        ))
+    return out
+
+
+def normalize(text: str) -> str:
+    """Lowercase, digits without thousands separators, punctuation to spaces, single spaces."""
+    text = text.lower()
+    text = re.sub(r"(?<=\d)[,_](?=\d{3}\b)", "", text)
+    text = re.sub(r"[^a-z0-9]+", " ", text)
+    return " ".join(text.split())
+
+
+def is_correct(generated: str, answer: str) -> bool:
+    """The normalized answer appears in the normalized output as whole words."""
+    g, a = f" {normalize(generated)} ", f" {normalize(answer)} "
+    return a in g
