@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Device-machine driver, run from the repo root: bash benchmarks/gpu_run.sh STAGE...
 # Stages: kernels-test | bench BATCHES... | sweep BATCHES... | engine-test | fi-test | jit
+#         | serving [rag_serving.py ARGS...] | roofline [ARGS...] | offline-hf [ARGS...]
+# (serving/roofline/offline-hf: dummy llama-3.1-8b, tokenizer from .gpu_carry_tok; results in $OUT)
 # (fi-test needs .gpu_carry_tok: a config.json + tokenizer dir of the default model, for dummy weights)
 # Needs .whl/ (bash ../shared/gpu/make-wheels.sh pyzmq gguf msgpack); restores .jit.tgz if carried.
 set -uo pipefail
@@ -29,12 +31,19 @@ run_stage() {
              | grep SWEEP | sort -t: -k2 -n | head -12 ;;
     fi-test) LAZYRT_GPU_MODEL_DIR="$PWD/.gpu_carry_tok" python3 -m pytest -q -p no:cacheprovider \
                tests/test_flashinfer_gpu.py 2>&1 | tail -15 ;;
+    serving) LAZYRT_TOKENIZER_DIR="$PWD/.gpu_carry_tok" python3 benchmarks/rag_serving.py \
+               --tokenizer-dir "$PWD/.gpu_carry_tok" --out "$OUT/rag_serving.jsonl" --md "$OUT/rag_serving.md" \
+               --plot "$OUT/rag_serving_ttft.png" "${batches[@]}" 2>&1 | tee -a "$OUT/serving.log" | tail -40 ;;
+    roofline) LAZYRT_TOKENIZER_DIR="$PWD/.gpu_carry_tok" python3 benchmarks/decode_roofline.py \
+                --out "$OUT/decode_roofline.jsonl" "${batches[@]}" 2>&1 | tail -15 ;;
+    offline-hf) LAZYRT_TOKENIZER_DIR="$PWD/.gpu_carry_tok" python3 benchmarks/offline_vs_hf.py \
+                  --out "$OUT/offline_vs_hf.jsonl" "${batches[@]}" 2>&1 | tail -8 ;;
     jit) tar czf "$OUT/jit.tgz" -C .jit . && ls -la "$OUT/jit.tgz" ;;
   esac
 }
 for a in "$@"; do
   case "$a" in
-    kernels-test|bench|sweep|engine-test|fi-test|jit) [ -n "$stage" ] && run_stage "$stage"; stage="$a"; batches=() ;;
+    kernels-test|bench|sweep|engine-test|fi-test|jit|serving|roofline|offline-hf) [ -n "$stage" ] && run_stage "$stage"; stage="$a"; batches=() ;;
     *) batches+=("$a") ;;
   esac
 done

@@ -1,0 +1,137 @@
+"""Offline batch throughput: lazyrt Engine.generate vs HF transformers `generate` (issue 6).
+
+Same prompts (random token ids), same model shape, same dtype and device, fixed output length
+(ignore_eos / min_new_tokens). Dummy presets: HF gets a randomly initialised model of the same config
+(speed does not depend on the values); an HF dir / .gguf / 'default': both load the same weights.
+
+GPU:  python benchmarks/offline_vs_hf.py              (llama-3.1-8b, bf16, batch 16, 2048 + 64 tokens)
+CPU smoke:  python benchmarks/offline_vs_hf.py --model tiny-llama --device cpu --batch 2 \
+              --prompt-tokens 16 --output-tokens 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+
+def sync(device: str) -> None:
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def hf_model(args, dtype: torch.dtype):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lazyrt.models import dummy
+    from lazyrt.models.loader import load_model
+
+    if args.load_format == "dummy" and args.model in dummy.PRESETS:
+        cfg = dict(dummy.preset_config(args.model))
+        hf_cfg = AutoConfig.for_model(cfg.pop("model_type", "llama"), **cfg)
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)  # built in dtype, on the device: no fp32 host copy of 8B
+        try:
+            with torch.device(args.device):
+                return AutoModelForCausalLM.from_config(hf_cfg).eval()
+        finally:
+            torch.set_default_dtype(prev)
+    path = load_model(None if args.model == "default" else args.model, load_format="auto").path
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(args.device).eval()
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="llama-3.1-8b")
+    p.add_argument("--load-format", default="dummy")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="auto", help="auto = bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--prompt-tokens", type=int, default=2048)
+    p.add_argument("--output-tokens", type=int, default=64)
+    p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--out", default=None, help="JSON lines, appended")
+    args = p.parse_args(argv)
+    if args.dtype == "auto":
+        args.dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
+    dtype = getattr(torch, args.dtype)
+
+    from lazyrt import Engine, SamplingParams
+
+    eng = Engine(
+        model=None if args.model == "default" else args.model,
+        device=args.device,
+        dtype=args.dtype,
+        load_format=args.load_format,
+        cache_mode="none",
+        max_running_requests=args.batch,
+        kv_cache_tokens=args.batch * (args.prompt_tokens + args.output_tokens + 16) + 64,
+    )
+    vocab = min(eng.model_config.vocab_size, 32000)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [
+        torch.randint(100, vocab, (args.prompt_tokens,), generator=gen).tolist() for _ in range(args.batch)
+    ]
+    sp = SamplingParams(max_tokens=args.output_tokens, temperature=0.0, ignore_eos=True)
+    eng.generate(prompts[:1], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
+    sync(args.device)
+    t = time.perf_counter()
+    outs = eng.generate(prompts, sp)
+    sync(args.device)
+    t_eng = time.perf_counter() - t
+    n_out = sum(len(o["token_ids"]) for o in outs)
+    row = {
+        "model": args.model,
+        "device": args.device,
+        "dtype": args.dtype,
+        "batch": args.batch,
+        "prompt_tokens": args.prompt_tokens,
+        "output_tokens": args.output_tokens,
+        "lazyrt_s": t_eng,
+        "lazyrt_out_tok_s": n_out / t_eng,
+    }
+    del eng
+    if not args.skip_hf:
+        model = hf_model(args, dtype)
+        ids = torch.tensor(prompts, device=args.device)
+        kw = dict(
+            max_new_tokens=args.output_tokens,
+            min_new_tokens=args.output_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+        with torch.inference_mode():
+            w = ids[:1]
+            model.generate(
+                w, attention_mask=torch.ones_like(w), **{**kw, "max_new_tokens": 2, "min_new_tokens": 2}
+            )
+            sync(args.device)
+            t = time.perf_counter()
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+            sync(args.device)
+        t_hf = time.perf_counter() - t
+        n_hf = (out.shape[1] - ids.shape[1]) * out.shape[0]
+        row.update(hf_s=t_hf, hf_out_tok_s=n_hf / t_hf, speedup=(n_out / t_eng) / (n_hf / t_hf))
+    print(json.dumps(row))
+    print("| engine | batch | prompt | output | s | output tok/s |\n|---|---|---|---|---|---|")
+    print(
+        f"| lazyrt | {args.batch} | {args.prompt_tokens} | {args.output_tokens} | {t_eng:.2f} | "
+        f"{row['lazyrt_out_tok_s']:.1f} |"
+    )
+    if "hf_s" in row:
+        print(
+            f"| HF generate | {args.batch} | {args.prompt_tokens} | {args.output_tokens} | "
+            f"{row['hf_s']:.2f} | "
+            f"{row['hf_out_tok_s']:.1f} |  (lazyrt / HF = {row['speedup']:.2f}x)"
+        )
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(json.dumps(row) + "\n")
+    return row
+
+
+if __name__ == "__main__":
+    main()
