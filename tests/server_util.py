@@ -81,3 +81,21 @@ def pid_alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+# The documents the server tests and frontend tests ask about.
+DOCS = [
+    "Quenta is the capital of Arvania and has two million inhabitants.",
+    "Mount Feller is the tallest peak in Arvania, at 5,210 metres.",
+    "The Arvanian currency is the lorn, divided into 100 pims.",
+]
+
+
+def serve_cpu(kv_cache_tokens: int):
+    """Generator for a module fixture: a healthy CPU server with the default model, stopped after."""
+    srv = ServerProc("--device", "cpu", "--kv-cache-tokens", str(kv_cache_tokens), "--log-level", "warning")
+    try:
+        srv.wait_healthy()
+        yield srv
+    finally:
+        srv.stop()

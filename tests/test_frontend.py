@@ -16,28 +16,17 @@ from lazyrt_frontend import (
     system,
     user,
 )
-from server_util import ServerProc
+from server_util import DOCS, serve_cpu
 
 from lazyrt import Engine, SamplingParams
 from lazyrt.runtime.rag_template import build_program_prompt
 
 pytestmark = pytest.mark.slow
 
-DOCS = [
-    "Quenta is the capital of Arvania and has two million inhabitants.",
-    "Mount Feller is the tallest peak in Arvania, at 5,210 metres.",
-    "The Arvanian currency is the lorn, divided into 100 pims.",
-]
-
 
 @pytest.fixture(scope="module")
 def server():
-    srv = ServerProc("--device", "cpu", "--kv-cache-tokens", "16384", "--log-level", "warning")
-    try:
-        srv.wait_healthy()
-        yield srv
-    finally:
-        srv.stop()
+    yield from serve_cpu(16384)
 
 
 @pytest.fixture(scope="module")

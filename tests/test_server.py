@@ -10,27 +10,16 @@ import time
 import httpx
 import pytest
 from openai import OpenAI
-from server_util import ServerProc
+from server_util import DOCS, serve_cpu
 
 from lazyrt import Engine, SamplingParams
 
 pytestmark = pytest.mark.slow
 
-DOCS = [
-    "Quenta is the capital of Arvania and has two million inhabitants.",
-    "Mount Feller is the tallest peak in Arvania, at 5,210 metres.",
-    "The Arvanian currency is the lorn, divided into 100 pims.",
-]
-
 
 @pytest.fixture(scope="module")
 def server():
-    srv = ServerProc("--device", "cpu", "--kv-cache-tokens", "32768", "--log-level", "warning")
-    try:
-        srv.wait_healthy()
-        yield srv
-    finally:
-        srv.stop()
+    yield from serve_cpu(32768)
 
 
 @pytest.fixture(scope="module")
