@@ -38,9 +38,12 @@ class ChunkTable:
     return page ids and the caller gives them back to the PagePool.
     """
 
-    def __init__(self, model_id: str, page_size: int) -> None:
+    def __init__(self, model_id: str, page_size: int, eviction_policy: str = "lru") -> None:
         if page_size <= 0:
             raise ValueError("page_size must be positive")
+        if eviction_policy != "lru":
+            raise ValueError(f"eviction_policy={eviction_policy!r}: must be one of lru")
+        self.eviction_policy = eviction_policy
         self.model_id = model_id
         self.page_size = page_size
         self.stats = ChunkTableStats()

@@ -68,13 +68,14 @@ class Scheduler:
         model_id: str,
         max_running_requests: int = 64,
         max_step_tokens: int = 8192,
+        eviction_policy: str = "lru",
     ):
         if cache_mode not in CACHE_MODES:
             raise ValueError(f"cache_mode={cache_mode!r}: must be one of {', '.join(CACHE_MODES)}")
         self.pool = pool
         self.page_size = pool.page_size
         self.cache_mode = cache_mode
-        self.chunks = ChunkTable(model_id, pool.page_size)
+        self.chunks = ChunkTable(model_id, pool.page_size, eviction_policy)
         self.radix = RadixCache(pool.page_size)
         self.max_running = max_running_requests
         self.max_step_tokens = max_step_tokens
