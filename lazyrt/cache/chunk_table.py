@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import hashlib
+import heapq
 from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+
+from lazyrt.cache.eviction import Access, EvictionPolicy, make_policy
 
 
 @dataclass(slots=True, eq=False)
@@ -18,6 +21,8 @@ class Chunk:
     ref_count: int = 0  # requests currently using it
     last_used: int = 0  # logical clock tick
     hits: int = 0
+    priority: float = 0.0  # eviction priority set by the table's policy: lowest is evicted first
+    heap_seq: int = -1  # seq of the chunk's live eviction-heap entry; -1 once out of the table
 
     @property
     def num_tokens(self) -> int:
@@ -35,15 +40,19 @@ class ChunkTable:
     """Content-addressed store of chunk KV. key = hash(model_id, cond_tokens, tokens).
 
     The table owns the page ids of its chunks but never allocates or frees them: ``evict``/``remove``
-    return page ids and the caller gives them back to the PagePool.
+    return page ids and the caller gives them back to the PagePool. Which chunks ``evict`` drops is
+    up to the eviction policy (lazyrt/cache/eviction.py): lru, lfu or gdsf.
     """
 
     def __init__(self, model_id: str, page_size: int, eviction_policy: str = "lru") -> None:
         if page_size <= 0:
             raise ValueError("page_size must be positive")
-        if eviction_policy != "lru":
-            raise ValueError(f"eviction_policy={eviction_policy!r}: must be one of lru")
+        self.policy: EvictionPolicy = make_policy(eviction_policy)
         self.eviction_policy = eviction_policy
+        # Min-heap of (priority, seq, chunk) over every chunk (evictable or not). An entry is live
+        # while chunk.heap_seq == seq; a priority change pushes a new entry and the old one goes stale.
+        self._heap: list[tuple[float, int, Chunk]] = []
+        self._seq = 0
         self.model_id = model_id
         self.page_size = page_size
         self.stats = ChunkTableStats()
@@ -75,7 +84,7 @@ class ChunkTable:
             return None
         self.stats.hits += 1
         chunk.hits += 1
-        self._touch(chunk)
+        self._touch(chunk, "hit")
         return chunk
 
     def insert(self, cond_tokens: Sequence[int], tokens: Sequence[int], pages: list[int]) -> Chunk:
@@ -94,13 +103,13 @@ class ChunkTable:
         self._buckets.setdefault(key, []).append(chunk)
         self._owned.update(pages)
         self._count += 1
-        self._touch(chunk)
+        self._touch(chunk, "insert")
         return chunk
 
     def acquire(self, chunk: Chunk) -> None:
         self._check_member(chunk)
         chunk.ref_count += 1
-        self._touch(chunk)
+        self._touch(chunk, "acquire")
 
     def release(self, chunk: Chunk) -> None:
         self._check_member(chunk)
@@ -119,16 +128,26 @@ class ChunkTable:
         return sum(len(c.pages) for c in self if c.ready and c.ref_count == 0)
 
     def evict(self, num_pages: int) -> list[int]:
-        """Evict unreferenced ready chunks, LRU first, until >= num_pages pages are freed or none remain."""
+        """Evict unreferenced ready chunks, lowest policy priority first, until >= num_pages pages are
+        freed or none remain. A chunk is evicted whole, so more than num_pages may come back."""
         if num_pages <= 0:
             return []
-        victims = sorted((c for c in self if c.ready and c.ref_count == 0), key=lambda c: c.last_used)
         freed: list[int] = []
-        for chunk in victims:
-            if len(freed) >= num_pages:
-                break
+        skipped: list[tuple[float, int, Chunk]] = []  # live entries of chunks in use or not ready
+        heap = self._heap
+        while len(freed) < num_pages and heap:
+            entry = heapq.heappop(heap)
+            chunk = entry[2]
+            if chunk.heap_seq != entry[1]:
+                continue  # stale: the chunk was re-prioritized or has left the table
+            if not chunk.ready or chunk.ref_count:
+                skipped.append(entry)
+                continue
+            self.policy.on_evict(chunk)
             freed += self._drop(chunk)
             self.stats.evictions += 1
+        for entry in skipped:
+            heapq.heappush(heap, entry)
         return freed
 
     def clear_unreferenced(self) -> list[int]:
@@ -168,11 +187,20 @@ class ChunkTable:
             del self._buckets[chunk.key]
         self._owned.difference_update(chunk.pages)
         self._count -= 1
+        chunk.heap_seq = -1  # its heap entries are stale from now on
         return list(chunk.pages)
 
-    def _touch(self, chunk: Chunk) -> None:
+    def _touch(self, chunk: Chunk, kind: Access) -> None:
         self._clock += 1
         chunk.last_used = self._clock
+        if self.policy.on_access(chunk, kind, self._clock) or chunk.heap_seq < 0:
+            self._seq += 1
+            chunk.heap_seq = self._seq
+            heapq.heappush(self._heap, (chunk.priority, self._seq, chunk))
+            if len(self._heap) > 2 * self._count + 64:
+                # Drop stale entries; live ones keep their seq, so they stay valid.
+                self._heap = [(c.priority, c.heap_seq, c) for c in self]
+                heapq.heapify(self._heap)
 
 
 def _as_tuple(tokens: Sequence[int]) -> tuple[int, ...]:
