@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lazyrt.cache.eviction import EVICTION_POLICIES
 from lazyrt.runtime.scheduler import CACHE_MODES
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -16,6 +17,7 @@ class EngineConfig:
     dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on CUDA
     page_size: int = 16
     cache_mode: str = "lazy"
+    eviction_policy: str = "lru"  # chunk eviction: lru | lfu | gdsf (lazyrt/cache/eviction.py)
     kv_cache_tokens: int | None = None  # KV budget in tokens; None = from memory
     kv_cache_memory_gb: float = 2.0  # CPU budget when kv_cache_tokens is None
     max_running_requests: int = 64
@@ -28,6 +30,10 @@ class EngineConfig:
     def validate(self) -> None:
         if self.cache_mode not in CACHE_MODES:
             raise ValueError(f"cache_mode={self.cache_mode!r}: must be one of {', '.join(CACHE_MODES)}")
+        if self.eviction_policy not in EVICTION_POLICIES:
+            raise ValueError(
+                f"eviction_policy={self.eviction_policy!r}: must be one of {', '.join(EVICTION_POLICIES)}"
+            )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r}: must be one of {', '.join(DTYPES)}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):

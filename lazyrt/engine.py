@@ -52,7 +52,12 @@ class Engine:
         self.runner = self.worker.runner
         self.eos_ids = self.worker.eos_ids
         self.scheduler = Scheduler(
-            self.pool, cfg.cache_mode, self.model_id, cfg.max_running_requests, cfg.max_step_tokens
+            self.pool,
+            cfg.cache_mode,
+            self.model_id,
+            cfg.max_running_requests,
+            cfg.max_step_tokens,
+            eviction_policy=cfg.eviction_policy,
         )
         self.core = EngineCore(self.scheduler, self.worker, self.eos_ids)
         self._rids = itertools.count()

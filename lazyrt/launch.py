@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from lazyrt.cache.eviction import EVICTION_POLICIES
 from lazyrt.config import DTYPES, EngineConfig
 from lazyrt.models.loader import LOAD_FORMATS
 from lazyrt.runtime.scheduler import CACHE_MODES
@@ -31,6 +32,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=d.device, help="auto | cpu | cuda | cuda:N")
     p.add_argument("--dtype", default=d.dtype, choices=DTYPES, help="auto = float32 on CPU, bfloat16 on CUDA")
     p.add_argument("--cache-mode", default=d.cache_mode, choices=CACHE_MODES, help="document KV reuse mode")
+    p.add_argument(
+        "--eviction-policy",
+        default=d.eviction_policy,
+        choices=EVICTION_POLICIES,
+        help="which unused document chunks leave the KV cache first: lru = least recently used, "
+        "lfu = least frequently used with aging, gdsf = greedy-dual-size-frequency (hits per page)",
+    )
     p.add_argument("--page-size", type=int, default=d.page_size, help="tokens per KV page (power of two)")
     p.add_argument(
         "--kv-cache-tokens",
@@ -75,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         dtype=args.dtype,
         page_size=args.page_size,
         cache_mode=args.cache_mode,
+        eviction_policy=args.eviction_policy,
         kv_cache_tokens=args.kv_cache_tokens,
         kv_cache_memory_gb=args.kv_cache_memory_gb,
         max_running_requests=args.max_running_requests,
