@@ -25,6 +25,9 @@ class EngineConfig:
     max_model_len: int | None = None  # cap on the model's context length
     load_format: str = "auto"
     cuda_graph_max_batch: int = 64  # decode steps up to this batch replay CUDA graphs; 0 = off
+    # Sink fix (lazy/block only): recompute the first N pages of each document after the first in
+    # the request's context (own pages, N * page_size extra prefill tokens per doc); 0 = off.
+    recompute_head_pages: int = 0
     seed: int = 0
 
     def validate(self) -> None:
@@ -44,3 +47,9 @@ class EngineConfig:
             raise ValueError(f"kv_cache_tokens={self.kv_cache_tokens}: must hold at least one page")
         if self.max_running_requests < 1 or self.max_step_tokens < 1:
             raise ValueError("max_running_requests and max_step_tokens must be >= 1")
+        n = self.recompute_head_pages
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(
+                f"recompute_head_pages={n!r}: must be an integer >= 0 (pages of each document after "
+                "the first recomputed in context; 0 = off)"
+            )

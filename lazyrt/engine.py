@@ -57,6 +57,7 @@ class Engine:
             self.model_id,
             cfg.max_running_requests,
             cfg.max_step_tokens,
+            recompute_head_pages=cfg.recompute_head_pages,
             eviction_policy=cfg.eviction_policy,
         )
         self.core = EngineCore(self.scheduler, self.worker, self.eos_ids)

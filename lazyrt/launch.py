@@ -66,6 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.cuda_graph_max_batch,
         help="CUDA-graph decode up to this batch",
     )
+    p.add_argument(
+        "--recompute-head-pages",
+        type=int,
+        default=d.recompute_head_pages,
+        help="sink fix for lazy/block modes: recompute the first N KV pages of each document after the "
+        "first in the request's context (N * page-size extra prefill tokens and N pages per doc); 0 = off",
+    )
     p.add_argument("--seed", type=int, default=d.seed, help="seed for dummy weights")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (except /health)")
     p.add_argument("--served-model-name", default=None, help="model name in the API; default from --model")
@@ -91,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         max_model_len=args.max_model_len,
         load_format=args.load_format,
         cuda_graph_max_batch=args.cuda_graph_max_batch,
+        recompute_head_pages=args.recompute_head_pages,
         seed=args.seed,
     )
     try:

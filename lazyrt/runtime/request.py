@@ -44,7 +44,13 @@ class Request:
     own: Segment | None = None
     chunks: list[Chunk] = field(default_factory=list)  # chunk refs held (released at finish)
     copied_pages: list[int] = field(default_factory=list)  # block mode: per-use copies of doc pages
-    copies: list[tuple[Chunk, Segment]] = field(default_factory=list)  # pending block copies
+    # pending block copies: (chunk pages to copy, destination pages, position delta to re-rotate by)
+    copies: list[tuple[list[int], list[int], int]] = field(default_factory=list)
+    # Sink fix (recompute_head_pages): pages the request owns for the recomputed first tokens of its
+    # docs after the first, and the heads still to compute: (index of the head's Segment in
+    # `segments`, its tokens). They are prefilled in context, in the step of the suffix.
+    head_pages: list[int] = field(default_factory=list)
+    heads: list[tuple[int, list[int]]] = field(default_factory=list)
     radix_node: object | None = None
     radix_pages: list[int] = field(default_factory=list)
     # accounting for `meta`

@@ -1,9 +1,10 @@
 """Scheduler: admits requests when their pages fit, resolves chunks, and plans each forward step.
 
 A step mixes chunk prefills (a document's KV, computed once), prefills of request-owned tokens
-(question suffix or uncached prompt) and decodes. Pages a request may still need (its suffix and
-max_new_tokens) are reserved at admission, so a running request never waits for memory and a full
-pool only makes new requests wait.
+(question suffix or uncached prompt, plus recomputed document heads with recompute_head_pages) and
+decodes. Pages a request may still need (its suffix and max_new_tokens, recomputed heads, block
+copies) are reserved at admission, so a running request never waits for memory and a full pool only
+makes new requests wait.
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ class Scheduler:
         max_running_requests: int = 64,
         max_step_tokens: int = 8192,
         eviction_policy: str = "lru",
+        recompute_head_pages: int = 0,
     ):
         if cache_mode not in CACHE_MODES:
             raise ValueError(f"cache_mode={cache_mode!r}: must be one of {', '.join(CACHE_MODES)}")
@@ -79,6 +81,12 @@ class Scheduler:
         self.radix = RadixCache(pool.page_size)
         self.max_running = max_running_requests
         self.max_step_tokens = max_step_tokens
+        if isinstance(recompute_head_pages, bool) or not isinstance(recompute_head_pages, int):
+            raise ValueError(f"recompute_head_pages={recompute_head_pages!r}: must be an integer >= 0")
+        if recompute_head_pages < 0:
+            raise ValueError(f"recompute_head_pages={recompute_head_pages}: must be >= 0 (0 = off)")
+        # Sink fix (block/lazy): each doc after the first gets its first n pages recomputed in context.
+        self.recompute_head_pages = recompute_head_pages
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.jobs: list[_ChunkJob] = []
@@ -93,8 +101,24 @@ class Scheduler:
         if not (req.is_rag and self.uses_chunks):
             return self.pages_for(req.prompt_len + req.max_new_tokens)
         doc_pages = sum(self.pages_for(len(d)) for d in req.docs)
-        copies = doc_pages if self.cache_mode == "block" else 0
-        return self.pages_for(len(req.prefix)) + doc_pages + copies + own
+        return self.pages_for(len(req.prefix)) + doc_pages + self._per_use_pages(req) + own
+
+    def head_lens(self, req: Request) -> list[int]:
+        """Tokens of each doc the request recomputes in context (its own pages): the first
+        recompute_head_pages pages of every doc after the first (the first doc's chunk KV already is
+        what full attention gives: it sees the prefix only). 0 = served from the chunk."""
+        k = self.recompute_head_pages * self.page_size
+        return [min(k, len(d)) if i > 0 else 0 for i, d in enumerate(req.docs)]
+
+    def _per_use_pages(self, req: Request) -> int:
+        """Pages a RAG request owns besides its suffix: recomputed heads, and in block mode the
+        re-rotated copies of the rest of each doc."""
+        pages = 0
+        for d, h in zip(req.docs, self.head_lens(req)):
+            pages += self.pages_for(h)
+            if self.cache_mode == "block":
+                pages += self.pages_for(len(d) - h)
+        return pages
 
     @property
     def uses_chunks(self) -> bool:
@@ -170,9 +194,8 @@ class Scheduler:
         for c in held:
             self.chunks.acquire(c)  # protect hits from the eviction below
         new_pages = sum(self.pages_for(len(t)) for (_, t), c in found.items() if c is None)
-        doc_pages = sum(self.pages_for(len(d)) for d in req.docs)
         own_pages = self.pages_for(len(req.suffix) + req.max_new_tokens)
-        need = new_pages + own_pages + (doc_pages if self.cache_mode == "block" else 0)
+        need = new_pages + own_pages + self._per_use_pages(req)
         self._make_room(need)
         if self.pool.num_free < need:
             for c in held:
@@ -197,19 +220,27 @@ class Scheduler:
         if prefix:
             req.segments.append(Segment(prefix_chunk.pages, 0, len(prefix)))
             pos = len(prefix)
-        for d in req.docs:
+        for d, h in zip(req.docs, self.head_lens(req)):
             c = found[(prefix, tuple(d))]
             hit = existed[(prefix, tuple(d))]  # computed, or being computed for another request
             req.chunk_hits += int(hit)
             req.chunk_misses += int(not hit)
-            req.cached_tokens += len(d) if hit else 0
-            if self.cache_mode == "block":
-                seg = Segment(self.pool.alloc(self.pages_for(len(d))), pos, len(d))
-                req.copied_pages += seg.pages
-                req.copies.append((c, seg))
-            else:
-                seg = Segment(c.pages, pos, len(d))
-            req.segments.append(seg)
+            req.cached_tokens += len(d) - h if hit else 0
+            if h:  # the head: own pages, prefilled in context with the suffix
+                head = Segment(self.pool.alloc(self.pages_for(h)), pos, h)
+                req.head_pages += head.pages
+                req.heads.append((len(req.segments), list(d[:h])))
+                req.segments.append(head)
+            n_tail = len(d) - h
+            if n_tail:  # the rest of the doc: the chunk's pages after the head (h is a page multiple)
+                src = c.pages[self.pages_for(h) :]
+                if self.cache_mode == "block":
+                    seg = Segment(self.pool.alloc(self.pages_for(n_tail)), pos + h, n_tail)
+                    req.copied_pages += seg.pages
+                    req.copies.append((src, seg.pages, pos - len(prefix)))
+                else:
+                    seg = Segment(src, pos + h, n_tail)
+                req.segments.append(seg)
             pos += len(d)
         if prefix and existed[((), prefix)]:
             req.cached_tokens += len(prefix)
@@ -236,16 +267,29 @@ class Scheduler:
                 budget -= n
         for req in self.running:
             if req.state is RequestState.CHUNKS and all(c.ready for c in req.chunks):
-                for c, seg in req.copies:
-                    plan.copies.append(PageCopy(c.pages, seg.pages, seg.start_pos - len(req.prefix)))
+                for src, dst, delta in req.copies:
+                    plan.copies.append(PageCopy(src, dst, delta))
                 req.copies = []
                 req.state = RequestState.PREFILL
             if req.state is RequestState.PREFILL:
-                n = len(req.prompt_ids) - req.own.start_pos
+                n = len(req.prompt_ids) - req.own.start_pos + sum(len(t) for _, t in req.heads)
                 if n <= budget or not plan.items:
+                    plan.items += self._head_items(req)
                     plan.items.append(self._own_prefill_item(req))
                     budget -= n
         return plan
+
+    def _head_items(self, req: Request) -> list[ForwardItem]:
+        """Recomputed doc heads, in context: head i at its real positions attends to everything the
+        request has before it (prefix, earlier docs as the request sees them) and causally to itself.
+        They share the step with the suffix: a layer stores every item's K/V before any attends, so
+        later heads and the suffix see the earlier heads' fresh K/V at each layer."""
+        items = []
+        for idx, tokens in req.heads:
+            seg = req.segments[idx]
+            items.append(ForwardItem(tokens, seg.start_pos, req.segments[: idx + 1], seg))
+        req.heads = []
+        return items
 
     def _decode_item(self, req: Request) -> ForwardItem:
         pos = req.own.start_pos + req.own.num_tokens
@@ -289,6 +333,7 @@ class Scheduler:
             for c in req.chunks:
                 self.chunks.release(c)
             self.pool.free(req.copied_pages)
+            self.pool.free(req.head_pages)
             own = req.own.pages if req.own else []
             if req.radix_node is not None:
                 # KV exists for the prompt and every output token but the last (never fed back).
@@ -303,6 +348,7 @@ class Scheduler:
             else:
                 self.pool.free(own)
         req.chunks, req.copied_pages, req.own, req.segments = [], [], None, []
+        req.head_pages, req.heads, req.copies = [], [], []
         req.finish_reason = reason
         req.state = RequestState.FINISHED
 
@@ -314,5 +360,5 @@ class Scheduler:
         return len(freed)
 
     def held_pages(self) -> int:
-        """Pages owned by running requests (own + block copies), for leak checks."""
-        return sum(len(r.own.pages) + len(r.copied_pages) for r in self.running if r.own)
+        """Pages owned by running requests (own + block copies + recomputed heads), for leak checks."""
+        return sum(len(r.own.pages) + len(r.copied_pages) + len(r.head_pages) for r in self.running if r.own)

@@ -65,6 +65,7 @@ def run_scheduler_process(cfg: EngineConfig, ipc: IpcPaths, log_level: str) -> N
         ready.model_id,
         cfg.max_running_requests,
         cfg.max_step_tokens,
+        recompute_head_pages=cfg.recompute_head_pages,
         eviction_policy=cfg.eviction_policy,
     )
     core = EngineCore(sched, ZmqWorkerLink(to_worker, from_worker, watch), set(ready.eos_ids))
