@@ -6,6 +6,7 @@ replays them in one go. Padded rows have an empty page table and write their K/V
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from lazyrt.kernels.metadata import AttentionMetadata
@@ -80,14 +81,16 @@ class DecodeGraphs:
         pad = b - n
         e = len(s.kv_indices)
 
-        def put(dst: torch.Tensor, values: list[int]) -> None:
-            dst[: len(values)].copy_(torch.tensor(values, dtype=dst.dtype), non_blocking=True)
+        def put(dst: torch.Tensor, values: np.ndarray, pad_value: int | None = None) -> None:
+            if pad_value is not None and pad:
+                values = np.concatenate([values, np.full(pad, pad_value, dtype=values.dtype)])
+            dst[: len(values)].copy_(torch.from_numpy(np.ascontiguousarray(values)), non_blocking=True)
 
-        put(self.input_ids, s.input_ids + [0] * pad)
-        put(self.positions, s.positions + [0] * pad)
-        put(self.store_pages, s.store_pages + [self.scratch_page] * pad)
-        put(self.store_slots, s.store_slots + [0] * pad)
-        put(self.kv_indptr, s.kv_indptr + [e] * pad)
+        put(self.input_ids, s.input_ids, 0)
+        put(self.positions, s.positions, 0)
+        put(self.store_pages, s.store_pages, self.scratch_page)
+        put(self.store_slots, s.store_slots, 0)
+        put(self.kv_indptr, s.kv_indptr, e)
         put(self.kv_indices, s.kv_indices)
         put(self.pos_base, s.pos_base)
         put(self.valid_len, s.valid_len)

@@ -12,7 +12,7 @@ from typing import Protocol
 from lazyrt.runtime.messages import StepMsg, StepResult, TokenOut
 from lazyrt.runtime.request import Request
 from lazyrt.runtime.scheduler import Scheduler
-from lazyrt.runtime.step_wire import plan_to_msg
+from lazyrt.runtime.step_wire import StepEncoder
 
 
 class WorkerLink(Protocol):
@@ -29,7 +29,8 @@ class EngineCore:
         self.worker = worker
         self.eos_ids = set(eos_ids)
         self.requests: dict[int, Request] = {}
-        self._release: list[int] = []  # finished rids the worker may still hold sampling state for
+        self._release: list[int] = []  # finished rids the worker may still hold state for
+        self._encoder = StepEncoder()
 
     @property
     def has_work(self) -> bool:
@@ -53,7 +54,7 @@ class EngineCore:
         plan = self.scheduler.schedule()
         if not plan.items:
             raise NoProgress("scheduler made no progress (no runnable work)")
-        msg = plan_to_msg(plan, self._release)
+        msg = self._encoder.encode(plan, self._release)
         self._release = []
         result = self.worker.execute(msg)
         self.scheduler.on_step_done(plan)

@@ -8,6 +8,7 @@ so decoding rebuilds exactly the registered classes and nothing else.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,14 +85,19 @@ class TokenizedReq:
 @message
 @dataclass(slots=True)
 class StepItem:
-    """One sequence's new tokens; segments are [pages, start_pos, num_tokens] in position order."""
+    """One sequence's new tokens; segments are [pages, start_pos, num_tokens] in position order.
+
+    A request's segments and sampling params travel with its first item only; later decode items
+    have segments=None and the worker reuses what it kept, with the target run `target_tokens` long.
+    """
 
     token_ids: list[int]
     start_pos: int
-    segments: list[list]
+    segments: list[list] | None
     target: int  # index into segments of the run the new tokens are written to
     rid: int = -1  # >= 0: sample a token for this request from the last position
     sampling: SamplingParams | None = None
+    target_tokens: int = 0  # with segments=None: the target run's length including the new token
     score_len: int = 0  # report logprobs of this item's last score_len tokens (a scoring prefill)
 
 
@@ -187,10 +193,15 @@ class Ready:
     device: str
 
 
+@functools.cache
+def _field_names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
 def _default(obj: Any) -> Any:
     name = type(obj).__name__
     if _CLASSES.get(name) is type(obj):
-        values = [getattr(obj, f.name) for f in dataclasses.fields(obj)]
+        values = [getattr(obj, f) for f in _field_names(type(obj))]
         return msgpack.ExtType(_EXT, msgpack.packb([name, *values], default=_default, use_bin_type=True))
     raise TypeError(f"cannot serialize {name}: not a registered message")
 

@@ -43,8 +43,8 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self, max_batch, max_entries, scratch_page=self.pool.scratch_pages[0])
 
     def build_metadata(self, s: StepInputs) -> tuple[torch.Tensor, AttentionMetadata]:
-        def t(x: list[int], dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(x, dtype=dtype, device=self.device)
+        def t(x, dtype: torch.dtype) -> torch.Tensor:
+            return torch.as_tensor(x).to(device=self.device, dtype=dtype, non_blocking=True)
 
         meta = AttentionMetadata(
             qo_indptr=t(s.qo_indptr, torch.int32),

@@ -14,10 +14,10 @@ from lazyrt.models.llama import LlamaModel
 from lazyrt.models.loader import load_model
 from lazyrt.runtime.messages import StepMsg, StepResult, WorkerReady
 from lazyrt.runtime.model_runner import ModelRunner
-from lazyrt.runtime.sampler import sample_token
+from lazyrt.runtime.sampler import sample_tokens
 from lazyrt.runtime.scheduler import StepPlan
 from lazyrt.runtime.step_inputs import StepInputs
-from lazyrt.runtime.step_wire import msg_to_plan
+from lazyrt.runtime.step_wire import StepDecoder
 from lazyrt.sampling_params import SamplingParams
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -67,6 +67,7 @@ class ModelWorker:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_ids = eos
         self._generators: dict[int, torch.Generator | None] = {}
+        self._decoder = StepDecoder()
 
     def _num_pages(self, dtype: torch.dtype) -> int:
         c, ps = self.model_config, self.config.page_size
@@ -94,23 +95,17 @@ class ModelWorker:
     def execute(self, msg: StepMsg) -> StepResult:
         for rid in msg.release:
             self._generators.pop(rid, None)
-        plan = msg_to_plan(msg)
+        plan = self._decoder.decode(msg)
         scores = None
         if any(it.request is not None and it.request.score_len > 0 for it in plan.items):
             logits, scores = self._execute_scoring(plan)
         else:
             logits = self.runner.execute(plan)
-        tokens = []
-        row = 0
-        for it in plan.items:
-            if it.request is None:
-                continue
-            params = it.request.params
-            rid = it.request.rid
-            if rid not in self._generators:
-                self._generators[rid] = _generator(params)
-            tokens.append(sample_token(logits[row], params, self._generators[rid]))
-            row += 1
+        rows = [it.request for it in plan.items if it.request is not None]
+        for req in rows:
+            if req.rid not in self._generators:
+                self._generators[req.rid] = _generator(req.params)
+        tokens = sample_tokens(logits, [r.params for r in rows], [self._generators[r.rid] for r in rows])
         return StepResult(tokens, scores)
 
     @torch.inference_mode()
@@ -129,8 +124,8 @@ class ModelWorker:
             n = it.request.score_len if it.request is not None else 0
             if n <= 0:
                 continue
-            end = s.qo_indptr[i + 1]
-            if n >= end - s.qo_indptr[i]:
+            end = int(s.qo_indptr[i + 1])
+            if n >= end - int(s.qo_indptr[i]):
                 raise ValueError("a scored continuation needs at least one computed token before it")
             rows = torch.arange(end - n - 1, end - 1, device=self.model.device)
             lp = torch.log_softmax(self.model.logits(hidden[rows]).float(), dim=-1)

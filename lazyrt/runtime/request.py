@@ -17,6 +17,8 @@ class Segment:
     pages: list[int]
     start_pos: int
     num_tokens: int
+    # (key, arrays) of its page table, built by step_inputs.segment_table; valid while key holds
+    table: tuple | None = field(default=None, repr=False, compare=False)
 
 
 class RequestState(enum.Enum):

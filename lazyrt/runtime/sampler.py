@@ -23,3 +23,16 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
         sorted_probs[drop] = 0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+
+
+def sample_tokens(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> list[int]:
+    """One token per row of logits [n, vocab]; greedy rows share one argmax and one device sync."""
+    if not params:
+        return []
+    tokens = torch.argmax(logits, dim=-1).tolist()
+    for i, (p, g) in enumerate(zip(params, generators)):
+        if p.temperature != 0:
+            tokens[i] = sample_token(logits[i], p, g)
+    return tokens

@@ -1,7 +1,10 @@
 """StepPlan <-> StepMsg: the scheduler's plan as plain ints for the model worker, and back.
 
-The plan is small (token ids, positions, page ids), so shipping it every step is cheap; the worker
-rebuilds ForwardItems that carry only what ModelRunner reads.
+A request's page table is hundreds of pages (5 documents x 2,048 tokens = 640 pages) and does not
+change after admission except for its own run growing by one token a step. So both ends keep state:
+StepEncoder sends a request's segments and sampling params once, with its first item; its decode
+items then carry only the new token and the target run's length, and StepDecoder rebuilds the
+ForwardItem from the segments it kept. Finished rids (StepMsg.release) are dropped on both sides.
 """
 
 from __future__ import annotations
@@ -9,39 +12,89 @@ from __future__ import annotations
 from lazyrt.runtime.messages import StepItem, StepMsg
 from lazyrt.runtime.request import Request, Segment
 from lazyrt.runtime.scheduler import ForwardItem, PageCopy, StepPlan
+from lazyrt.sampling_params import SamplingParams
 
 
-def plan_to_msg(plan: StepPlan, release: list[int]) -> StepMsg:
-    items = []
-    for it in plan.items:
+class StepEncoder:
+    """Scheduler side: turns plans into messages, sending each request's segments once."""
+
+    def __init__(self) -> None:
+        self._sent: set[int] = set()
+
+    def encode(self, plan: StepPlan, release: list[int]) -> StepMsg:
+        for rid in release:
+            self._sent.discard(rid)
+        items = [self._item(it) for it in plan.items]
+        copies = [[list(c.src), list(c.dst), c.delta] for c in plan.copies]
+        return StepMsg(items, copies, list(release))
+
+    def _item(self, it: ForwardItem) -> StepItem:
+        req = it.request
         segs = list(it.segments)
         target = next((i for i, s in enumerate(segs) if s is it.target), None)
         if target is None:
             segs.append(it.target)
             target = len(segs) - 1
-        req = it.request
-        items.append(
-            StepItem(
-                token_ids=list(it.token_ids),
-                start_pos=it.start_pos,
-                segments=[[list(s.pages), s.start_pos, s.num_tokens] for s in segs],
-                target=target,
-                rid=req.rid if req is not None else -1,
-                sampling=req.params if req is not None else None,
-                # only the prefill item (no output yet) holds the scored prompt tokens
-                score_len=req.score_len if req is not None and not req.output_ids else 0,
+        if req is not None and len(it.token_ids) == 1 and req.rid in self._sent:
+            return StepItem(
+                list(it.token_ids),
+                it.start_pos,
+                None,
+                target,
+                rid=req.rid,
+                target_tokens=it.target.num_tokens,
             )
+        if req is not None:
+            self._sent.add(req.rid)
+        return StepItem(
+            token_ids=list(it.token_ids),
+            start_pos=it.start_pos,
+            segments=[[list(s.pages), s.start_pos, s.num_tokens] for s in segs],
+            target=target,
+            rid=req.rid if req is not None else -1,
+            sampling=req.params if req is not None else None,
+            # only the prefill item (no output yet) holds the scored prompt tokens
+            score_len=req.score_len if req is not None and not req.output_ids else 0,
         )
-    copies = [[list(c.src), list(c.dst), c.delta] for c in plan.copies]
-    return StepMsg(items, copies, list(release))
+
+
+class StepDecoder:
+    """Worker side: rebuilds StepPlans; items to sample from get a stub Request (rid and params)."""
+
+    def __init__(self) -> None:
+        self._known: dict[int, tuple[list[Segment], SamplingParams]] = {}
+
+    def __len__(self) -> int:
+        return len(self._known)
+
+    def decode(self, msg: StepMsg) -> StepPlan:
+        for rid in msg.release:
+            self._known.pop(rid, None)
+        plan = StepPlan()
+        for it in msg.items:
+            if it.segments is None:
+                if it.rid not in self._known:
+                    raise ValueError(f"step item for request {it.rid} without segments, and none kept")
+                segs, params = self._known[it.rid]
+                segs[it.target].num_tokens = it.target_tokens
+                req = Request(it.rid, params)
+            else:
+                segs = [Segment(list(p), s, n) for p, s, n in it.segments]
+                req = None
+                if it.rid >= 0:
+                    req = Request(it.rid, it.sampling, score_len=it.score_len)
+                    self._known[it.rid] = (segs, it.sampling)
+            plan.items.append(
+                ForwardItem(list(it.token_ids), it.start_pos, segs, segs[it.target], request=req)
+            )
+        plan.copies = [PageCopy(list(s), list(d), delta) for s, d, delta in msg.copies]
+        return plan
+
+
+def plan_to_msg(plan: StepPlan, release: list[int]) -> StepMsg:
+    """Stateless encoding: every item carries its segments (tests, one-off steps)."""
+    return StepEncoder().encode(plan, release)
 
 
 def msg_to_plan(msg: StepMsg) -> StepPlan:
-    """Rebuild a StepPlan; items to sample from get a stub Request (rid and params only)."""
-    plan = StepPlan()
-    for it in msg.items:
-        segs = [Segment(list(p), s, n) for p, s, n in it.segments]
-        req = Request(it.rid, it.sampling, score_len=it.score_len) if it.rid >= 0 else None
-        plan.items.append(ForwardItem(list(it.token_ids), it.start_pos, segs, segs[it.target], request=req))
-    plan.copies = [PageCopy(list(s), list(d), delta) for s, d, delta in msg.copies]
-    return plan
+    return StepDecoder().decode(msg)
