@@ -5,8 +5,12 @@ greedy) once per cache mode, with one Engine per mode for the whole run, so docu
 reused across questions. `none` (full causal attention, nothing reused) is the quality reference;
 `block` and `lazy` both use block attention (each doc attends to the shared prefix and itself),
 `block` by materializing re-rotated copies, `lazy` by rotating keys in the kernel.
+`lazy+headN` / `block+headN` add the sink fix (engine option recompute_head_pages=N): the first N
+KV pages of each doc after the first are recomputed in the request's context.
 
     python benchmarks/quality.py --questions 200 --modes none block lazy --out docs/quality.json
+    python benchmarks/quality.py --questions 200 --modes none lazy lazy+head1 lazy+head2 \
+        --max-tokens 32 --out docs/quality_heads.json
 
 Reports accuracy per mode, greedy-token agreement of lazy with block and with none, answer-level
 agreement, chunk hit ratio and timing. Data: benchmarks/quality_data.py (fixed seed, no downloads).
@@ -17,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import re
 import sys
 import time
 from pathlib import Path
@@ -29,15 +34,42 @@ from tqdm import tqdm  # noqa: E402
 
 from lazyrt import Engine, SamplingParams  # noqa: E402
 
+BASE_MODES = ("none", "prefix", "block", "lazy")
+_HEAD_MODE = re.compile(r"^(lazy|block)\+head(\d+)$")
+
+
+def parse_mode(mode: str) -> tuple[str, int]:
+    """'lazy' -> ('lazy', 0); 'lazy+head2' -> ('lazy', 2): cache mode and recompute_head_pages."""
+    if mode in BASE_MODES:
+        return mode, 0
+    m = _HEAD_MODE.match(mode)
+    if not m:
+        raise argparse.ArgumentTypeError(
+            f"mode {mode!r}: one of {', '.join(BASE_MODES)}, or lazy+headN / block+headN (N >= 1 pages "
+            "of each doc after the first recomputed in context)"
+        )
+    return m.group(1), int(m.group(2))
+
+
+def _mode_arg(mode: str) -> str:
+    parse_mode(mode)
+    return mode
+
 
 def run_mode(mode: str, questions, args) -> dict:
     t0 = time.perf_counter()
-    engine = Engine(cache_mode=mode, device=args.device, **({"model": args.model} if args.model else {}))
+    cache_mode, heads = parse_mode(mode)
+    engine = Engine(
+        cache_mode=cache_mode,
+        device=args.device,
+        recompute_head_pages=heads,
+        **({"model": args.model} if args.model else {}),
+    )
     load_s = time.perf_counter() - t0
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     outs = []
     t0 = time.perf_counter()
-    with tqdm(total=len(questions), desc=f"{mode:>5}", unit="q", file=sys.stderr) as bar:
+    with tqdm(total=len(questions), desc=f"{mode:>10}", unit="q", file=sys.stderr) as bar:
         for i in range(0, len(questions), args.batch):
             chunk = questions[i : i + args.batch]
             items = [{"docs": q.docs, "question": q.question, "system": args.system,
@@ -123,8 +155,9 @@ def markdown(results: dict[str, dict], agreements: list[dict], by_kind: dict) ->
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--questions", type=int, default=200)
-    p.add_argument("--modes", nargs="+", default=["none", "block", "lazy"],
-                   choices=["none", "prefix", "block", "lazy"])
+    p.add_argument("--modes", nargs="+", default=["none", "block", "lazy"], type=_mode_arg,
+                   help="none | prefix | block | lazy | lazy+headN | block+headN (sink fix: the "
+                   "engine's recompute_head_pages=N)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--batch", type=int, default=16, help="questions per rag_batch call")
@@ -144,7 +177,12 @@ def main(argv=None) -> int:
                     for k, r in results.items()}
             Path(args.out + ".partial").write_text(json.dumps(part))
     agreements = []
-    for x, y in (("lazy", "block"), ("lazy", "none"), ("block", "none")):
+    pairs = [("lazy", "block"), ("lazy", "none"), ("block", "none")]
+    for m in results:  # each sink-fix mode vs full attention and vs its own mode without the fix
+        base, heads = parse_mode(m)
+        if heads:
+            pairs += [(m, "none"), (m, base)]
+    for x, y in pairs:
         if x in results and y in results:
             agreements.append(agreement(results[x], results[y]))
     by_kind: dict[str, dict] = {}
