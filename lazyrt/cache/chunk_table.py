@@ -204,4 +204,9 @@ class ChunkTable:
 
 
 def _as_tuple(tokens: Sequence[int]) -> tuple[int, ...]:
+    # Tuples pass through: the scheduler looks up every doc of a waiting request on each admission
+    # attempt, and copying 2k-token documents dominated that. make_key's array("q") still rejects
+    # non-integers, and equal integer values compare equal whatever their type.
+    if type(tokens) is tuple:
+        return tokens
     return tuple(int(t) for t in tokens)
