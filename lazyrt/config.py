@@ -17,7 +17,9 @@ class EngineConfig:
     dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on CUDA
     page_size: int = 16
     cache_mode: str = "lazy"
-    eviction_policy: str = "lru"  # chunk eviction: lru | lfu | gdsf (lazyrt/cache/eviction.py)
+    # Chunk eviction: lru | lfu | gdsf (lazyrt/cache/eviction.py). lfu (with aging) recomputes the
+    # fewest document tokens under a tight KV budget (docs/benchmarks.md, issue 6).
+    eviction_policy: str = "lfu"
     kv_cache_tokens: int | None = None  # KV budget in tokens; None = from memory
     kv_cache_memory_gb: float = 2.0  # CPU budget when kv_cache_tokens is None
     max_running_requests: int = 64
