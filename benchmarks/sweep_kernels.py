@@ -1,12 +1,15 @@
 """On-device sweep of the lazy attention kernel's tiles at the RAG shape, against FlashInfer.
 
     python benchmarks/sweep_kernels.py --batches 1 4 16 64 [--decode-batches 1 4] [--skip-flashinfer]
+        [--extend-set full|ws|slots] [--decode-set tiles|flags] [--budget-s S] [--then-bench B...]
 
 Extend (the 128-token question over 5 x 2,048 chunk keys): every (rows, keys/step, warps,
-stages, 16-bit rotation, lazy rescale) variant below, timed like benchmarks/kernels.py (median
-CUDA-graph replay) on the same pages as FlashInfer's paged prefill without RoPE; each variant is
-checked against the default variant's output. Decode: split counts and keys/step vs FlashInfer.
---then-bench B...: then benchmarks/kernels.py's rows with the best extend choice.
+stages, 16-bit rotation, lazy rescale, warp specialization) variant below, timed like
+benchmarks/kernels.py (median CUDA-graph replay) on the same pages as FlashInfer's paged prefill
+without RoPE; each variant is checked against the default variant's output (--extend-set slots:
+split slots per SM instead). Decode (--decode-set tiles): fused / PDL merge, keys/step, splits,
+stages and warps vs FlashInfer decode; (flags): page-table scan x 16-bit rotation.
+--then-bench B...: then benchmarks/kernels.py's rows with the best extend and decode-flag choices.
 Prints every result as it goes, then a short table of the best variant per batch.
 """
 
@@ -16,6 +19,7 @@ import argparse
 import functools
 import json
 import sys
+import time
 
 import torch
 
@@ -36,25 +40,31 @@ from lazyrt.kernels.rope import RopeCache  # noqa: E402
 from lazyrt.models.config import ModelConfig  # noqa: E402
 from lazyrt.models.dummy import PRESETS  # noqa: E402
 
-# extend tiles (rows, block_n, warps, stages) x flags (rotate in 16-bit math, lazy-rescale threshold)
+# extend tiles (rows, block_n, warps, stages) x flags (rotate in 16-bit math, lazy-rescale threshold,
+# warp-specialized unmasked loop)
 EXTEND_TILES = [(128, 32, 4, 2), (256, 64, 8, 2), (128, 128, 8, 2)]
-EXTEND_FLAGS = [(False, 0.0), (True, 0.0), (False, 8.0), (True, 8.0)]
-EXTEND_VARIANTS = [t + f for f in EXTEND_FLAGS for t in EXTEND_TILES]
-DECODE_SPLITS = [8, 16, 24, 33, 48, 66, 99, 132]
-DECODE_BLOCK_NS = [32, 64, 128]
+EXTEND_FLAGS = [(False, 0.0, False), (True, 0.0, False), (False, 8.0, False), (True, 8.0, False)]
+# --extend-set ws: the committed tiles and a few stage counts, with and without warp specialization
+EXTEND_TILES_WS = [(128, 32, 4, 2), (256, 64, 8, 2), (128, 64, 4, 3), (256, 64, 8, 3), (256, 128, 8, 2)]
+EXTEND_FLAGS_WS = [(False, 0.0, False), (False, 0.0, True)]
+DECODE_SPLITS = [None, 24, 48, 66]  # None: the kernel's own pick
+DECODE_BLOCK_NS = [32, 64]
 DEV = "cuda"
 
 
-def set_extend(rows, block_n, warps, stages, lowp, lazy, large_min=10**9):
+def set_extend(rows, block_n, warps, stages, lowp, lazy, ws=False, large_min=10**9):
     """One explicit tile for every grid size (large_min=10**9 turns the large-grid tile off)."""
     ta.EXTEND_ROWS, ta.EXTEND_BLOCK_N, ta.EXTEND_WARPS, ta.EXTEND_STAGES = rows, block_n, warps, stages
     ta.EXTEND_ROT_LOWP, ta.EXTEND_LAZY_RESCALE, ta.EXTEND_LARGE_MIN_PER_SM = lowp, lazy, large_min
+    ta.EXTEND_WARP_SPEC = ws
 
 
 def choose(results) -> tuple:
     """Flags and (small-grid, large-grid) tiles with the lowest mean time / FlashInfer over batches
     (small grid: batch <= 4 at the RAG shape)."""
     ext = [r for r in results if r["kind"] == "extend" and r["fi_us"]]
+    if not ext:
+        return None
     best = None
     for f in EXTEND_FLAGS:
         for small in EXTEND_TILES:
@@ -75,6 +85,13 @@ def main() -> None:
     ap.add_argument("--decode-batches", type=int, nargs="*", default=[])
     ap.add_argument("--skip-flashinfer", action="store_true")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--extend-set", choices=["full", "ws", "slots"], default="full",
+                    help="ws: committed tiles +- stages, with/without warp specialization; slots: the "
+                         "committed small / large tile with 1-4 split slots per SM")
+    ap.add_argument("--decode-set", choices=["tiles", "flags"], default="tiles",
+                    help="tiles: fused/PDL merge x keys/step x splits x stages/warps; flags: page-table "
+                         "scan x 16-bit rotation (then-bench applies the best by mean ratio to FlashInfer)")
+    ap.add_argument("--budget-s", type=float, default=None, help="stop starting variants after this")
     ap.add_argument("--then-bench", type=int, nargs="*", default=[],
                     help="then benchmarks/kernels.py's rows for these batches with the best extend choice")
     args = ap.parse_args()
@@ -97,15 +114,27 @@ def main() -> None:
         fn()
         return triton.testing.do_bench_cudagraph(fn, rep=60, return_mode="median") * 1000.0
 
-    default = (ta.EXTEND_ROWS, ta.EXTEND_BLOCK_N, ta.EXTEND_WARPS, ta.EXTEND_STAGES, False, 0.0)
+    global EXTEND_TILES, EXTEND_FLAGS
+    if args.extend_set == "ws":
+        EXTEND_TILES, EXTEND_FLAGS = EXTEND_TILES_WS, EXTEND_FLAGS_WS
+    variants = [t + f for f in EXTEND_FLAGS for t in EXTEND_TILES]
+    deadline = time.time() + args.budget_s if args.budget_s else None
+    default = (ta.EXTEND_ROWS, ta.EXTEND_BLOCK_N, ta.EXTEND_WARPS, ta.EXTEND_STAGES, False, 0.0, False)
     saved = (ta.EXTEND_ROWS, ta.EXTEND_BLOCK_N, ta.EXTEND_WARPS, ta.EXTEND_STAGES, ta.EXTEND_ROT_LOWP,
-             ta.EXTEND_LAZY_RESCALE, ta.EXTEND_LARGE_MIN_PER_SM)
+             ta.EXTEND_LAZY_RESCALE, ta.EXTEND_WARP_SPEC, ta.EXTEND_LARGE_MIN_PER_SM)
     results: list[dict] = []
-    for B in args.batches:
-        sweep_extend_batch(B, default, gen, rope, scale, fi, workspace, bench, results)
-        torch.cuda.empty_cache()
     for B in args.decode_batches:
-        sweep_decode_batch(B, gen, rope, scale, fi, workspace, bench, results)
+        if args.decode_set == "flags":
+            sweep_decode_flags(B, gen, rope, scale, fi, workspace, bench, results)
+        else:
+            sweep_decode_batch(B, gen, rope, scale, fi, workspace, bench, results, deadline)
+        torch.cuda.empty_cache()
+    for B in args.batches:
+        if args.extend_set == "slots":
+            sweep_extend_slots(B, gen, rope, scale, bench, results, deadline)
+        else:
+            sweep_extend_batch(B, default, variants, gen, rope, scale, fi, workspace, bench, results,
+                               deadline)
         torch.cuda.empty_cache()
 
     if args.out:
@@ -116,13 +145,18 @@ def main() -> None:
         # The full kernels.py benchmark with the chosen extend settings (decode unchanged).
         from benchmarks.kernels import bench_batch, print_table
 
+        dbest = choose_decode(results)
+        if dbest is not None:
+            ta.DECODE_SCAN, ta.DECODE_ROT_LOWP = dbest[1]
+            print(f"CHOSEN-DECODE mean ratio {dbest[0]:.3f}: scan={dbest[1][0]} lowp={dbest[1][1]}")
         best = choose(results)
         if best is not None:
-            _, (lowp, lazy), small, large = best
+            _, (lowp, lazy, ws), small, large = best
             ta.EXTEND_ROWS, ta.EXTEND_BLOCK_N, ta.EXTEND_WARPS, ta.EXTEND_STAGES = small
             ta.EXTEND_LARGE = large
-            ta.EXTEND_ROT_LOWP, ta.EXTEND_LAZY_RESCALE = lowp, lazy
-            print(f"CHOSEN mean ratio {best[0]:.3f}: small {small} large {large} lowp={lowp} lazy={lazy}")
+            ta.EXTEND_ROT_LOWP, ta.EXTEND_LAZY_RESCALE, ta.EXTEND_WARP_SPEC = lowp, lazy, ws
+            print(f"CHOSEN mean ratio {best[0]:.3f}: small {small} large {large} lowp={lowp} lazy={lazy} "
+                  f"ws={ws}")
         rows = []
         for B in args.then_bench:
             rows.append(bench_batch(B, gen, rope, scale, fi, workspace, bench))
@@ -133,8 +167,9 @@ def main() -> None:
                 json.dump({"device": torch.cuda.get_device_name(), "chosen": best, "results": rows}, fh,
                           indent=1)
         print_table(rows)
-    print("== best per batch (variant: rows, block_n, warps, stages, lowp, lazy | block_n, splits)")
-    for kind in ("extend", "decode"):
+    print("== best per batch (variant: rows, block_n, warps, stages, lowp, lazy, ws | "
+          "fused, block_n, splits, stages, warps)")
+    for kind in ("extend", "decode", "slots", "dflags"):
         for B in sorted({r["batch"] for r in results if r["kind"] == kind}):
             rs = sorted((r for r in results if r["kind"] == kind and r["batch"] == B), key=lambda r: r["us"])
             fi_us = rs[0]["fi_us"]
@@ -143,7 +178,8 @@ def main() -> None:
             print(f"{kind} B={B} FI={fi_us and round(fi_us, 1)} | {top}")
 
 
-def sweep_extend_batch(B, default, gen, rope, scale, fi, workspace, bench, results) -> None:
+def sweep_extend_batch(B, default, variants, gen, rope, scale, fi, workspace, bench, results,
+                       deadline=None) -> None:
     dev = DEV
     lay = build_layout(B, dev, gen)
     ppr = lay.pages_per_req
@@ -162,7 +198,10 @@ def sweep_extend_batch(B, default, gen, rope, scale, fi, workspace, bench, resul
                  kv_data_type=torch.bfloat16)
         fi_us = bench(functools.partial(pre.run, qp, lay.kv))
         print(f"FI prefill B={B}: {fi_us:.1f}us", flush=True)
-    for var in EXTEND_VARIANTS:
+    for var in variants:
+        if deadline is not None and time.time() > deadline:
+            print(f"EXT B={B}: time budget spent", flush=True)
+            break
         set_extend(*var)
         try:
             err = rel_err(f(), ref)
@@ -176,7 +215,82 @@ def sweep_extend_batch(B, default, gen, rope, scale, fi, workspace, bench, resul
     set_extend(*default)
 
 
-def sweep_decode_batch(B, gen, rope, scale, fi, workspace, bench, results) -> None:
+DECODE_FLAGS = [(0, False), (128, False), (0, True), (128, True)]  # (DECODE_SCAN, DECODE_ROT_LOWP)
+
+
+def choose_decode(results):
+    """(mean time / FlashInfer over batches, flags) of the best decode flag variant, or None."""
+    rs = [r for r in results if r["kind"] == "dflags" and r["fi_us"] and r["err"] <= 1e-2]
+    batches = {r["batch"] for r in rs}
+    best = None
+    for flags in DECODE_FLAGS:
+        mine = [r["us"] / r["fi_us"] for r in rs if tuple(r["var"]) == flags]
+        if mine and len(mine) == len(batches):
+            score = sum(mine) / len(mine)
+            if best is None or score < best[0]:
+                best = (score, flags)
+    return best
+
+
+def sweep_decode_flags(B, gen, rope, scale, fi, workspace, bench, results) -> None:
+    lay = build_layout(B, DEV, gen)
+    meta = lazy_meta(lay, 1)
+    q = torch.randn(B, Q_HEADS, HEAD_DIM, generator=gen, device=DEV, dtype=torch.bfloat16)
+    f = functools.partial(ta.lazy_attention_triton, q, lay.kv, meta, rope, scale, max_q_len=1,
+                          max_kv_entries=lay.pages_per_req)
+    ref = f()
+    fi_us = None
+    if fi is not None:
+        last = torch.full((B,), PAGE, dtype=torch.int32, device=DEV)
+        dec = fi.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True)
+        dec.plan(meta.kv_indptr, lay.indices, last, Q_HEADS, KV_HEADS, HEAD_DIM, PAGE,
+                 pos_encoding_mode="NONE", q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+        fi_us = bench(functools.partial(dec.run, q, lay.kv))
+        print(f"FI decode B={B}: {fi_us:.1f}us", flush=True)
+    saved = ta.DECODE_SCAN, ta.DECODE_ROT_LOWP
+    for var in DECODE_FLAGS:
+        ta.DECODE_SCAN, ta.DECODE_ROT_LOWP = var
+        try:
+            err = rel_err(f(), ref)
+            us = bench(f)
+        except Exception as e:  # noqa: BLE001
+            print(f"DFLAGS B={B} {var}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            continue
+        results.append({"kind": "dflags", "batch": B, "var": var, "us": us, "err": err, "fi_us": fi_us})
+        ratio = f" x{us / fi_us:.2f}" if fi_us else ""
+        print(f"DFLAGS B={B} scan={var[0]} lowp={var[1]}: {us:.1f}us{ratio} err={err:.1e}", flush=True)
+    ta.DECODE_SCAN, ta.DECODE_ROT_LOWP = saved
+
+
+def sweep_extend_slots(B, gen, rope, scale, bench, results, deadline=None) -> None:
+    """Split-KV slots per SM (EXTEND_SLOTS) for the committed small tile, and the large tile forced on
+    small grids (EXTEND_LARGE_MIN_PER_SM=0) with 1-4 slots."""
+    lay = build_layout(B, DEV, gen)
+    meta = lazy_meta(lay, QUESTION)
+    qp = torch.randn(B * QUESTION, Q_HEADS, HEAD_DIM, generator=gen, device=DEV, dtype=torch.bfloat16)
+    f = functools.partial(ta.lazy_attention_triton, qp, lay.kv, meta, rope, scale, max_q_len=QUESTION,
+                          max_kv_entries=lay.pages_per_req)
+    ref = f()
+    saved = ta.EXTEND_SLOTS, ta.EXTEND_LARGE_MIN_PER_SM
+    for large_min, slots in [(saved[1], s) for s in (1, 2, 3, 4)] + [(0, s) for s in (1, 2, 4)]:
+        if deadline is not None and time.time() > deadline:
+            break
+        ta.EXTEND_SLOTS, ta.EXTEND_LARGE_MIN_PER_SM = slots, large_min
+        try:
+            err = rel_err(f(), ref)
+            us = bench(f)
+        except Exception as e:  # noqa: BLE001
+            print(f"SLOTS B={B} large_min={large_min} slots={slots}: {type(e).__name__}", flush=True)
+            continue
+        results.append({"kind": "slots", "batch": B, "var": (large_min, slots), "us": us, "err": err,
+                        "fi_us": None})
+        print(f"SLOTS B={B} large_min={large_min} slots={slots}: {us:.1f}us err={err:.1e}", flush=True)
+    ta.EXTEND_SLOTS, ta.EXTEND_LARGE_MIN_PER_SM = saved
+
+
+def sweep_decode_batch(B, gen, rope, scale, fi, workspace, bench, results, deadline=None) -> None:
+    """Decode variants (fused merge, keys/step, splits, stages, warps), each checked against the
+    default's output."""
     dev = DEV
     lay = build_layout(B, dev, gen)
     ppr = lay.pages_per_req
@@ -194,23 +308,39 @@ def sweep_decode_batch(B, gen, rope, scale, fi, workspace, bench, results) -> No
         fi_us = bench(functools.partial(dec.run, q, lay.kv))
         print(f"FI decode B={B}: {fi_us:.1f}us", flush=True)
     us0 = bench(f0)
-    print(f"DEC B={B} default: {us0:.1f}us", flush=True)
-    saved = ta.DECODE_BLOCK_N_WIDE, ta.DECODE_BLOCK_N
-    for bn in DECODE_BLOCK_NS:
+    print(f"DEC B={B} default: {us0:.1f}us x{us0 / fi_us if fi_us else 0:.2f}", flush=True)
+    meta.rotate_keys = False  # same kernel and pages, keys taken as stored: what rotation costs
+    print(f"DEC B={B} default, no rotation: {bench(f0):.1f}us", flush=True)
+    meta.rotate_keys = True
+    saved = (ta.DECODE_BLOCK_N_WIDE, ta.DECODE_BLOCK_N, ta.DECODE_STAGES, ta.DECODE_WARPS,
+             ta.DECODE_FUSED_MERGE, ta.MERGE_PDL)
+    # (fused merge, PDL merge, keys/step, splits, stages, warps)
+    variants = [(False, pdl, bn, sp, 2, 4) for pdl in (True, False) for bn in DECODE_BLOCK_NS
+                for sp in DECODE_SPLITS]
+    variants += [(False, True, bn, None, st, w) for bn in DECODE_BLOCK_NS
+                 for st, w in ((3, 4), (2, 8), (3, 8))]
+    variants += [(True, False, bn, None, 2, 4) for bn in DECODE_BLOCK_NS]
+    for var in variants:
+        if deadline is not None and time.time() > deadline:
+            print(f"DEC B={B}: time budget spent", flush=True)
+            break
+        fused, pdl, bn, sp, st, w = var
         ta.DECODE_BLOCK_N_WIDE = ta.DECODE_BLOCK_N = bn
-        for sp in DECODE_SPLITS:
-            f = functools.partial(f0, num_splits=sp)
-            try:
-                err = rel_err(f(), ref)
-                us = bench(f)
-            except Exception as e:  # noqa: BLE001
-                print(f"DEC B={B} n={bn} splits={sp}: {type(e).__name__}", flush=True)
-                continue
-            results.append({"kind": "decode", "batch": B, "var": (bn, sp), "us": us, "err": err,
-                            "fi_us": fi_us, "default_us": us0})
-            print(f"DEC B={B} n={bn} splits={sp}: {us:.1f}us err={err:.1e}", flush=True)
-    ta.DECODE_BLOCK_N_WIDE, ta.DECODE_BLOCK_N = saved
-
+        ta.DECODE_STAGES, ta.DECODE_WARPS, ta.DECODE_FUSED_MERGE, ta.MERGE_PDL = st, w, fused, pdl
+        f = functools.partial(f0, num_splits=sp)
+        try:
+            err = rel_err(f(), ref)
+            us = bench(f)
+        except Exception as e:  # noqa: BLE001
+            print(f"DEC B={B} {var}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            continue
+        results.append({"kind": "decode", "batch": B, "var": var, "us": us, "err": err,
+                        "fi_us": fi_us, "default_us": us0})
+        ratio = f" x{us / fi_us:.2f}" if fi_us else ""
+        print(f"DEC B={B} fused={fused} pdl={pdl} n={bn} splits={sp} stages={st} warps={w}: "
+              f"{us:.1f}us{ratio} err={err:.1e}", flush=True)
+    (ta.DECODE_BLOCK_N_WIDE, ta.DECODE_BLOCK_N, ta.DECODE_STAGES, ta.DECODE_WARPS,
+     ta.DECODE_FUSED_MERGE, ta.MERGE_PDL) = saved
 
 if __name__ == "__main__":
     main()

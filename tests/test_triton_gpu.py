@@ -134,6 +134,48 @@ def test_extend_bf16_variants(monkeypatch, lowp, lazy, large_min):
         assert rel_err(out, ref) <= 1e-2
 
 
+@pytest.mark.parametrize("batch", [1, 8])
+def test_decode_merge_modes(monkeypatch, batch):
+    # Split-KV merge as its own launch, with programmatic dependent launch (merge launched early, waits
+    # on the split grid) or fused into the split kernel (last-arriving program merges via an arrival
+    # counter): repeated launches give bit-identical outputs (no merge reads early, counters reset),
+    # all modes agree, and match the reference.
+    kv, meta = rag_batch([1] * batch, docs=5, doc_len=2048, rotate_keys=True)
+    rope = make_rope()
+    q = torch.randn(batch, Q_HEADS, HEAD_DIM, device=DEV, dtype=BF16)
+    max_e = int((meta.kv_indptr[1:] - meta.kv_indptr[:-1]).max())
+    args = (q, kv, meta, rope, HEAD_DIM**-0.5)
+    for splits in (None, 48, 99):
+        outs = []
+        for fused, pdl in ((False, False), (False, True), (True, False)):
+            monkeypatch.setattr(ta, "DECODE_FUSED_MERGE", fused)
+            monkeypatch.setattr(ta, "MERGE_PDL", pdl)
+            first = lazy_attention_triton(*args, max_q_len=1, max_kv_entries=max_e, num_splits=splits)
+            for _ in range(20):
+                q.add_(0)  # an unrelated kernel between launches
+                assert torch.equal(lazy_attention_triton(*args, max_q_len=1, max_kv_entries=max_e,
+                                                         num_splits=splits), first)
+            outs.append(first)
+        assert torch.equal(outs[0], outs[1])
+        assert rel_err(outs[2], outs[0]) <= 2e-3
+    assert rel_err(outs[1], lazy_attention_ref(*args)) <= 1e-2
+    assert all(int(b.abs().sum()) == 0 for b in ta._COUNTERS[q.device])
+
+
+@pytest.mark.parametrize("scan,lowp", [(128, False), (0, True), (128, True)])
+def test_decode_bf16_scan_lowp(monkeypatch, scan, lowp):
+    # Decode with the page-table scan (unmasked full pages) and/or 16-bit rotation math.
+    monkeypatch.setattr(ta, "DECODE_SCAN", scan)
+    monkeypatch.setattr(ta, "DECODE_ROT_LOWP", lowp)
+    rope = make_rope()
+    for batch, splits, jitter in ((1, None, True), (3, 7, True), (4, None, False), (16, 1, True)):
+        kv, meta = rag_batch([1] * batch, docs=5, doc_len=600, rotate_keys=True, jitter=jitter)
+        q = torch.randn(batch, Q_HEADS, HEAD_DIM, device=DEV, dtype=BF16)
+        ref = lazy_attention_ref(q, kv, meta, rope, HEAD_DIM**-0.5)
+        out = lazy_attention_triton(q, kv, meta, rope, HEAD_DIM**-0.5, num_splits=splits)
+        assert rel_err(out, ref) <= 1e-2
+
+
 def test_decode_cuda_graph():
     # With the maxima given, the launch path has no host sync: capture once, replay on new inputs.
     kv, meta = rag_batch([1] * 3, docs=5, doc_len=600, rotate_keys=True)

@@ -141,6 +141,31 @@ def test_decode(request, group, kv_heads, head_dim, page_size, dtype, rotate, ll
     check_attention(q_lens, group, kv_heads, head_dim, page_size, dtype, rotate, llama3, num_splits)
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_decode_split_merge(small_blocks, monkeypatch, fused):
+    # Split-KV merge fused into the split kernel (last-arriving program merges, arrival counters
+    # reset for the next launch) or as its own launch; a merge chunk smaller than the split count
+    # (several merge steps) and repeated calls on the same counters.
+    monkeypatch.setattr(ta, "DECODE_FUSED_MERGE", fused)
+    monkeypatch.setattr(ta, "MERGE_CHUNK", 2)
+    for splits in (5, 3, 8):
+        check_attention([1, 1, 1], 4, 2, 64, 4, torch.float32, True, num_splits=splits, docs=3)
+    if fused:
+        assert all(int(b.abs().sum()) == 0 for b in ta._COUNTERS[torch.device("cpu")])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_decode_scan_lowp(small_blocks, monkeypatch, dtype):
+    # Decode with the page-table scan (unmasked full pages) and 16-bit rotation math; partly filled
+    # pages and shuffled entries keep the masked path in use too.
+    monkeypatch.setattr(ta, "DECODE_SCAN", 8)
+    monkeypatch.setattr(ta, "DECODE_ROT_LOWP", True)
+    check_attention([1, 1, 1], 4, 2, 64, 4, dtype, True, num_splits=3, docs=3)
+    check_attention([1, 1], 4, 1, 64, 8, dtype, True, num_splits=None, docs=3, full_pages=True,
+                    shuffle=False)
+    check_attention([1, 1], 8, 1, 64, 16, dtype, True, llama3=True, num_splits=1, docs=3)
+
+
 # Extend: several sequences, q lengths not multiples of BLOCK_M, mixed with decode-like rows.
 @pytest.mark.parametrize(
     "group,head_dim,page_size,dtype,rotate,llama3,num_splits,small",
