@@ -75,17 +75,25 @@ class ChunkTable:
     def pages_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
-    def lookup(self, cond_tokens: Sequence[int], tokens: Sequence[int]) -> Chunk | None:
-        """Find the chunk with exactly these contents (ready or not); a hit touches it."""
+    def lookup(self, cond_tokens: Sequence[int], tokens: Sequence[int], record: bool = True) -> Chunk | None:
+        """Find the chunk with exactly these contents (ready or not); a hit touches it.
+        record=False only finds it: the caller reports the use later with `record_use` (a request
+        that waits for memory looks its docs up again every step and must count once)."""
         cond, toks = _as_tuple(cond_tokens), _as_tuple(tokens)
         chunk = self._find(self.make_key(cond, toks), cond, toks)
+        if record:
+            self.record_use(chunk)
+        return chunk
+
+    def record_use(self, chunk: Chunk | None) -> None:
+        """Count one use: a hit on `chunk`, or a miss when it is None."""
         if chunk is None:
             self.stats.misses += 1
-            return None
+            return
+        self._check_member(chunk)
         self.stats.hits += 1
         chunk.hits += 1
         self._touch(chunk, "hit")
-        return chunk
 
     def insert(self, cond_tokens: Sequence[int], tokens: Sequence[int], pages: list[int]) -> Chunk:
         cond, toks = _as_tuple(cond_tokens), _as_tuple(tokens)

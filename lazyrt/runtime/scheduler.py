@@ -188,7 +188,7 @@ class Scheduler:
         found: dict[tuple, Chunk | None] = {}
         for cond, toks in parts:
             if (cond, toks) not in found:
-                found[(cond, toks)] = self.chunks.lookup(cond, toks)
+                found[(cond, toks)] = self.chunks.lookup(cond, toks, record=False)
         existed = {key: c is not None for key, c in found.items()}
         held = [c for c in found.values() if c is not None]
         for c in held:
@@ -202,6 +202,7 @@ class Scheduler:
                 self.chunks.release(c)
             return False
         for key, c in found.items():
+            self.chunks.record_use(c)
             if c is None:
                 c = self.chunks.insert(key[0], key[1], self.pool.alloc(self.pages_for(len(key[1]))))
                 self.chunks.acquire(c)
@@ -272,12 +273,25 @@ class Scheduler:
                 req.copies = []
                 req.state = RequestState.PREFILL
             if req.state is RequestState.PREFILL:
-                n = len(req.prompt_ids) - req.own.start_pos + sum(len(t) for _, t in req.heads)
-                if n <= budget or not plan.items:
-                    plan.items += self._head_items(req)
-                    plan.items.append(self._own_prefill_item(req))
-                    budget -= n
+                budget -= self._plan_prefill(req, plan, budget)
         return plan
+
+    def _plan_prefill(self, req: Request, plan: StepPlan, budget: int) -> int:
+        """Adds the next piece of the request's own prefill (chunked prefill: a long prompt goes in
+        pieces that fit the step budget, so running decodes never stall behind it and it never waits
+        for an idle step); returns the tokens planned. Doc heads go with the first piece, and a scored
+        prompt in one piece (its logprobs come from one step)."""
+        left = len(self._own_tokens(req)) - req.own.num_tokens
+        heads = sum(len(t) for _, t in req.heads)
+        if heads + left <= budget or not plan.items:
+            take = left if (req.score_len or heads + left <= budget) else max(budget - heads, 1)
+        elif req.score_len or budget - heads < min(left, self.page_size):
+            return 0  # too little room this step for a useful piece
+        else:
+            take = budget - heads
+        plan.items += self._head_items(req)
+        plan.items.append(self._own_prefill_item(req, take))
+        return heads + take
 
     def _head_items(self, req: Request) -> list[ForwardItem]:
         """Recomputed doc heads, in context: head i at its real positions attends to everything the
@@ -303,14 +317,21 @@ class Scheduler:
         segs = ([Segment(job.cond.pages, 0, start)] if job.cond else []) + [own]
         return ForwardItem(list(c.tokens), start, segs, own, job=job)
 
-    def _own_prefill_item(self, req: Request) -> ForwardItem:
+    def _own_tokens(self, req: Request) -> list[int]:
+        """The prompt tokens the request computes itself, starting at req.own.start_pos."""
         if req.is_rag and self.uses_chunks:
-            tokens = req.suffix
-        else:
-            tokens = req.prompt_ids[req.own.start_pos :]
-        req.own.num_tokens = len(tokens)
-        req.state = RequestState.DECODE  # its first token is sampled from this step
-        return ForwardItem(list(tokens), req.own.start_pos, req.segments, req.own, request=req)
+            return req.suffix
+        return req.prompt_ids[req.own.start_pos :]
+
+    def _own_prefill_item(self, req: Request, take: int) -> ForwardItem:
+        done = req.own.num_tokens
+        tokens = self._own_tokens(req)[done : done + take]
+        req.own.num_tokens = done + len(tokens)
+        last = req.own.num_tokens == len(self._own_tokens(req))
+        if last:
+            req.state = RequestState.DECODE  # its first token is sampled from this step
+        pos = req.own.start_pos + done
+        return ForwardItem(list(tokens), pos, req.segments, req.own, request=req if last else None)
 
     # ---- results ------------------------------------------------------------------------------
     def on_step_done(self, plan: StepPlan) -> None:
