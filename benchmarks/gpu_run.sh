@@ -7,8 +7,12 @@
 # Needs .whl/ (bash ../shared/gpu/make-wheels.sh pyzmq gguf msgpack); restores .jit.tgz if carried.
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
-[ -d /tmp/site/flashinfer ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-  --target /tmp/site .whl/*.whl
+# (re)install when the carried wheel set differs from the one installed on this (warm) machine
+stamp="$(ls .whl | md5sum | cut -c1-32)"
+if [ "$(cat /tmp/site/.whl_stamp 2>/dev/null)" != "$stamp" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && echo "$stamp" > /tmp/site/.whl_stamp
+fi
 export PYTHONPATH=/tmp/site:$PWD:$PWD/python_frontend FLASHINFER_CUDA_ARCH_LIST=9.0 FLASHINFER_WORKSPACE_BASE=$PWD/.jit
 if [ -f .jit.tgz ] && [ ! -d .jit ]; then mkdir -p .jit && tar xzf .jit.tgz -C .jit; fi
 # The default model's GGUF arrives in parts (a call carries at most 64 MiB); find_spec() finds this dir.
