@@ -367,3 +367,21 @@ def test_cli_flag(capsys):
     with pytest.raises(SystemExit):
         main(["--recompute-head-pages", "-1"])
     assert "recompute_head_pages" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mode", ["lazy", "block"])
+def test_small_step_budget_splits_suffix_after_heads(mode, tiny_model_dir):
+    """Heads go with the first piece of a chunked suffix prefill; tokens equal a roomy run's."""
+    path = tiny_model_dir("llama")
+    small = _engine(path, mode, 1, max_step_tokens=24)
+    roomy = _engine(path, mode, 1)
+    rng = random.Random()
+    vocab = small.model_config.vocab_size
+    prompts = []
+    for _ in range(3):
+        prefix, docs, _ = _prompt(rng, vocab, n_docs=3)
+        prompts.append(RagPrompt(prefix, docs, _ids(rng, rng.randint(20, 50), vocab)))
+    outs = small.generate(prompts, GREEDY)
+    for p, out in zip(prompts, outs):
+        assert out["token_ids"] == roomy.generate(p, GREEDY)[0]["token_ids"]
+    _no_leaks(small)
