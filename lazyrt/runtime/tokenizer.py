@@ -7,6 +7,7 @@ depend on its neighbours). Errors name the request field at fault.
 from __future__ import annotations
 
 from lazyrt.prompt import RagPrompt
+from lazyrt.runtime.doc_token_cache import DocTokenCache
 from lazyrt.runtime.messages import GenerateReq, TokenizedReq
 from lazyrt.runtime.rag_template import (
     DOC_SEPARATOR,
@@ -24,10 +25,11 @@ class InvalidRequest(ValueError):
 
 
 class RequestTokenizer:
-    def __init__(self, tokenizer, max_context: int, vocab_size: int):
+    def __init__(self, tokenizer, max_context: int, vocab_size: int, doc_cache_tokens: int = 8_000_000):
         self.tokenizer = tokenizer
         self.max_context = max_context
         self.vocab_size = vocab_size
+        self.doc_cache = DocTokenCache(lambda text: self._ids(text, False), doc_cache_tokens)
 
     def _ids(self, text: str, special: bool) -> list[int]:
         return self.tokenizer(text, add_special_tokens=special).input_ids
@@ -63,7 +65,7 @@ class RequestTokenizer:
             raise InvalidRequest(str(e), req.param) from e
         if prompt is not None:
             prefix = self._ids(prompt.prefix, False) if isinstance(prompt.prefix, str) else prompt.prefix
-            doc_ids = [self._ids(d, False) for d in prompt.docs]
+            doc_ids = [self.doc_cache.get(d) for d in prompt.docs]
             if isinstance(prompt.suffix, str):
                 suffix = self._ids(prompt.suffix, False)
             else:

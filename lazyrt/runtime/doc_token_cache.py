@@ -1,0 +1,47 @@
+"""DocTokenCache: token ids of recently seen document texts, so a popular document is tokenized once.
+
+RAG requests resend the same documents; tokenizing five 2,048-token documents costs ~45 ms of CPU
+per request, most of a cached request's time to first token. A document is tokenized on its own
+(it is a chunk), so its ids do not depend on the request and can be reused exactly.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import OrderedDict
+from collections.abc import Callable
+
+
+class DocTokenCache:
+    def __init__(self, tokenize: Callable[[str], list[int]], max_tokens: int = 8_000_000):
+        if max_tokens < 0:
+            raise ValueError("max_tokens must be >= 0")
+        self._tokenize = tokenize
+        self.max_tokens = max_tokens
+        self._entries: OrderedDict[str, array] = OrderedDict()
+        self._tokens = 0
+        self.hits = 0
+        self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def num_tokens(self) -> int:
+        return self._tokens
+
+    def get(self, text: str) -> list[int]:
+        ids = self._entries.get(text)
+        if ids is not None:
+            self._entries.move_to_end(text)
+            self.hits += 1
+            return ids.tolist()
+        self.misses += 1
+        out = self._tokenize(text)
+        if 0 < len(out) <= self.max_tokens:
+            self._entries[text] = array("q", out)
+            self._tokens += len(out)
+            while self._tokens > self.max_tokens:
+                _, old = self._entries.popitem(last=False)
+                self._tokens -= len(old)
+        return out

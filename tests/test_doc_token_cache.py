@@ -1,0 +1,54 @@
+"""DocTokenCache: repeated document texts are tokenized once, with exactly the same ids."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from lazyrt.runtime.doc_token_cache import DocTokenCache
+from lazyrt.runtime.messages import GenerateReq
+from lazyrt.runtime.tokenizer import RequestTokenizer
+from lazyrt.sampling_params import SamplingParams
+
+
+def _text(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(["river", "Quenta", "1822", "lumen", "tides", "é", "北京"]) for _ in range(n))
+
+
+def test_requests_reuse_doc_tokens_exactly(tokenizer):
+    rng = random.Random()
+    rt = RequestTokenizer(tokenizer, 1 << 20, len(tokenizer))
+    fresh = RequestTokenizer(tokenizer, 1 << 20, len(tokenizer), doc_cache_tokens=0)
+    docs = [_text(rng, rng.randrange(5, 60)) for _ in range(6)]
+    for i in range(12):
+        req = GenerateReq(i, SamplingParams(max_tokens=4), text="Which river?", docs=rng.sample(docs, 3),
+                          system="Be brief.", text_mode="rag")  # fmt: skip
+        a, b = rt.tokenize(req), fresh.tokenize(req)
+        assert (a.prefix, a.docs, a.suffix) == (b.prefix, b.docs, b.suffix)
+    seen = rt.doc_cache.misses
+    assert seen <= len(docs) and rt.doc_cache.hits == 12 * 3 - seen  # each distinct text tokenized once
+    assert len(fresh.doc_cache) == 0 and fresh.doc_cache.hits == 0  # 0 tokens: caching off
+
+
+def test_lru_eviction_by_token_budget():
+    calls: list[str] = []
+
+    def tokenize(text: str) -> list[int]:
+        calls.append(text)
+        return [len(w) for w in text.split()]
+
+    cache = DocTokenCache(tokenize, max_tokens=10)
+    assert cache.get("a bb ccc") == [1, 2, 3] and cache.num_tokens == 3
+    cache.get("dddd e f g")  # 4 tokens -> 7
+    cache.get("a bb ccc")  # a hit makes it most recent
+    cache.get("x y z w v")  # 5 tokens -> 12 > 10: the least recent ("dddd e f g") goes
+    assert cache.num_tokens == 8 and len(cache) == 2
+    n = len(calls)
+    assert cache.get("a bb ccc") == [1, 2, 3] and len(calls) == n  # still cached
+    cache.get("dddd e f g")
+    assert len(calls) == n + 1  # evicted: tokenized again
+    big = " ".join(["w"] * 11)
+    assert cache.get(big) == [1] * 11 and cache.num_tokens <= 10  # larger than the budget: not kept
+    with pytest.raises(ValueError, match="max_tokens"):
+        DocTokenCache(tokenize, max_tokens=-1)
