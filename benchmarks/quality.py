@@ -62,6 +62,8 @@ def run_mode(mode: str, questions, args) -> dict:
     engine = Engine(
         cache_mode=cache_mode,
         device=args.device,
+        dtype=args.dtype,
+        kv_cache_tokens=args.kv_cache_tokens,
         recompute_head_pages=heads,
         **({"model": args.model} if args.model else {}),
     )
@@ -164,6 +166,9 @@ def main(argv=None) -> int:
     p.add_argument("--system", default=None, help="system prompt (default: the chat template's own)")
     p.add_argument("--model", default=None, help="model path (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--device", default="auto")
+    p.add_argument("--kv-cache-tokens", type=int, default=131072, help="KV budget of each mode's Engine")
+    p.add_argument("--dtype", default="float32",
+                   help="float32 (default: exact lazy-vs-block comparison on any device) or auto/bfloat16")
     p.add_argument("--out", default=None, help="write the full results (per-question outputs) as JSON")
     args = p.parse_args(argv)
 
