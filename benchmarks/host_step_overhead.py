@@ -1,0 +1,70 @@
+"""Host time of one decode step's bookkeeping at RAG shape, no model: plan -> StepMsg -> wire bytes ->
+worker plan -> flattened arrays -> tensors. 64 requests x (prefix + 5 x 2,048-token docs + own run),
+page size 16 (41k page-table entries). Run: python benchmarks/host_step_overhead.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+import torch
+
+from lazyrt.runtime.messages import decode, encode
+from lazyrt.runtime.request import Request, Segment
+from lazyrt.runtime.scheduler import ForwardItem, StepPlan
+from lazyrt.runtime.step_inputs import StepInputs
+from lazyrt.runtime.step_wire import StepDecoder, StepEncoder
+from lazyrt.sampling_params import SamplingParams
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--docs", type=int, default=5)
+    p.add_argument("--doc-tokens", type=int, default=2048)
+    p.add_argument("--iters", type=int, default=200)
+    args = p.parse_args(argv)
+    ps, rng = 16, random.Random(0)
+    plan = StepPlan()
+    for r in range(args.batch):
+        segs, pos = [Segment(rng.sample(range(100000), 2), 0, 20)], 20
+        for _ in range(args.docs):
+            segs.append(Segment(rng.sample(range(100000), -(-args.doc_tokens // ps)), pos, args.doc_tokens))
+            pos += args.doc_tokens
+        own = Segment(rng.sample(range(100000), 6), pos, 40)
+        segs.append(own)
+        req = Request(r, SamplingParams(max_tokens=64))
+        req.output_ids = [1]
+        plan.items.append(ForwardItem([5], pos + 39, segs, own, request=req))
+    enc, dec = StepEncoder(), StepDecoder()
+    StepInputs.from_plan(dec.decode(decode(encode(enc.encode(plan, [])))), ps)  # first step: full tables
+
+    def timed(fn):
+        t0 = time.perf_counter()
+        for _ in range(args.iters):
+            out = fn()
+        return (time.perf_counter() - t0) / args.iters * 1e3, out
+
+    rows = []
+    ms, msg = timed(lambda: enc.encode(plan, []))
+    rows.append(("StepEncoder.encode", ms))
+    ms, wire = timed(lambda: encode(msg))
+    rows.append((f"msgpack encode ({len(wire)} bytes)", ms))
+    ms, msg2 = timed(lambda: decode(wire))
+    rows.append(("msgpack decode", ms))
+    ms, plan2 = timed(lambda: dec.decode(msg2))
+    rows.append(("StepDecoder.decode", ms))
+    ms, s = timed(lambda: StepInputs.from_plan(plan2, ps))
+    rows.append((f"StepInputs.from_plan ({len(s.kv_indices)} entries)", ms))
+    ms, _ = timed(lambda: [torch.from_numpy(x) for x in (s.kv_indices, s.pos_base, s.valid_len)])
+    rows.append(("arrays -> tensors", ms))
+    print("| part | ms |\n|---|---|")
+    for name, v in rows:
+        print(f"| {name} | {v:.3f} |")
+    print(f"| total | {sum(v for _, v in rows):.3f} |")
+
+
+if __name__ == "__main__":
+    main()
