@@ -161,6 +161,8 @@ def main(argv=None) -> int:
                    help="none | prefix | block | lazy | lazy+headN | block+headN (sink fix: the "
                    "engine's recompute_head_pages=N)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--filler-sentences", type=int, default=0,
+                   help="long documents: the facts at a random place among this many filler sentences")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--batch", type=int, default=16, help="questions per rag_batch call")
     p.add_argument("--system", default=None, help="system prompt (default: the chat template's own)")
@@ -172,7 +174,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="write the full results (per-question outputs) as JSON")
     args = p.parse_args(argv)
 
-    questions = make_dataset(args.questions, args.seed)
+    questions = make_dataset(args.questions, args.seed, filler_sentences=args.filler_sentences)
     results = {}
     for m in args.modes:
         results[m] = run_mode(m, questions, args)

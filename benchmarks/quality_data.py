@@ -132,12 +132,51 @@ def make_docs(rng: random.Random, per_kind: int) -> list[Doc]:
     return docs
 
 
+# Filler for long documents: no digits and no invented words, so no answer value can appear in it.
+FILLER = [
+    "Visitors often remark on how quiet the surrounding streets are in the early morning.",
+    "The local newspaper has written about it many times over the years.",
+    "Several families in the area have lived there for generations.",
+    "In spring the nearby fields turn green and the roads fill with cyclists.",
+    "A small museum in the region keeps old photographs and letters.",
+    "The winters there are long, and the summers are short but bright.",
+    "Teachers from the nearby school bring their pupils on yearly visits.",
+    "Most of the records from that time were kept in the town hall.",
+    "People who grew up in the area describe it with a certain pride.",
+    "The main road was widened later to make room for more traffic.",
+    "Local guides tell stories about the place to anyone who will listen.",
+    "A weekly market brings farmers and traders from the villages around.",
+    "Some of the older buildings nearby were restored with great care.",
+    "Travel writers have described the landscape as calm and open.",
+    "During festivals the streets are decorated with lanterns and flags.",
+    "The regional library holds a collection of maps of the area.",
+    "Birds gather along the water in autumn before flying south.",
+    "Many postcards sold in the shops show the same familiar view.",
+    "The council meets every month to discuss roads, schools and parks.",
+    "Evening walks along the old paths are popular with residents.",
+]
+
+
+def pad_document(text: str, n_sentences: int, rng: random.Random) -> str:
+    """The fact sentence(s) at a random place among n_sentences filler sentences."""
+    if n_sentences <= 0:
+        return text
+    filler = [rng.choice(FILLER) for _ in range(n_sentences)]
+    at = rng.randint(0, n_sentences)
+    return " ".join(filler[:at] + [text] + filler[at:])
+
+
 def make_dataset(n_questions: int = 200, seed: int = 0, per_kind: int = 16,
-                 min_docs: int = 3, max_docs: int = 5) -> list[Question]:
+                 min_docs: int = 3, max_docs: int = 5, filler_sentences: int = 0) -> list[Question]:
     """n_questions questions over a pool of len(KINDS) * per_kind documents (docs repeat across
-    questions, so a chunk cache gets reused)."""
+    questions, so a chunk cache gets reused). filler_sentences > 0 makes long documents (the facts
+    somewhere inside); the questions, answers and retrieved sets are those of filler_sentences=0."""
     rng = random.Random(seed)
     docs = make_docs(rng, per_kind)
+    if filler_sentences > 0:
+        pad_rng = random.Random(seed + 7919)  # its own stream: the question draws below are unchanged
+        for d in docs:
+            d.text = pad_document(d.text, filler_sentences, pad_rng)
     by_kind: dict[str, list[Doc]] = {}
     for d in docs:
         by_kind.setdefault(d.kind, []).append(d)

@@ -3,6 +3,8 @@
 import os
 import sys
 
+import pytest
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
 from quality_data import is_correct, make_dataset, normalize  # noqa: E402
@@ -19,8 +21,9 @@ def test_fixed_seed_is_deterministic():
     assert [q.docs for q in a] != [q.docs for q in c]
 
 
-def test_answer_in_exactly_one_retrieved_doc():
-    qs = make_dataset(300, seed=0)
+@pytest.mark.parametrize("filler", [0, 12])
+def test_answer_in_exactly_one_retrieved_doc(filler):
+    qs = make_dataset(300, seed=0, filler_sentences=filler)
     assert len(qs) == 300
     for q in qs:
         assert 3 <= len(q.docs) <= 5
@@ -31,6 +34,17 @@ def test_answer_in_exactly_one_retrieved_doc():
         assert q.answer not in q.distractor_values
         for v in q.distractor_values:
             assert sum(_contains(d, v) for d in q.docs) == 1
+
+
+def test_long_documents_keep_the_questions():
+    """Filler changes only the documents' length: same questions, answers and retrieved entities."""
+    short, long = make_dataset(60, seed=2), make_dataset(60, seed=2, filler_sentences=20)
+    for a, b in zip(short, long):
+        assert (a.question, a.answer, a.answer_doc) == (b.question, b.answer, b.answer_doc)
+        for x, y in zip(a.docs, b.docs):
+            assert x in y and len(y) > 5 * len(x)
+    positions = {b.docs[b.answer_doc].index(a.docs[a.answer_doc]) for a, b in zip(short, long)}
+    assert len(positions) > 10  # the fact sits at different places in different documents
 
 
 def test_docs_are_reused_across_questions():
