@@ -51,15 +51,7 @@ class Engine:
         self.pool = self.worker.pool
         self.runner = self.worker.runner
         self.eos_ids = self.worker.eos_ids
-        self.scheduler = Scheduler(
-            self.pool,
-            cfg.cache_mode,
-            self.model_id,
-            cfg.max_running_requests,
-            cfg.max_step_tokens,
-            recompute_head_pages=cfg.recompute_head_pages,
-            eviction_policy=cfg.eviction_policy,
-        )
+        self.scheduler = Scheduler.from_config(self.pool, cfg, self.model_id)
         self.core = EngineCore(self.scheduler, self.worker, self.eos_ids)
         self._rids = itertools.count()
 

@@ -11,11 +11,15 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from lazyrt.cache.chunk_table import Chunk, ChunkTable
 from lazyrt.cache.page_pool import PagePool
 from lazyrt.cache.radix_cache import RadixCache
 from lazyrt.runtime.request import Request, RequestState, Segment
+
+if TYPE_CHECKING:
+    from lazyrt.config import EngineConfig
 
 CACHE_MODES = ("lazy", "block", "prefix", "none")
 
@@ -92,6 +96,19 @@ class Scheduler:
         self.jobs: list[_ChunkJob] = []
 
     # ---- intake -------------------------------------------------------------------------------
+
+    @classmethod
+    def from_config(cls, pool: PagePool, cfg: EngineConfig, model_id: str) -> Scheduler:
+        return cls(
+            pool,
+            cfg.cache_mode,
+            model_id,
+            cfg.max_running_requests,
+            cfg.max_step_tokens,
+            eviction_policy=cfg.eviction_policy,
+            recompute_head_pages=cfg.recompute_head_pages,
+        )
+
     def pages_for(self, n_tokens: int) -> int:
         return -(-n_tokens // self.page_size)
 

@@ -59,15 +59,7 @@ def run_scheduler_process(cfg: EngineConfig, ipc: IpcPaths, log_level: str) -> N
         watch.check()
     ready: WorkerReady = recv(from_worker)
     pool = PagePool(1, ready.num_pages, ready.page_size, 1, 1, torch.float32, "meta")
-    sched = Scheduler(
-        pool,
-        cfg.cache_mode,
-        ready.model_id,
-        cfg.max_running_requests,
-        cfg.max_step_tokens,
-        recompute_head_pages=cfg.recompute_head_pages,
-        eviction_policy=cfg.eviction_policy,
-    )
+    sched = Scheduler.from_config(pool, cfg, ready.model_id)
     core = EngineCore(sched, ZmqWorkerLink(to_worker, from_worker, watch), set(ready.eos_ids))
     send(to_detok, ready)
     SchedulerLoop(core, cfg.cache_mode, inbox, to_detok, watch).run()
