@@ -11,6 +11,7 @@ from typing import Any
 from lazyrt.config import EngineConfig
 from lazyrt.prompt import RagPrompt
 from lazyrt.runtime.detokenizer import IncrementalDetokenizer
+from lazyrt.runtime.doc_token_cache import DocTokenCache
 from lazyrt.runtime.engine_core import EngineCore
 from lazyrt.runtime.model_worker import ModelWorker
 from lazyrt.runtime.rag_template import build_rag_prompt
@@ -54,8 +55,15 @@ class Engine:
         self.scheduler = Scheduler.from_config(self.pool, cfg, self.model_id)
         self.core = EngineCore(self.scheduler, self.worker, self.eos_ids)
         self._rids = itertools.count()
+        # a popular document's text is tokenized once (as in the server's tokenizer process)
+        self._doc_tokens = DocTokenCache(lambda text: self._tokens(text, "document", False))
 
     # ---- tokenization and validation ----------------------------------------------------------
+    def _doc_ids(self, doc: Any, i: int) -> list[int]:
+        if isinstance(doc, str):
+            return self._doc_tokens.get(doc)
+        return self._tokens(doc, f"RagPrompt.docs[{i}]", False)
+
     def _tokens(self, part: Any, what: str, special: bool) -> list[int]:
         if isinstance(part, str):
             return self.tokenizer(part, add_special_tokens=special).input_ids
@@ -77,7 +85,7 @@ class Engine:
             if not isinstance(prompt.docs, (list, tuple)):
                 raise TypeError("RagPrompt.docs must be a list")
             prefix = self._tokens(prompt.prefix, "RagPrompt.prefix", False)
-            docs = [self._tokens(d, f"RagPrompt.docs[{i}]", False) for i, d in enumerate(prompt.docs)]
+            docs = [self._doc_ids(d, i) for i, d in enumerate(prompt.docs)]
             for i, d in enumerate(docs):
                 if not d:
                     raise ValueError(f"RagPrompt.docs[{i}] is empty")

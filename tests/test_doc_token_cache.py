@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from lazyrt import Engine
 from lazyrt.runtime.doc_token_cache import DocTokenCache
 from lazyrt.runtime.messages import GenerateReq
 from lazyrt.runtime.tokenizer import RequestTokenizer
@@ -52,3 +53,20 @@ def test_lru_eviction_by_token_budget():
     assert cache.get(big) == [1] * 11 and cache.num_tokens <= 10  # larger than the budget: not kept
     with pytest.raises(ValueError, match="max_tokens"):
         DocTokenCache(tokenize, max_tokens=-1)
+
+
+def test_engine_reuses_document_tokens(tiny_model_dir):
+    """Engine.rag tokenizes a repeated document once, with the ids a fresh tokenization gives."""
+    engine = Engine(tiny_model_dir("llama"), device="cpu", kv_cache_tokens=4096)
+    rng = random.Random()
+    docs = [_text(rng, 12), _text(rng, 9)]
+    cache = engine._doc_tokens
+    hits, misses = cache.hits, cache.misses
+    sp = SamplingParams(max_tokens=4)
+    engine.rag(docs, "Which river?", sampling_params=sp)
+    out = engine.rag(docs[::-1], "Which river?", sampling_params=sp)
+    assert cache.misses - misses == 2 and cache.hits - hits == 2
+    assert out["meta"]["chunk_hits"] == 2
+    tok = engine.tokenizer
+    for text in list(cache._entries):
+        assert cache.get(text) == tok(text, add_special_tokens=False).input_ids
