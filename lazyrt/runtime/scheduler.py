@@ -298,7 +298,8 @@ class Scheduler:
         pieces that fit the step budget, so running decodes never stall behind it and it never waits
         for an idle step); returns the tokens planned. Doc heads go with the first piece, and a scored
         prompt in one piece (its logprobs come from one step)."""
-        left = len(self._own_tokens(req)) - req.own.num_tokens
+        own = self._own_tokens(req)  # built once: for a plain prompt it is a copy of the prompt
+        left = len(own) - req.own.num_tokens
         heads = sum(len(t) for _, t in req.heads)
         if heads + left <= budget or not plan.items:
             take = left if (req.score_len or heads + left <= budget) else max(budget - heads, 1)
@@ -307,7 +308,7 @@ class Scheduler:
         else:
             take = budget - heads
         plan.items += self._head_items(req)
-        plan.items.append(self._own_prefill_item(req, take))
+        plan.items.append(self._own_prefill_item(req, own, take))
         return heads + take
 
     def _head_items(self, req: Request) -> list[ForwardItem]:
@@ -340,15 +341,15 @@ class Scheduler:
             return req.suffix
         return req.prompt_ids[req.own.start_pos :]
 
-    def _own_prefill_item(self, req: Request, take: int) -> ForwardItem:
+    def _own_prefill_item(self, req: Request, own: list[int], take: int) -> ForwardItem:
         done = req.own.num_tokens
-        tokens = self._own_tokens(req)[done : done + take]
+        tokens = own[done : done + take]
         req.own.num_tokens = done + len(tokens)
-        last = req.own.num_tokens == len(self._own_tokens(req))
+        last = req.own.num_tokens == len(own)
         if last:
             req.state = RequestState.DECODE  # its first token is sampled from this step
         pos = req.own.start_pos + done
-        return ForwardItem(list(tokens), pos, req.segments, req.own, request=req if last else None)
+        return ForwardItem(tokens, pos, req.segments, req.own, request=req if last else None)
 
     # ---- results ------------------------------------------------------------------------------
     def on_step_done(self, plan: StepPlan) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 from lazyrt.runtime.messages import StepItem, StepMsg
 from lazyrt.runtime.request import Request, Segment
 from lazyrt.runtime.scheduler import ForwardItem, PageCopy, StepPlan
-from lazyrt.sampling_params import SamplingParams
 
 
 class StepEncoder:
@@ -62,7 +61,8 @@ class StepDecoder:
     """Worker side: rebuilds StepPlans; items to sample from get a stub Request (rid and params)."""
 
     def __init__(self) -> None:
-        self._known: dict[int, tuple[list[Segment], SamplingParams]] = {}
+        # rid -> (segments, the stub Request its items sample for)
+        self._known: dict[int, tuple[list[Segment], Request]] = {}
 
     def __len__(self) -> int:
         return len(self._known)
@@ -75,15 +75,14 @@ class StepDecoder:
             if it.segments is None:
                 if it.rid not in self._known:
                     raise ValueError(f"step item for request {it.rid} without segments, and none kept")
-                segs, params = self._known[it.rid]
+                segs, req = self._known[it.rid]
                 segs[it.target].num_tokens = it.target_tokens
-                req = Request(it.rid, params)
             else:
                 segs = [Segment(list(p), s, n) for p, s, n in it.segments]
                 req = None
                 if it.rid >= 0:
                     req = Request(it.rid, it.sampling, score_len=it.score_len)
-                    self._known[it.rid] = (segs, it.sampling)
+                    self._known[it.rid] = (segs, Request(it.rid, it.sampling))  # decodes score nothing
             plan.items.append(
                 ForwardItem(list(it.token_ids), it.start_pos, segs, segs[it.target], request=req)
             )
