@@ -8,7 +8,8 @@ stages, 16-bit rotation, lazy rescale, warp specialization) variant below, timed
 benchmarks/kernels.py (median CUDA-graph replay) on the same pages as FlashInfer's paged prefill
 without RoPE; each variant is checked against the default variant's output (--extend-set slots:
 split slots per SM instead). Decode (--decode-set tiles): fused / PDL merge, keys/step, splits,
-stages and warps vs FlashInfer decode; (flags): page-table scan x 16-bit rotation.
+stages and warps vs FlashInfer decode; --extend-set bound: only the default with and without key
+rotation (the most a design without per-key rotation could gain); (flags): page-table scan x 16-bit rotation.
 --then-bench B...: then benchmarks/kernels.py's rows with the best extend and decode-flag choices.
 Prints every result as it goes, then a short table of the best variant per batch.
 """
@@ -85,7 +86,7 @@ def main() -> None:
     ap.add_argument("--decode-batches", type=int, nargs="*", default=[])
     ap.add_argument("--skip-flashinfer", action="store_true")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--extend-set", choices=["full", "ws", "slots"], default="full",
+    ap.add_argument("--extend-set", choices=["full", "ws", "slots", "bound"], default="full",
                     help="ws: committed tiles +- stages, with/without warp specialization; slots: the "
                          "committed small / large tile with 1-4 split slots per SM")
     ap.add_argument("--decode-set", choices=["tiles", "flags"], default="tiles",
@@ -117,7 +118,7 @@ def main() -> None:
     global EXTEND_TILES, EXTEND_FLAGS
     if args.extend_set == "ws":
         EXTEND_TILES, EXTEND_FLAGS = EXTEND_TILES_WS, EXTEND_FLAGS_WS
-    variants = [t + f for f in EXTEND_FLAGS for t in EXTEND_TILES]
+    variants = [t + f for f in EXTEND_FLAGS for t in EXTEND_TILES] if args.extend_set != "bound" else []
     deadline = time.time() + args.budget_s if args.budget_s else None
     default = (ta.EXTEND_ROWS, ta.EXTEND_BLOCK_N, ta.EXTEND_WARPS, ta.EXTEND_STAGES, False, 0.0, False)
     saved = (ta.EXTEND_ROWS, ta.EXTEND_BLOCK_N, ta.EXTEND_WARPS, ta.EXTEND_STAGES, ta.EXTEND_ROT_LOWP,
@@ -169,7 +170,7 @@ def main() -> None:
         print_table(rows)
     print("== best per batch (variant: rows, block_n, warps, stages, lowp, lazy, ws | "
           "fused, block_n, splits, stages, warps)")
-    for kind in ("extend", "decode", "slots", "dflags"):
+    for kind in ("extend", "decode", "slots", "dflags"):  # ext_bound rows are printed as they run
         for B in sorted({r["batch"] for r in results if r["kind"] == kind}):
             rs = sorted((r for r in results if r["kind"] == kind and r["batch"] == B), key=lambda r: r["us"])
             fi_us = rs[0]["fi_us"]
@@ -198,6 +199,15 @@ def sweep_extend_batch(B, default, variants, gen, rope, scale, fi, workspace, be
                  kv_data_type=torch.bfloat16)
         fi_us = bench(functools.partial(pre.run, qp, lay.kv))
         print(f"FI prefill B={B}: {fi_us:.1f}us", flush=True)
+    us0 = bench(f)
+    meta.rotate_keys = False  # same kernel and pages, keys taken as stored: what rotation costs
+    us_norot = bench(f)
+    meta.rotate_keys = True
+    results.append({"kind": "ext_bound", "batch": B, "var": "default", "us": us0, "no_rotation_us": us_norot,
+                    "fi_us": fi_us})
+    ratio = (lambda us: f" x{us / fi_us:.2f}" if fi_us else "")
+    print(f"EXT B={B} default: {us0:.1f}us{ratio(us0)}; no rotation: {us_norot:.1f}us{ratio(us_norot)}",
+          flush=True)
     for var in variants:
         if deadline is not None and time.time() > deadline:
             print(f"EXT B={B}: time budget spent", flush=True)
