@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lazyrt.cache.eviction import EVICTION_POLICIES
+from lazyrt.runtime.recompute import check_recompute_options
 from lazyrt.runtime.scheduler import CACHE_MODES
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -27,8 +28,14 @@ class EngineConfig:
     max_model_len: int | None = None  # cap on the model's context length
     load_format: str = "auto"
     cuda_graph_max_batch: int = 64  # decode steps up to this batch replay CUDA graphs; 0 = off
-    # Sink fix (lazy/block only): recompute the first N pages of each document after the first in
-    # the request's context (own pages, N * page_size extra prefill tokens per doc); 0 = off.
+    # Selective recompute (lazy/block only; runtime/recompute.py): pages of the documents after the
+    # first recomputed in the request's context (own pages; the rest shared from the chunk).
+    # Which pages: head | tail | question (IDF-weighted question-token overlap).
+    recompute_policy: str = "head"
+    # Budget, one of: pages per document after the first, or a share of those documents' pages.
+    recompute_pages: int = 0
+    recompute_ratio: float = 0.0
+    # Legacy sink fix: = recompute_policy="head", recompute_pages=N; 0 = off.
     recompute_head_pages: int = 0
     seed: int = 0
 
@@ -49,9 +56,6 @@ class EngineConfig:
             raise ValueError(f"kv_cache_tokens={self.kv_cache_tokens}: must hold at least one page")
         if self.max_running_requests < 1 or self.max_step_tokens < 1:
             raise ValueError("max_running_requests and max_step_tokens must be >= 1")
-        n = self.recompute_head_pages
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(
-                f"recompute_head_pages={n!r}: must be an integer >= 0 (pages of each document after "
-                "the first recomputed in context; 0 = off)"
-            )
+        check_recompute_options(
+            self.recompute_policy, self.recompute_pages, self.recompute_ratio, self.recompute_head_pages
+        )

@@ -12,6 +12,7 @@ import sys
 from lazyrt.cache.eviction import EVICTION_POLICIES
 from lazyrt.config import DTYPES, EngineConfig
 from lazyrt.models.loader import LOAD_FORMATS
+from lazyrt.runtime.recompute import RECOMPUTE_POLICIES
 from lazyrt.runtime.scheduler import CACHE_MODES
 from lazyrt.runtime.server import ServerOptions, serve
 
@@ -73,6 +74,27 @@ def build_parser() -> argparse.ArgumentParser:
         help="sink fix for lazy/block modes: recompute the first N KV pages of each document after the "
         "first in the request's context (N * page-size extra prefill tokens and N pages per doc); 0 = off",
     )
+    p.add_argument(
+        "--recompute-policy",
+        default=d.recompute_policy,
+        choices=RECOMPUTE_POLICIES,
+        help="selective recompute for lazy/block modes, which pages of the documents after the first "
+        "are recomputed in the request's context: head = first pages of each, tail = last pages before "
+        "the question, question = pages holding the question's rarer tokens (IDF within the prompt); "
+        "budget from --recompute-pages or --recompute-ratio",
+    )
+    p.add_argument(
+        "--recompute-pages",
+        type=int,
+        default=d.recompute_pages,
+        help="selective recompute budget: pages per document after the first; 0 = off",
+    )
+    p.add_argument(
+        "--recompute-ratio",
+        type=float,
+        default=d.recompute_ratio,
+        help="selective recompute budget: share (0-1) of the pages of the documents after the first; 0 = off",
+    )
     p.add_argument("--seed", type=int, default=d.seed, help="seed for dummy weights")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (except /health)")
     p.add_argument("--served-model-name", default=None, help="model name in the API; default from --model")
@@ -99,6 +121,9 @@ def main(argv: list[str] | None = None) -> int:
         load_format=args.load_format,
         cuda_graph_max_batch=args.cuda_graph_max_batch,
         recompute_head_pages=args.recompute_head_pages,
+        recompute_policy=args.recompute_policy,
+        recompute_pages=args.recompute_pages,
+        recompute_ratio=args.recompute_ratio,
         seed=args.seed,
     )
     try:

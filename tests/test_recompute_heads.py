@@ -153,8 +153,8 @@ def _capture_heads(engine: Engine) -> dict[int, list[list[tuple[int, torch.Tenso
     orig = engine.scheduler.finish
 
     def finish(req, reason):
-        if req.state is not RequestState.FINISHED and req.head_pages:
-            own = set(req.head_pages)
+        if req.state is not RequestState.FINISHED and req.recomputed_pages:
+            own = set(req.recomputed_pages)
             segs = [s for s in req.segments if s.pages and set(s.pages) <= own]
             snaps[req.rid] = [
                 [
@@ -308,7 +308,7 @@ def test_reservation_matches_pages_used(mode, tiny_model_dir):
     engine._run([req])
     assert used == [engine.scheduler.worst_case_pages(req)]
     heads = sum(-(-h // PS) for h in head_lens(docs, 1))
-    assert heads > 0 and len(req.head_pages) == 0  # released at finish
+    assert heads > 0 and len(req.recomputed_pages) == 0  # released at finish
     _no_leaks(engine)
 
 

@@ -48,11 +48,12 @@ class Request:
     copied_pages: list[int] = field(default_factory=list)  # block mode: per-use copies of doc pages
     # pending block copies: (chunk pages to copy, destination pages, position delta to re-rotate by)
     copies: list[tuple[list[int], list[int], int]] = field(default_factory=list)
-    # Sink fix (recompute_head_pages): pages the request owns for the recomputed first tokens of its
-    # docs after the first, and the heads still to compute: (index of the head's Segment in
-    # `segments`, its tokens). They are prefilled in context, in the step of the suffix.
-    head_pages: list[int] = field(default_factory=list)
-    heads: list[tuple[int, list[int]]] = field(default_factory=list)
+    # Selective recompute (runtime/recompute.py): the page indices of each doc it recomputes (chosen
+    # once), the pages it owns for them, and the runs still to compute: (index of the run's Segment
+    # in `segments`, its tokens). They are prefilled in context, in the step of the suffix.
+    recompute_sel: list[list[int]] | None = None
+    recomputed_pages: list[int] = field(default_factory=list)
+    pending_recompute: list[tuple[int, list[int]]] = field(default_factory=list)
     radix_node: object | None = None
     radix_pages: list[int] = field(default_factory=list)
     # accounting for `meta`

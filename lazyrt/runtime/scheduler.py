@@ -1,8 +1,8 @@
 """Scheduler: admits requests when their pages fit, resolves chunks, and plans each forward step.
 
 A step mixes chunk prefills (a document's KV, computed once), prefills of request-owned tokens
-(question suffix or uncached prompt, plus recomputed document heads with recompute_head_pages) and
-decodes. Pages a request may still need (its suffix and max_new_tokens, recomputed heads, block
+(question suffix or uncached prompt, plus recomputed document pages: runtime/recompute.py) and
+decodes. Pages a request may still need (its suffix and max_new_tokens, recomputed pages, block
 copies) are reserved at admission, so a running request never waits for memory and a full pool only
 makes new requests wait.
 """
@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from lazyrt.cache.chunk_table import Chunk, ChunkTable
 from lazyrt.cache.page_pool import PagePool
 from lazyrt.cache.radix_cache import RadixCache
+from lazyrt.runtime.recompute import check_recompute_options, page_runs, select_pages
 from lazyrt.runtime.request import Request, RequestState, Segment
 
 if TYPE_CHECKING:
@@ -75,6 +76,9 @@ class Scheduler:
         max_step_tokens: int = 8192,
         eviction_policy: str = "lru",
         recompute_head_pages: int = 0,
+        recompute_policy: str = "head",
+        recompute_pages: int = 0,
+        recompute_ratio: float = 0.0,
     ):
         if cache_mode not in CACHE_MODES:
             raise ValueError(f"cache_mode={cache_mode!r}: must be one of {', '.join(CACHE_MODES)}")
@@ -85,12 +89,10 @@ class Scheduler:
         self.radix = RadixCache(pool.page_size)
         self.max_running = max_running_requests
         self.max_step_tokens = max_step_tokens
-        if isinstance(recompute_head_pages, bool) or not isinstance(recompute_head_pages, int):
-            raise ValueError(f"recompute_head_pages={recompute_head_pages!r}: must be an integer >= 0")
-        if recompute_head_pages < 0:
-            raise ValueError(f"recompute_head_pages={recompute_head_pages}: must be >= 0 (0 = off)")
-        # Sink fix (block/lazy): each doc after the first gets its first n pages recomputed in context.
-        self.recompute_head_pages = recompute_head_pages
+        # Selective recompute (block/lazy): pages of the docs after the first recomputed in context.
+        self.recompute_policy, self.recompute_pages, self.recompute_ratio = check_recompute_options(
+            recompute_policy, recompute_pages, recompute_ratio, recompute_head_pages
+        )
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.jobs: list[_ChunkJob] = []
@@ -107,6 +109,9 @@ class Scheduler:
             cfg.max_step_tokens,
             eviction_policy=cfg.eviction_policy,
             recompute_head_pages=cfg.recompute_head_pages,
+            recompute_policy=cfg.recompute_policy,
+            recompute_pages=cfg.recompute_pages,
+            recompute_ratio=cfg.recompute_ratio,
         )
 
     def pages_for(self, n_tokens: int) -> int:
@@ -120,22 +125,33 @@ class Scheduler:
         doc_pages = sum(self.pages_for(len(d)) for d in req.docs)
         return self.pages_for(len(req.prefix)) + doc_pages + self._per_use_pages(req) + own
 
+    def recompute_selection(self, req: Request) -> list[list[int]]:
+        """Indices of each doc's pages the request recomputes in context (its own pages); the rest
+        is served from the chunk. Chosen once per request (runtime/recompute.py)."""
+        if req.recompute_sel is None:
+            if not (self.recompute_pages or self.recompute_ratio):
+                req.recompute_sel = [[] for _ in req.docs]
+            else:
+                req.recompute_sel = select_pages(
+                    self.recompute_policy, req.docs, req.suffix, self.page_size,
+                    self.recompute_pages, self.recompute_ratio,
+                )
+        return req.recompute_sel
+
     def head_lens(self, req: Request) -> list[int]:
-        """Tokens of each doc the request recomputes in context (its own pages): the first
-        recompute_head_pages pages of every doc after the first (the first doc's chunk KV already is
-        what full attention gives: it sees the prefix only). 0 = served from the chunk."""
-        k = self.recompute_head_pages * self.page_size
-        return [min(k, len(d)) if i > 0 else 0 for i, d in enumerate(req.docs)]
+        """Tokens each doc recomputes in context (all policies; head runs first in each doc)."""
+        return [
+            sum(min(self.page_size, len(d) - i * self.page_size) for i in sel)
+            for d, sel in zip(req.docs, self.recompute_selection(req))
+        ]
 
     def _per_use_pages(self, req: Request) -> int:
-        """Pages a RAG request owns besides its suffix: recomputed heads, and in block mode the
+        """Pages a RAG request owns besides its suffix: recomputed pages, and in block mode the
         re-rotated copies of the rest of each doc."""
-        pages = 0
-        for d, h in zip(req.docs, self.head_lens(req)):
-            pages += self.pages_for(h)
-            if self.cache_mode == "block":
-                pages += self.pages_for(len(d) - h)
-        return pages
+        sel = self.recompute_selection(req)
+        if self.cache_mode == "block":
+            return sum(self.pages_for(len(d)) for d in req.docs)
+        return sum(len(s) for s in sel)
 
     @property
     def uses_chunks(self) -> bool:
@@ -238,26 +254,27 @@ class Scheduler:
         if prefix:
             req.segments.append(Segment(prefix_chunk.pages, 0, len(prefix)))
             pos = len(prefix)
-        for d, h in zip(req.docs, self.head_lens(req)):
+        for d, sel in zip(req.docs, self.recompute_selection(req)):
             c = found[(prefix, tuple(d))]
             hit = existed[(prefix, tuple(d))]  # computed, or being computed for another request
             req.chunk_hits += int(hit)
             req.chunk_misses += int(not hit)
-            req.cached_tokens += len(d) - h if hit else 0
-            if h:  # the head: own pages, prefilled in context with the suffix
-                head = Segment(self.pool.alloc(self.pages_for(h)), pos, h)
-                req.head_pages += head.pages
-                req.heads.append((len(req.segments), list(d[:h])))
-                req.segments.append(head)
-            n_tail = len(d) - h
-            if n_tail:  # the rest of the doc: the chunk's pages after the head (h is a page multiple)
-                src = c.pages[self.pages_for(h) :]
-                if self.cache_mode == "block":
-                    seg = Segment(self.pool.alloc(self.pages_for(n_tail)), pos + h, n_tail)
-                    req.copied_pages += seg.pages
-                    req.copies.append((src, seg.pages, pos - len(prefix)))
+            # Page-granular copy-on-write: the doc is alternating runs of the chunk's pages (shared,
+            # never written) and request-owned pages recomputed in context with the suffix.
+            for recompute, lo, n in page_runs(len(d), self.page_size, sel):
+                if recompute:
+                    seg = Segment(self.pool.alloc(self.pages_for(n)), pos + lo, n)
+                    req.recomputed_pages += seg.pages
+                    req.pending_recompute.append((len(req.segments), list(d[lo : lo + n])))
                 else:
-                    seg = Segment(src, pos + h, n_tail)
+                    req.cached_tokens += n if hit else 0
+                    src = c.pages[lo // self.page_size : lo // self.page_size + self.pages_for(n)]
+                    if self.cache_mode == "block":
+                        seg = Segment(self.pool.alloc(len(src)), pos + lo, n)
+                        req.copied_pages += seg.pages
+                        req.copies.append((src, seg.pages, pos - len(prefix)))
+                    else:
+                        seg = Segment(src, pos + lo, n)
                 req.segments.append(seg)
             pos += len(d)
         if prefix and existed[((), prefix)]:
@@ -296,31 +313,32 @@ class Scheduler:
     def _plan_prefill(self, req: Request, plan: StepPlan, budget: int) -> int:
         """Adds the next piece of the request's own prefill (chunked prefill: a long prompt goes in
         pieces that fit the step budget, so running decodes never stall behind it and it never waits
-        for an idle step); returns the tokens planned. Doc heads go with the first piece, and a scored
-        prompt in one piece (its logprobs come from one step)."""
+        for an idle step); returns the tokens planned. Recomputed doc pages go with the first piece,
+        and a scored prompt in one piece (its logprobs come from one step)."""
         own = self._own_tokens(req)  # built once: for a plain prompt it is a copy of the prompt
         left = len(own) - req.own.num_tokens
-        heads = sum(len(t) for _, t in req.heads)
+        heads = sum(len(t) for _, t in req.pending_recompute)
         if heads + left <= budget or not plan.items:
             take = left if (req.score_len or heads + left <= budget) else max(budget - heads, 1)
         elif req.score_len or budget - heads < min(left, self.page_size):
             return 0  # too little room this step for a useful piece
         else:
             take = budget - heads
-        plan.items += self._head_items(req)
+        plan.items += self._recompute_items(req)
         plan.items.append(self._own_prefill_item(req, own, take))
         return heads + take
 
-    def _head_items(self, req: Request) -> list[ForwardItem]:
-        """Recomputed doc heads, in context: head i at its real positions attends to everything the
-        request has before it (prefix, earlier docs as the request sees them) and causally to itself.
-        They share the step with the suffix: a layer stores every item's K/V before any attends, so
-        later heads and the suffix see the earlier heads' fresh K/V at each layer."""
+    def _recompute_items(self, req: Request) -> list[ForwardItem]:
+        """Recomputed runs of doc pages, in context: a run at its real positions attends to
+        everything the request has before it (prefix, earlier docs and the doc's earlier pages as
+        the request sees them) and causally to itself. They share the step with the suffix: a layer
+        stores every item's K/V before any attends, so later runs and the suffix see the earlier
+        runs' fresh K/V at each layer."""
         items = []
-        for idx, tokens in req.heads:
+        for idx, tokens in req.pending_recompute:
             seg = req.segments[idx]
             items.append(ForwardItem(tokens, seg.start_pos, req.segments[: idx + 1], seg))
-        req.heads = []
+        req.pending_recompute = []
         return items
 
     def _decode_item(self, req: Request) -> ForwardItem:
@@ -372,7 +390,7 @@ class Scheduler:
             for c in req.chunks:
                 self.chunks.release(c)
             self.pool.free(req.copied_pages)
-            self.pool.free(req.head_pages)
+            self.pool.free(req.recomputed_pages)
             own = req.own.pages if req.own else []
             if req.radix_node is not None:
                 # KV exists for the prompt and every output token but the last (never fed back).
@@ -387,7 +405,7 @@ class Scheduler:
             else:
                 self.pool.free(own)
         req.chunks, req.copied_pages, req.own, req.segments = [], [], None, []
-        req.head_pages, req.heads, req.copies = [], [], []
+        req.recomputed_pages, req.pending_recompute, req.copies = [], [], []
         req.finish_reason = reason
         req.state = RequestState.FINISHED
 
@@ -399,5 +417,7 @@ class Scheduler:
         return len(freed)
 
     def held_pages(self) -> int:
-        """Pages owned by running requests (own + block copies + recomputed heads), for leak checks."""
-        return sum(len(r.own.pages) + len(r.copied_pages) + len(r.head_pages) for r in self.running if r.own)
+        """Pages owned by running requests (own + block copies + recomputed pages), for leak checks."""
+        return sum(
+            len(r.own.pages) + len(r.copied_pages) + len(r.recomputed_pages) for r in self.running if r.own
+        )
