@@ -1,7 +1,8 @@
 """On-device sweep of the lazy attention kernel's tiles at the RAG shape, against FlashInfer.
 
     python benchmarks/sweep_kernels.py --batches 1 4 16 64 [--decode-batches 1 4] [--skip-flashinfer]
-        [--extend-set full|ws|slots] [--decode-set tiles|flags] [--budget-s S] [--then-bench B...]
+        [--extend-set full|ws|slots|bound|rot] [--decode-set tiles|flags|rot] [--budget-s S]
+        [--then-bench B...]
 
 Extend (the 128-token question over 5 x 2,048 chunk keys): every (rows, keys/step, warps,
 stages, 16-bit rotation, lazy rescale, warp specialization) variant below, timed like
@@ -10,6 +11,8 @@ without RoPE; each variant is checked against the default variant's output (--ex
 split slots per SM instead). Decode (--decode-set tiles): fused / PDL merge, keys/step, splits,
 stages and warps vs FlashInfer decode; --extend-set bound: only the default with and without key
 rotation (the most a design without per-key rotation could gain); (flags): page-table scan x 16-bit rotation.
+--decode-set rot / --extend-set rot: per-key cos/sin gather vs angle addition x 16-bit math (ROT_VARIANTS),
+each with its error vs the fp32 reference, and the same kernel without rotation.
 --then-bench B...: then benchmarks/kernels.py's rows with the best extend and decode-flag choices.
 Prints every result as it goes, then a short table of the best variant per batch.
 """
@@ -86,12 +89,15 @@ def main() -> None:
     ap.add_argument("--decode-batches", type=int, nargs="*", default=[])
     ap.add_argument("--skip-flashinfer", action="store_true")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--extend-set", choices=["full", "ws", "slots", "bound"], default="full",
+    ap.add_argument("--extend-set", choices=["full", "ws", "slots", "bound", "rot"], default="full",
                     help="ws: committed tiles +- stages, with/without warp specialization; slots: the "
-                         "committed small / large tile with 1-4 split slots per SM")
-    ap.add_argument("--decode-set", choices=["tiles", "flags"], default="tiles",
+                         "committed small / large tile with 1-4 split slots per SM; rot: key-rotation "
+                         "variants (angle addition x 16-bit math, ROT_VARIANTS)")
+    ap.add_argument("--decode-set", choices=["tiles", "flags", "rot"], default="tiles",
                     help="tiles: fused/PDL merge x keys/step x splits x stages/warps; flags: page-table "
-                         "scan x 16-bit rotation (then-bench applies the best by mean ratio to FlashInfer)")
+                         "scan x 16-bit rotation (then-bench applies the best by mean ratio to FlashInfer); "
+                         "rot: key-rotation variants as --extend-set rot")
+    ap.add_argument("--rounds", type=int, default=2, help="rot sets: timing rounds over all variants")
     ap.add_argument("--budget-s", type=float, default=None, help="stop starting variants after this")
     ap.add_argument("--then-bench", type=int, nargs="*", default=[],
                     help="then benchmarks/kernels.py's rows for these batches with the best extend choice")
@@ -125,13 +131,17 @@ def main() -> None:
              ta.EXTEND_LAZY_RESCALE, ta.EXTEND_WARP_SPEC, ta.EXTEND_LARGE_MIN_PER_SM)
     results: list[dict] = []
     for B in args.decode_batches:
-        if args.decode_set == "flags":
+        if args.decode_set == "rot":
+            sweep_rot(B, 1, gen, rope, scale, fi, workspace, bench, results, args.rounds)
+        elif args.decode_set == "flags":
             sweep_decode_flags(B, gen, rope, scale, fi, workspace, bench, results)
         else:
             sweep_decode_batch(B, gen, rope, scale, fi, workspace, bench, results, deadline)
         torch.cuda.empty_cache()
     for B in args.batches:
-        if args.extend_set == "slots":
+        if args.extend_set == "rot":
+            sweep_rot(B, QUESTION, gen, rope, scale, fi, workspace, bench, results, args.rounds)
+        elif args.extend_set == "slots":
             sweep_extend_slots(B, gen, rope, scale, bench, results, deadline)
         else:
             sweep_extend_batch(B, default, variants, gen, rope, scale, fi, workspace, bench, results,
@@ -170,7 +180,7 @@ def main() -> None:
         print_table(rows)
     print("== best per batch (variant: rows, block_n, warps, stages, lowp, lazy, ws | "
           "fused, block_n, splits, stages, warps)")
-    for kind in ("extend", "decode", "slots", "dflags"):  # ext_bound rows are printed as they run
+    for kind in ("extend", "decode", "slots", "dflags", "rot_decode", "rot_extend"):  # ext_bound: as they run
         for B in sorted({r["batch"] for r in results if r["kind"] == kind}):
             rs = sorted((r for r in results if r["kind"] == kind and r["batch"] == B), key=lambda r: r["us"])
             fi_us = rs[0]["fi_us"]
@@ -270,6 +280,83 @@ def sweep_decode_flags(B, gen, rope, scale, fi, workspace, bench, results) -> No
         ratio = f" x{us / fi_us:.2f}" if fi_us else ""
         print(f"DFLAGS B={B} scan={var[0]} lowp={var[1]}: {us:.1f}us{ratio} err={err:.1e}", flush=True)
     ta.DECODE_SCAN, ta.DECODE_ROT_LOWP = saved
+
+
+# --decode-set / --extend-set rot: (rotation angles, 16-bit math) = (DECODE|EXTEND)_ROT_ANGLE,
+# (DECODE|EXTEND)_ROT_LOWP. Angles 0: per-key cos/sin gather; 1: angle addition, slot rows hoisted;
+# 2: angle addition, slot rows re-read per block. lowp 1: rotation in 16-bit math; 2: the angle
+# combination too. "norot" = the same kernel with rotate_keys=False (the floor).
+ROT_VARIANTS = [(0, 0), (0, 1), (1, 0), (2, 0), (1, 1), (1, 2)]
+
+
+def sweep_rot(B, q_len, gen, rope, scale, fi, workspace, bench, results, rounds=2) -> None:
+    """Rotation variants at one batch, decode (q_len 1) or extend (q_len = QUESTION), on the same
+    pages as FlashInfer (decode / paged prefill, no RoPE). Each variant: error vs the fp32 torch
+    reference (batches <= 4) and vs the committed default's output; time = min over `rounds`
+    rounds of all variants (rounds interleave, so drift hits every variant alike)."""
+    from lazyrt.kernels.attention_ref import lazy_attention_ref
+
+    kind = "rot_decode" if q_len == 1 else "rot_extend"
+    pre = "DECODE" if q_len == 1 else "EXTEND"
+    lay = build_layout(B, DEV, gen)
+    meta = lazy_meta(lay, q_len)
+    q = torch.randn(B * q_len, Q_HEADS, HEAD_DIM, generator=gen, device=DEV, dtype=torch.bfloat16)
+    f = functools.partial(ta.lazy_attention_triton, q, lay.kv, meta, rope, scale, max_q_len=q_len,
+                          max_kv_entries=lay.pages_per_req)
+    saved = getattr(ta, pre + "_ROT_ANGLE"), getattr(ta, pre + "_ROT_LOWP")
+    default_out = f()
+    ref = None
+    if B <= 4:
+        ref = lazy_attention_ref(q.float(), lay.kv.float(), meta, rope, scale)
+        print(f"{kind} B={B} committed default err vs fp32 ref {rel_err(default_out, ref):.1e}", flush=True)
+    fi_us = None
+    if fi is not None:
+        last = torch.full((B,), PAGE, dtype=torch.int32, device=DEV)
+        if q_len == 1:
+            w = fi.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True)
+            w.plan(meta.kv_indptr, lay.indices, last, Q_HEADS, KV_HEADS, HEAD_DIM, PAGE,
+                   pos_encoding_mode="NONE", q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+        else:
+            w = fi.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+            w.plan(meta.qo_indptr, meta.kv_indptr, lay.indices, last, Q_HEADS, KV_HEADS, HEAD_DIM, PAGE,
+                   causal=True, pos_encoding_mode="NONE", q_data_type=torch.bfloat16,
+                   kv_data_type=torch.bfloat16)
+        fi_us = bench(functools.partial(w.run, q, lay.kv))
+    errs: dict = {}
+    for var in ROT_VARIANTS:
+        setattr(ta, pre + "_ROT_ANGLE", var[0])
+        setattr(ta, pre + "_ROT_LOWP", var[1])
+        try:
+            out = f()
+        except Exception as e:  # noqa: BLE001
+            print(f"{kind} B={B} {var}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            continue
+        errs[var] = (rel_err(out, ref) if ref is not None else None, rel_err(out, default_out))
+    times: dict = {}
+    for _ in range(rounds):
+        for var in list(errs) + ["norot"]:
+            if var == "norot":
+                setattr(ta, pre + "_ROT_ANGLE", saved[0])
+                setattr(ta, pre + "_ROT_LOWP", saved[1])
+                meta.rotate_keys = False
+            else:
+                setattr(ta, pre + "_ROT_ANGLE", var[0])
+                setattr(ta, pre + "_ROT_LOWP", var[1])
+            us = bench(f)
+            meta.rotate_keys = True
+            times[var] = min(times.get(var, us), us)
+    setattr(ta, pre + "_ROT_ANGLE", saved[0])
+    setattr(ta, pre + "_ROT_LOWP", saved[1])
+    for var, us in times.items():
+        e_ref, e_def = errs.get(var, (None, None))
+        results.append({"kind": kind, "batch": B, "var": var, "us": us, "fi_us": fi_us, "err_ref": e_ref,
+                        "err_vs_default": e_def})
+        ratio = f" x{us / fi_us:.3f}" if fi_us else ""
+        err = (f" err_ref={e_ref:.1e}" if e_ref is not None else "") + (
+            f" err_vs_default={e_def:.1e}" if e_def is not None else "")
+        print(f"{kind} B={B} angle,lowp={var}: {us:.1f}us{ratio}{err}", flush=True)
+    if fi_us:
+        print(f"{kind} B={B} FlashInfer {fi_us:.1f}us", flush=True)
 
 
 def sweep_extend_slots(B, gen, rope, scale, bench, results, deadline=None) -> None:

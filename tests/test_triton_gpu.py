@@ -176,6 +176,26 @@ def test_decode_bf16_scan_lowp(monkeypatch, scan, lowp):
         assert rel_err(out, ref) <= 1e-2
 
 
+@pytest.mark.parametrize("angle,lowp", [(1, 0), (2, 0), (1, 1), (1, 2)])
+def test_bf16_rotation_angle_addition(monkeypatch, angle, lowp):
+    # cos/sin(pos_base + slot) by angle addition (per-page rows x slot rows), decode and extend,
+    # both extend tiles (the large one forced on every grid for half the cases), with 16-bit math.
+    for name in ("DECODE_ROT_ANGLE", "EXTEND_ROT_ANGLE"):
+        monkeypatch.setattr(ta, name, angle)
+    for name in ("DECODE_ROT_LOWP", "EXTEND_ROT_LOWP"):
+        monkeypatch.setattr(ta, name, lowp)
+    rope = make_rope()
+    cases = [([1], None, 2), ([1] * 3, 7, 2), ([1] * 16, 1, 2), ([300], None, 2), ([1, 77, 513], None, 0),
+             ([129, 64], 3, 2), ([129, 64], None, 0)]
+    for q_lens, splits, large_min in cases:
+        monkeypatch.setattr(ta, "EXTEND_LARGE_MIN_PER_SM", large_min)
+        kv, meta = rag_batch(q_lens, docs=4, doc_len=700, rotate_keys=True)
+        q = torch.randn(sum(q_lens), Q_HEADS, HEAD_DIM, device=DEV, dtype=BF16)
+        ref = lazy_attention_ref(q, kv, meta, rope, HEAD_DIM**-0.5)
+        out = lazy_attention_triton(q, kv, meta, rope, HEAD_DIM**-0.5, num_splits=splits)
+        assert rel_err(out, ref) <= 1e-2, (q_lens, splits, large_min)
+
+
 def test_decode_cuda_graph():
     # With the maxima given, the launch path has no host sync: capture once, replay on new inputs.
     kv, meta = rag_batch([1] * 3, docs=5, doc_len=600, rotate_keys=True)

@@ -209,6 +209,29 @@ def test_extend_lazy_rescale_lowp_rotation(small_blocks, monkeypatch, dtype):
     check_attention([33, 5], 4, 1, 64, 16, dtype, True, num_splits=2, docs=4, shuffle=False, full_pages=True)
 
 
+@pytest.mark.parametrize("angle,lowp", [(1, 0), (2, 0), (1, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rotation_angle_addition(small_blocks, monkeypatch, angle, lowp, dtype):
+    # cos/sin(pos_base + slot) by angle addition: per-page rows + slot rows (hoisted when key blocks
+    # hold whole pages: page 4 / 8 / 16 in 16-key blocks; re-read per block for angle 2 and for pages
+    # larger than a block: page 32). Decode and extend, ragged batches, partly filled pages at
+    # arbitrary offsets, GQA 1 / 4 / 8, head dims 64 / 128, llama3 scaling, partial rotary, splits.
+    for name in ("DECODE_ROT_ANGLE", "EXTEND_ROT_ANGLE"):
+        monkeypatch.setattr(ta, name, angle)
+    for name in ("DECODE_ROT_LOWP", "EXTEND_ROT_LOWP"):
+        monkeypatch.setattr(ta, name, lowp)
+    check_attention([1, 1, 1], 4, 2, 64, 4, dtype, True, num_splits=3, docs=3)
+    check_attention([1, 1], 8, 1, 128, 16, dtype, True, llama3=True, num_splits=None, docs=3)
+    check_attention([1, 1], 1, 2, 64, 32, dtype, True, num_splits=2, docs=2)  # page > key block
+    check_attention([17, 1, 30], 4, 1, 64, 8, dtype, True, llama3=True, docs=3)
+    check_attention([40, 1, 23], 1, 1, 128, 16, dtype, True, num_splits=3, docs=4, shuffle=False,
+                    full_pages=True)  # unmasked blocks
+    check_attention([33], 8, 1, 64, 4, dtype, True, docs=4, shuffle=False, full_pages=True, prior=16)
+    check_attention([9, 1], 2, 1, 64, 8, dtype, True, rotary_dim=32)  # partial rotary
+    check_attention([5, 3], 2, 1, 16, 4, dtype, True)  # d=16: rotary halves padded to the dot minimum
+    check_attention([9, 2], 3, 1, 32, 12, dtype, True)  # page size not a power of two: gather fallback
+
+
 def test_extend_large_tile(monkeypatch):
     # Enough query tiles for the large-grid tile choice.
     monkeypatch.setattr(ta, "EXTEND_LARGE", (32, 16, 4, 2))

@@ -64,6 +64,15 @@ DECODE_STAGES = 2
 # vs 1.38/1.08/1.07/1.05x in fp32, but rel. err vs the fp32-math output 4e-3 (bf16 products): off, for
 # accuracy. Page-table scan + unmasked full pages: within noise (1.40/1.07/1.05/1.02x): off.
 DECODE_ROT_LOWP = False  # rotate 16-bit keys in packed 16-bit math (as EXTEND_ROT_LOWP)
+# Key rotation angles (decode / extend). 0: gather a cos/sin row per key at pos_base + slot (fp16
+# tables). 1: angle addition, cos/sin(pos_base + slot) = combination of one fp32 row per page entry
+# (pos_base) and the rows of slots 0..PAGE_SIZE-1, which are loaded once per program (hoisted out of
+# the key loop) when key blocks hold whole pages: ~PAGE_SIZE x less table traffic for 4 more FMAs a
+# pair. 2: as 1 but the slot rows are re-read every block (fewer live registers). Needs a power-of-two
+# page size that divides or is a multiple of the key block; other shapes use the gather.
+# With ROT_LOWP = 2 the angle combination is done in 16-bit math too (1: only the rotation).
+DECODE_ROT_ANGLE = 0
+EXTEND_ROT_ANGLE = 0
 DECODE_SCAN = 0  # >0: scan the page table first and run full, visible pages unmasked (as extend)
 # Extend/prefill: ROWS query rows (tokens x group heads) per program against BLOCK_N keys a step.
 # H100 sweep (RAG shape): 128 x 32 keys, 4 warps best for small grids (b <= 4); 256 x 64, 8 warps for
@@ -118,16 +127,19 @@ def _pow2(n: int) -> int:
 
 
 def _rope_rows(
-    rope: RopeCache, kv_dtype: torch.dtype, same_dtype: bool = False
+    rope: RopeCache, kv_dtype: torch.dtype, same_dtype: bool = False, fp32: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin views of one [max_pos, 2, rotary_dim / 2] table (a position's cos and sin share
     cache lines). For 16-bit KV it is fp16: half the table bytes per key, and its 5e-4 rounding is
     far below that of the bf16/fp16 keys it rotates (same_dtype: the KV dtype itself, for rotating
-    in packed 16-bit math). Built once per RopeCache, kept on it."""
+    in packed 16-bit math; fp32: always fp32, for angle addition, which reads a row per page and
+    multiplies two rows). Built once per RopeCache, kept on it."""
     half_kv = kv_dtype in (torch.float16, torch.bfloat16)
     dtype = torch.float16 if HALF_TABLES and half_kv else torch.float32
     if same_dtype and half_kv:
         dtype = kv_dtype
+    if fp32:
+        dtype = torch.float32
     tables = rope.__dict__.setdefault("_triton_tables", {})
     hit = tables.get(dtype)
     if hit is None or hit[0] is not rope.cos or hit[1] is not rope.sin:  # rebuilt if cos/sin replaced
@@ -180,8 +192,84 @@ def decode_tiles(base_programs: int, max_tokens: int, device: torch.device) -> t
 
 
 @triton.jit
+def _rotated_halves_angle(
+    blk, cs_slot, ss_slot, kv_ptr, kv_indices_ptr, pos_base_ptr, valid_len_ptr, cos_ptr, sin_ptr,
+    e_begin, e_lo, e_hi, kvh, stride_kp, stride_ks, stride_kh, stride_cos,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr,
+    MASKED: tl.constexpr, ROT_LOWP: tl.constexpr, NP: tl.constexpr, SP: tl.constexpr, HOIST: tl.constexpr,
+):
+    """Both rotary halves of a key block, rotated by pos_base + slot with angle addition:
+    cos(b + s) = cos b cos s - sin b sin s, sin(b + s) = sin b cos s + cos b sin s, where b's row
+    (fp32 table) is gathered once per page entry and s's rows are slots of the same table
+    (cs_slot / ss_slot [SP, HALF_P] when HOIST, else read here). The block is handled as NP page parts
+    of SP slots each ([NP, SP, HALF_P]) and flattened to [BLOCK_N, HALF_P] for the dot."""
+    dt = kv_ptr.dtype.element_ty
+    ch = tl.arange(0, HALF_P)
+    ch_ok = ch < HALF
+    pi = tl.arange(0, NP)
+    sj = tl.arange(0, SP)
+    g_p = blk * BLOCK_N + pi * SP  # flat index of each part's first key
+    ent_p = e_lo + g_p // PAGE_SIZE
+    slot3 = (g_p % PAGE_SIZE)[:, None] + sj[None, :]  # [NP, SP]
+    if MASKED:
+        entp_ok = ent_p < e_hi
+        page_p = tl.load(kv_indices_ptr + e_begin + ent_p, mask=entp_ok, other=0)
+        base_p = tl.load(pos_base_ptr + e_begin + ent_p, mask=entp_ok, other=0)
+        vlen_p = tl.load(valid_len_ptr + e_begin + ent_p, mask=entp_ok, other=0)
+        tok3 = entp_ok[:, None] & (slot3 < vlen_p[:, None])
+    else:
+        page_p = tl.load(kv_indices_ptr + e_begin + ent_p)
+        base_p = tl.load(pos_base_ptr + e_begin + ent_p)
+        tok3 = slot3 < PAGE_SIZE
+    k_off = page_p.to(tl.int64)[:, None] * stride_kp + slot3 * stride_ks + kvh * stride_kh
+    kp = kv_ptr + k_off[:, :, None] + ch[None, None, :]
+    if MASKED or HALF_P != HALF:
+        kmask = tok3[:, :, None] & ch_ok[None, None, :]
+        k1 = tl.load(kp, mask=kmask, other=0.0)
+        k2 = tl.load(kp + HALF, mask=kmask, other=0.0)
+    else:
+        k1 = tl.load(kp)
+        k2 = tl.load(kp + HALF)
+    b_off = base_p[:, None] * stride_cos + ch[None, :]
+    if HALF_P != HALF:
+        cb = tl.load(cos_ptr + b_off, mask=ch_ok[None, :], other=0.0)
+        sb = tl.load(sin_ptr + b_off, mask=ch_ok[None, :], other=0.0)
+    else:
+        cb = tl.load(cos_ptr + b_off)
+        sb = tl.load(sin_ptr + b_off)
+    if HOIST:
+        cs = cs_slot[None, :, :]
+        ss = ss_slot[None, :, :]
+    else:
+        s_off = slot3[:, :, None] * stride_cos + ch[None, None, :]
+        cs = tl.load(cos_ptr + s_off, mask=ch_ok[None, None, :], other=0.0)
+        ss = tl.load(sin_ptr + s_off, mask=ch_ok[None, None, :], other=0.0)
+        if ROT_LOWP == 2:
+            cs = cs.to(dt)
+            ss = ss.to(dt)
+    if ROT_LOWP == 2:
+        cb = cb.to(dt)
+        sb = sb.to(dt)
+    cb = cb[:, None, :]
+    sb = sb[:, None, :]
+    cos = cb * cs - sb * ss
+    sin = sb * cs + cb * ss
+    if ROT_LOWP:
+        cos = cos.to(dt)
+        sin = sin.to(dt)
+        k1r = k1 * cos - k2 * sin
+        k2r = k2 * cos + k1 * sin
+    else:
+        k1f = k1.to(tl.float32)
+        k2f = k2.to(tl.float32)
+        k1r = (k1f * cos - k2f * sin).to(dt)
+        k2r = (k2f * cos + k1f * sin).to(dt)
+    return tl.reshape(k1r, (BLOCK_N, HALF_P)), tl.reshape(k2r, (BLOCK_N, HALF_P))
+
+
+@triton.jit
 def _attend_block(
-    blk, m_i, l_i, acc, q1, q2, q3, qpos,
+    blk, m_i, l_i, acc, q1, q2, q3, qpos, cs_slot, ss_slot,
     kv_ptr, kv_indices_ptr, pos_base_ptr, valid_len_ptr, cos_ptr, sin_ptr,
     e_begin, e_lo, e_hi, kvh, sm_scale_log2,
     stride_kp, stride_kk, stride_ks, stride_kh, stride_cos,
@@ -190,6 +278,7 @@ def _attend_block(
     HEAD_DIM: tl.constexpr, HEAD_P: tl.constexpr,
     ROTATE: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr,
     ROT_LOWP: tl.constexpr, LAZY_RESCALE: tl.constexpr,
+    ANGLE: tl.constexpr, NP: tl.constexpr, SP: tl.constexpr, HOIST: tl.constexpr,
 ):
     """One key block into the online softmax. MASKED=False: the caller guarantees every key of the
     block is a valid slot of an entry in range and visible to every query row (no load/score masks)."""
@@ -218,7 +307,13 @@ def _attend_block(
     k_off = page.to(tl.int64) * stride_kp + slot * stride_ks + kvh * stride_kh
     kmask = tok_ok[:, None] & ch_ok[None, :]
     vmask = tok_ok[:, None] & cd_ok[None, :]
-    if MASKED or HALF_P != HALF:
+    if ROTATE and ANGLE:
+        k1, k2 = _rotated_halves_angle(
+            blk, cs_slot, ss_slot, kv_ptr, kv_indices_ptr, pos_base_ptr, valid_len_ptr, cos_ptr, sin_ptr,
+            e_begin, e_lo, e_hi, kvh, stride_kp, stride_ks, stride_kh, stride_cos,
+            PAGE_SIZE, BLOCK_N, HALF, HALF_P, MASKED, ROT_LOWP, NP, SP, HOIST,
+        )
+    elif MASKED or HALF_P != HALF:
         k1 = tl.load(kv_ptr + k_off[:, None] + ch[None, :], mask=kmask, other=0.0)
         k2 = tl.load(kv_ptr + k_off[:, None] + HALF + ch[None, :], mask=kmask, other=0.0)
     else:
@@ -229,7 +324,7 @@ def _attend_block(
         v = tl.load(kv_ptr + stride_kk + k_off[:, None] + cd[None, :], mask=vmask, other=0.0)
     else:
         v = tl.load(kv_ptr + stride_kk + k_off[:, None] + cd[None, :])
-    if ROTATE:
+    if ROTATE and not ANGLE:
         # (k1, k2) -> (k1 cos - k2 sin, k2 cos + k1 sin); the cache's halves are equal.
         c_off = kpos[:, None] * stride_cos + ch[None, :]
         if ROT_LOWP:
@@ -302,6 +397,7 @@ def _lazy_attn_kernel(
     ROTATE: tl.constexpr, SCAN: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
     ROT_LOWP: tl.constexpr, LAZY_RESCALE: tl.constexpr,
     FUSE_MERGE: tl.constexpr, MERGE_CHUNK: tl.constexpr, WARP_SPEC: tl.constexpr, PDL: tl.constexpr,
+    ANGLE: tl.constexpr, NP: tl.constexpr, SP: tl.constexpr, HOIST: tl.constexpr,
 ):
     if PDL:
         gdc_launch_dependents()  # the merge may launch now; it waits for this grid's results
@@ -338,6 +434,17 @@ def _lazy_attn_kernel(
         q3 = q1  # unused
     cd = tl.arange(0, HEAD_P)
     cd_ok = cd < HEAD_DIM
+    if ROTATE and ANGLE and HOIST:
+        # cos/sin of slots 0..SP-1 (= PAGE_SIZE): every key block starts on a page boundary
+        s_off = tl.arange(0, SP)[:, None] * stride_cos + ch[None, :]
+        cs_slot = tl.load(cos_ptr + s_off, mask=ch_ok[None, :], other=0.0)
+        ss_slot = tl.load(sin_ptr + s_off, mask=ch_ok[None, :], other=0.0)
+        if ROT_LOWP == 2:
+            cs_slot = cs_slot.to(dt)
+            ss_slot = ss_slot.to(dt)
+    else:
+        cs_slot = q1  # unused
+        ss_slot = q1
 
     # This split's entries [e_lo, e_hi) of the sequence (relative), aligned to whole key blocks.
     e_begin = tl.load(kv_indptr_ptr + b)
@@ -378,31 +485,31 @@ def _lazy_attn_kernel(
     if WARP_SPEC:
         for blk in tl.range(0, n_clean, warp_specialize=True):
             m_i, l_i, acc = _attend_block(
-                blk, m_i, l_i, acc, q1, q2, q3, qpos,
+                blk, m_i, l_i, acc, q1, q2, q3, qpos, cs_slot, ss_slot,
                 kv_ptr, kv_indices_ptr, pos_base_ptr, valid_len_ptr, cos_ptr, sin_ptr,
                 e_begin, e_lo, e_hi, kvh, sm_scale_log2,
                 stride_kp, stride_kk, stride_ks, stride_kh, stride_cos,
                 PAGE_SIZE, BLOCK_N, HALF, HALF_P, REST, REST_P, HEAD_DIM, HEAD_P, ROTATE, False, DOT_PREC,
-                ROT_LOWP, LAZY_RESCALE,
+                ROT_LOWP, LAZY_RESCALE, ANGLE, NP, SP, HOIST,
             )
     else:
         for blk in range(0, n_clean):
             m_i, l_i, acc = _attend_block(
-                blk, m_i, l_i, acc, q1, q2, q3, qpos,
+                blk, m_i, l_i, acc, q1, q2, q3, qpos, cs_slot, ss_slot,
                 kv_ptr, kv_indices_ptr, pos_base_ptr, valid_len_ptr, cos_ptr, sin_ptr,
                 e_begin, e_lo, e_hi, kvh, sm_scale_log2,
                 stride_kp, stride_kk, stride_ks, stride_kh, stride_cos,
                 PAGE_SIZE, BLOCK_N, HALF, HALF_P, REST, REST_P, HEAD_DIM, HEAD_P, ROTATE, False, DOT_PREC,
-                ROT_LOWP, LAZY_RESCALE,
+                ROT_LOWP, LAZY_RESCALE, ANGLE, NP, SP, HOIST,
             )
     for blk in range(n_clean, n_blocks):
         m_i, l_i, acc = _attend_block(
-            blk, m_i, l_i, acc, q1, q2, q3, qpos,
+            blk, m_i, l_i, acc, q1, q2, q3, qpos, cs_slot, ss_slot,
             kv_ptr, kv_indices_ptr, pos_base_ptr, valid_len_ptr, cos_ptr, sin_ptr,
             e_begin, e_lo, e_hi, kvh, sm_scale_log2,
             stride_kp, stride_kk, stride_ks, stride_kh, stride_cos,
             PAGE_SIZE, BLOCK_N, HALF, HALF_P, REST, REST_P, HEAD_DIM, HEAD_P, ROTATE, True, DOT_PREC,
-            ROT_LOWP, 0.0,
+            ROT_LOWP, 0.0, ANGLE, NP, SP, HOIST,
         )
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
@@ -530,15 +637,7 @@ def lazy_attention_triton(
     rotate = bool(meta.rotate_keys)
     decode = max_q_len == 1
     half_kv = kv.dtype in (torch.float16, torch.bfloat16)
-    rot_lowp = bool(DECODE_ROT_LOWP if decode else EXTEND_ROT_LOWP) and half_kv
-    if rotate:
-        assert rope is not None and rope.rotary_dim % 2 == 0 and rope.rotary_dim <= head_dim
-        half = rope.rotary_dim // 2
-        cos, sin = _rope_rows(rope, kv.dtype, rot_lowp)
-    else:
-        half = head_dim // 2
-        cos = sin = q  # unused
-    rest = head_dim - 2 * half
+    rot_lowp = int(DECODE_ROT_LOWP if decode else EXTEND_ROT_LOWP) if half_kv else 0
 
     max_tokens = max_kv_entries * page_size
     if decode:
@@ -554,6 +653,19 @@ def lazy_attention_triton(
         block_m = rows // group
         q_blocks = triton.cdiv(max_q_len, block_m)
         auto_splits = pick_num_splits(B * q_blocks * num_kv_heads, max_tokens, q.device, EXTEND_SLOTS)
+    angle = int(DECODE_ROT_ANGLE if decode else EXTEND_ROT_ANGLE) if rotate else 0
+    if page_size & (page_size - 1) or (block_n % page_size and page_size % block_n):
+        angle = 0  # angle addition needs key blocks of whole pages or pages of whole blocks
+    n_parts, part_slots = max(1, block_n // page_size), min(block_n, page_size)
+    if rotate:
+        assert rope is not None and rope.rotary_dim % 2 == 0 and rope.rotary_dim <= head_dim
+        assert not angle or rope.cos.shape[0] >= page_size
+        half = rope.rotary_dim // 2
+        cos, sin = _rope_rows(rope, kv.dtype, bool(rot_lowp), fp32=bool(angle))
+    else:
+        half = head_dim // 2
+        cos = sin = q  # unused
+    rest = head_dim - 2 * half
     if num_splits is None:
         num_splits = auto_splits
     num_splits = max(1, min(int(num_splits), max(1, max_kv_entries)))
@@ -587,6 +699,7 @@ def lazy_attention_triton(
         ROT_LOWP=rot_lowp, LAZY_RESCALE=0.0 if decode else float(EXTEND_LAZY_RESCALE),
         FUSE_MERGE=fuse, MERGE_CHUNK=min(_pow2(num_splits), MERGE_CHUNK),
         WARP_SPEC=bool(EXTEND_WARP_SPEC) and not decode, PDL=pdl,
+        ANGLE=bool(angle), NP=n_parts, SP=part_slots, HOIST=angle == 1 and part_slots == page_size,
         DOT_PREC="ieee" if kv.dtype == torch.float32 else "tf32",
         num_warps=warps, num_stages=stages,
     )
