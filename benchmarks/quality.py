@@ -5,12 +5,16 @@ greedy) once per cache mode, with one Engine per mode for the whole run, so docu
 reused across questions. `none` (full causal attention, nothing reused) is the quality reference;
 `block` and `lazy` both use block attention (each doc attends to the shared prefix and itself),
 `block` by materializing re-rotated copies, `lazy` by rotating keys in the kernel.
-`lazy+headN` / `block+headN` add the sink fix (engine option recompute_head_pages=N): the first N
-KV pages of each doc after the first are recomputed in the request's context.
+Selective recompute (engine options recompute_policy + recompute_pages / recompute_ratio,
+lazyrt/runtime/recompute.py): `MODE+POLICY<N>` recomputes N pages per doc after the first,
+`MODE+POLICY<P>%` P% of those docs' pages, in the request's context; POLICY is head | tail | question.
+`lazy+head2` = the sink fix (first 2 pages of each doc after the first); `lazy+question10%` = the
+10% of pages that best match the question's rarer tokens.
 
     python benchmarks/quality.py --questions 200 --modes none block lazy --out docs/quality.json
     python benchmarks/quality.py --questions 200 --modes none lazy lazy+head1 lazy+head2 \
         --max-tokens 32 --out docs/quality_heads.json
+    python benchmarks/quality.py --merge a.json b.json --out all.json   # runs split over processes
 
 Reports accuracy per mode, greedy-token agreement of lazy with block and with none, answer-level
 agreement, chunk hit ratio and timing. Data: benchmarks/quality_data.py (fixed seed, no downloads).
@@ -35,20 +39,30 @@ from tqdm import tqdm  # noqa: E402
 from lazyrt import Engine, SamplingParams  # noqa: E402
 
 BASE_MODES = ("none", "prefix", "block", "lazy")
-_HEAD_MODE = re.compile(r"^(lazy|block)\+head(\d+)$")
+_RECOMPUTE_MODE = re.compile(r"^(lazy|block)\+(head|tail|question)(\d+(?:\.\d+)?)(%?)$")
 
 
-def parse_mode(mode: str) -> tuple[str, int]:
-    """'lazy' -> ('lazy', 0); 'lazy+head2' -> ('lazy', 2): cache mode and recompute_head_pages."""
+def parse_mode(mode: str) -> tuple[str, dict]:
+    """'lazy' -> ('lazy', {}); 'lazy+head2' -> ('lazy', {policy head, 2 pages per doc});
+    'lazy+question10%' -> ('lazy', {policy question, ratio 0.1}): cache mode and engine options."""
     if mode in BASE_MODES:
-        return mode, 0
-    m = _HEAD_MODE.match(mode)
-    if not m:
+        return mode, {}
+    m = _RECOMPUTE_MODE.match(mode)
+    ok = m is not None and (m.group(4) or m.group(3).isdigit()) and float(m.group(3)) > 0
+    if ok and m.group(4):
+        ok = float(m.group(3)) <= 100
+    if not ok:
         raise argparse.ArgumentTypeError(
-            f"mode {mode!r}: one of {', '.join(BASE_MODES)}, or lazy+headN / block+headN (N >= 1 pages "
-            "of each doc after the first recomputed in context)"
+            f"mode {mode!r}: one of {', '.join(BASE_MODES)}, or (lazy|block)+(head|tail|question)N "
+            "(N >= 1 pages per doc after the first recomputed in context) or ...P% (P% of those "
+            "docs' pages), e.g. lazy+head2, lazy+question10%"
         )
-    return m.group(1), int(m.group(2))
+    opts = {"recompute_policy": m.group(2)}
+    if m.group(4):
+        opts["recompute_ratio"] = float(m.group(3)) / 100
+    else:
+        opts["recompute_pages"] = int(m.group(3))
+    return m.group(1), opts
 
 
 def _mode_arg(mode: str) -> str:
@@ -58,13 +72,13 @@ def _mode_arg(mode: str) -> str:
 
 def run_mode(mode: str, questions, args) -> dict:
     t0 = time.perf_counter()
-    cache_mode, heads = parse_mode(mode)
+    cache_mode, recompute = parse_mode(mode)
     engine = Engine(
         cache_mode=cache_mode,
         device=args.device,
         dtype=args.dtype,
         kv_cache_tokens=args.kv_cache_tokens,
-        recompute_head_pages=heads,
+        **recompute,
         **({"model": args.model} if args.model else {}),
     )
     load_s = time.perf_counter() - t0
@@ -79,6 +93,8 @@ def run_mode(mode: str, questions, args) -> dict:
             outs.extend(engine.rag_batch(items))
             bar.update(len(chunk))
     wall = time.perf_counter() - t0
+    cost = recompute_cost(engine, questions, args.system, sp)
+    ttft = ttft_probe(engine, questions[: args.ttft_questions], args.system)
     hits = sum(o["meta"]["chunk_hits"] for o in outs)
     misses = sum(o["meta"]["chunk_misses"] for o in outs)
     prompt_tokens = sum(o["meta"]["prompt_tokens"] for o in outs)
@@ -98,7 +114,48 @@ def run_mode(mode: str, questions, args) -> dict:
         "chunk_hit_ratio": hits / (hits + misses) if hits + misses else 0.0,
         "cached_token_ratio": cached / prompt_tokens if prompt_tokens else 0.0,
         "mean_ttft_s": sum(o["meta"]["ttft_s"] for o in outs) / len(outs),
+        **cost,
+        **ttft,
     }
+
+
+def recompute_cost(engine: Engine, questions, system, sp: SamplingParams) -> dict:
+    """What the mode recomputes, independent of chunk hits: recomputed doc tokens as a share of the
+    tokens of the docs after the first and of the prompt, and the prompt share a request serves from
+    cached chunks when every chunk hits (prefix + docs - recomputed)."""
+    recomputed = later = prompt = docs = 0
+    for q in questions:
+        req = engine._make_request(engine.rag_prompt(q.docs, q.question, system), sp)
+        if engine.config.cache_mode in ("lazy", "block"):
+            recomputed += sum(engine.scheduler.head_lens(req))
+        else:  # none / prefix: every prompt token is computed in context
+            recomputed += sum(len(d) for d in req.docs[1:])
+        later += sum(len(d) for d in req.docs[1:])
+        docs += len(req.prefix) + sum(len(d) for d in req.docs)
+        prompt += req.prompt_len
+    full_hit = 0.0 if engine.config.cache_mode in ("none", "prefix") else (docs - recomputed) / prompt
+    return {
+        "recomputed_doc_tokens": recomputed,
+        "recomputed_share_of_later_docs": recomputed / later if later else 0.0,
+        "recomputed_share_of_prompt": recomputed / prompt if prompt else 0.0,
+        "cached_share_at_full_hit": full_hit,
+        "mean_prompt_tokens": prompt / len(questions),
+    }
+
+
+def ttft_probe(engine: Engine, questions, system) -> dict:
+    """TTFT of single requests (one at a time, 1 output token) after the accuracy run, so every
+    chunk is a hit: what the recompute adds to a cached request's first token."""
+    if not questions:
+        return {}
+    sp = SamplingParams(max_tokens=1, temperature=0.0)
+    ts = []
+    for q in questions:
+        out = engine.rag_batch([{"docs": q.docs, "question": q.question, "system": system,
+                                 "sampling_params": sp}])[0]
+        ts.append(out["meta"]["ttft_s"])
+    ts.sort()
+    return {"probe_ttft_p50_s": ts[len(ts) // 2], "probe_ttft_mean_s": sum(ts) / len(ts)}
 
 
 def agreement(a: dict, b: dict) -> dict:
@@ -129,15 +186,20 @@ def agreement(a: dict, b: dict) -> dict:
 def markdown(results: dict[str, dict], agreements: list[dict], by_kind: dict) -> str:
     ref = results.get("none")
     lines = [
-        "| mode | accuracy | vs none | chunk hit ratio | cached prompt tokens | q/s | mean TTFT (s) |",
-        "|---|---|---|---|---|---|---|",
+        "| mode | accuracy | vs none | recomputed (of docs after the 1st) | cached prompt tokens "
+        "(this run / all hits) | chunk hit ratio | q/s | TTFT p50, 1 req, cached (ms) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for m, r in results.items():
         rel = f"{r['accuracy'] / ref['accuracy']:.1%}" if ref and ref["accuracy"] else "-"
+        rec = r.get("recomputed_share_of_later_docs")
+        full = r.get("cached_share_at_full_hit")
+        ttft = r.get("probe_ttft_p50_s")
         lines.append(
             f"| {m} | {r['accuracy']:.1%} ({sum(r['correct'])}/{len(r['correct'])}) | {rel} | "
-            f"{r['chunk_hit_ratio']:.1%} | {r['cached_token_ratio']:.1%} | {r['questions_per_s']:.2f} | "
-            f"{r['mean_ttft_s']:.2f} |"
+            f"{'-' if rec is None else f'{rec:.1%}'} | {r['cached_token_ratio']:.1%} / "
+            f"{'-' if full is None else f'{full:.1%}'} | {r['chunk_hit_ratio']:.1%} | "
+            f"{r['questions_per_s']:.2f} | {'-' if ttft is None else f'{ttft * 1e3:.1f}'} |"
         )
     if agreements:
         lines += ["", "| pair | greedy outputs identical | first token | tokens before divergence | "
@@ -171,23 +233,53 @@ def main(argv=None) -> int:
     p.add_argument("--kv-cache-tokens", type=int, default=131072, help="KV budget of each mode's Engine")
     p.add_argument("--dtype", default="float32",
                    help="float32 (default: exact lazy-vs-block comparison on any device) or auto/bfloat16")
+    p.add_argument("--ttft-questions", type=int, default=0,
+                   help="after each mode's run, this many questions one at a time (all chunks hit) "
+                   "for a TTFT probe")
     p.add_argument("--out", default=None, help="write the full results (per-question outputs) as JSON")
+    p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                   help="no run: combine the results of earlier runs of the same dataset (e.g. modes "
+                   "split over processes) into one report")
     args = p.parse_args(argv)
+
+    if args.merge:
+        loaded = [json.loads(Path(f).read_text()) for f in args.merge]
+        for k in ("questions", "seed", "filler_sentences", "max_tokens", "system"):
+            setattr(args, k, loaded[0]["args"][k])
+            if any(x["args"][k] != loaded[0]["args"][k] for x in loaded):
+                raise SystemExit(f"--merge: the runs differ in {k}")
+        results = {m: r for x in loaded for m, r in x["results"].items()}
+        order = [m for x in loaded for m in x["args"]["modes"]]
+        args.modes = [m for m in ("none", "block", "lazy") if m in results] + [
+            m for m in order if m not in ("none", "block", "lazy")
+        ]
+        results = {m: results[m] for m in args.modes}
+        questions = make_dataset(args.questions, args.seed, filler_sentences=args.filler_sentences)
+        return report(results, questions, args, argv)
 
     questions = make_dataset(args.questions, args.seed, filler_sentences=args.filler_sentences)
     results = {}
     for m in args.modes:
         results[m] = run_mode(m, questions, args)
         if args.out:  # keep what finished if a long run is cut short
-            part = {k: {"accuracy": r["accuracy"], "texts": r["texts"], "token_ids": r["token_ids"],
-                        "chunk_hit_ratio": r["chunk_hit_ratio"], "wall_s": r["wall_s"]}
-                    for k, r in results.items()}
-            Path(args.out + ".partial").write_text(json.dumps(part))
+            Path(args.out + ".partial").write_text(json.dumps({"args": vars(args), "results": results}))
+    return report(results, questions, args, argv)
+
+
+def _device_name(device: str) -> str:
+    import torch
+
+    if device != "cpu" and torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return "cpu"
+
+
+def report(results: dict[str, dict], questions, args, argv) -> int:
     agreements = []
     pairs = [("lazy", "block"), ("lazy", "none"), ("block", "none")]
     for m in results:  # each sink-fix mode vs full attention and vs its own mode without the fix
-        base, heads = parse_mode(m)
-        if heads:
+        base, recompute = parse_mode(m)
+        if recompute:
             pairs += [(m, "none"), (m, base)]
     for x, y in pairs:
         if x in results and y in results:
@@ -209,6 +301,7 @@ def main(argv=None) -> int:
         payload = {
             "command": "python benchmarks/quality.py " + " ".join(sys.argv[1:] if argv is None else argv),
             "machine": f"{platform.processor() or platform.machine()}, {platform.system()}",
+            "device": _device_name(args.device),
             "args": vars(args),
             "results": {m: {k: v for k, v in r.items()} for m, r in results.items()},
             "agreements": agreements,
