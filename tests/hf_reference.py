@@ -71,3 +71,113 @@ def hf_rag_greedy(model, prefix, docs, suffix, max_new: int, eos_ids: set[int]) 
         if tok in eos_ids:
             break
     return out
+
+
+def recompute_layout(prefix, docs, suffix, recomputed: list[set[int]]):
+    """Selective recompute semantics: token ids, positions, a boolean [N, N] mask (True = may attend)
+    and the layout index of every recomputed token ({doc: [index per recomputed offset, ascending]}).
+
+    Each doc's chunk is laid out after a private copy of the prefix (it sees that copy and itself).
+    The request's view of doc j's token i is the chunk's token, or, for i in recomputed[j], a fresh
+    token at the same position that sees the request's view of everything at or before its
+    position (prefix, earlier docs, the doc's earlier tokens, itself). The suffix sees that view too.
+    """
+    P = len(prefix)
+    # kind: 0 prefix, 1 a chunk's prefix copy, 2 chunk token, 3 recomputed token, 4 suffix
+    ids, pos, kind, vis = list(prefix), list(range(P)), [0] * P, [True] * P
+    doc_of = [-1] * P
+    start = P
+    starts = []
+    for j, d in enumerate(docs):
+        starts.append(start)
+        ids += prefix
+        pos += list(range(start - P, start))
+        kind += [1] * P
+        vis += [False] * P
+        doc_of += [j] * P
+        ids += d
+        pos += list(range(start, start + len(d)))
+        kind += [2] * len(d)
+        vis += [i not in recomputed[j] for i in range(len(d))]
+        doc_of += [j] * len(d)
+        start += len(d)
+    rec_index = {}
+    for j, d in enumerate(docs):
+        offs = sorted(recomputed[j])
+        rec_index[j] = list(range(len(ids), len(ids) + len(offs)))
+        ids += [d[i] for i in offs]
+        pos += [starts[j] + i for i in offs]
+        kind += [3] * len(offs)
+        vis += [True] * len(offs)
+        doc_of += [j] * len(offs)
+    ids += suffix
+    pos += list(range(start, start + len(suffix)))
+    kind += [4] * len(suffix)
+    vis += [True] * len(suffix)
+    doc_of += [-1] * len(suffix)
+    p, k, v, dj = map(torch.tensor, (pos, kind, vis, doc_of))
+    n = len(ids)
+    idx = torch.arange(n)
+    causal = idx[None, :] <= idx[:, None]
+    same_group = (k[:, None] == k[None, :]) & (dj[:, None] == dj[None, :])
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    rows = k[:, None]
+    mask |= (rows <= 1) & same_group & causal  # prefix, copies: themselves, causally
+    # a chunk token: its prefix copy and its doc's chunk tokens up to itself
+    chunk = ((k[None, :] == 1) & (dj[None, :] == dj[:, None])) | (same_group & (p[None, :] <= p[:, None]))
+    mask |= (rows == 2) & chunk
+    # recomputed and suffix tokens: the request's view at or before their position
+    mask |= (rows >= 3) & v[None, :] & (p[None, :] <= p[:, None])
+    return ids, pos, mask, rec_index
+
+
+@torch.inference_mode()
+def hf_recompute_greedy(
+    model, prefix, docs, suffix, recomputed, max_new: int, eos_ids: set[int]
+) -> list[int]:
+    """Greedy tokens under selective-recompute semantics (full re-forward with a 4-D mask)."""
+    model.config._attn_implementation = "sdpa"
+    out: list[int] = []
+    for _ in range(max_new):
+        ids, pos, mask, _ = recompute_layout(prefix, docs, suffix + out, recomputed)
+        logits = model(
+            torch.tensor([ids]), attention_mask=mask[None, None], position_ids=torch.tensor([pos])
+        ).logits
+        out.append(int(logits[0, -1].argmax()))
+        if out[-1] in eos_ids:
+            break
+    return out
+
+
+@torch.inference_mode()
+def hf_recompute_kv(model, prefix, docs, suffix, recomputed):
+    """Per layer: {doc: (unrotated K, rotated K, V)} of its recomputed tokens (ascending offsets),
+    each [n, kv_heads, head_dim]. Unrotated K is k_proj's output (families without a k norm)."""
+    model.config._attn_implementation = "sdpa"
+    ids, pos, mask, rec_index = recompute_layout(prefix, docs, suffix, recomputed)
+    raw = []
+    hooks = [
+        layer.self_attn.k_proj.register_forward_hook(lambda m, i, o: raw.append(o[0]))
+        for layer in model.model.layers
+    ]
+    try:
+        out = model(
+            torch.tensor([ids]),
+            attention_mask=mask[None, None],
+            position_ids=torch.tensor([pos]),
+            use_cache=True,
+        )
+    finally:
+        for h in hooks:
+            h.remove()
+    cfg = model.config
+    kvh, hd = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+    res = []
+    for layer, k_raw in enumerate(raw):
+        cache = out.past_key_values.layers[layer]
+        res.append({
+            j: (k_raw[idx].view(len(idx), kvh, hd), cache.keys[0, :, idx].transpose(0, 1),
+                cache.values[0, :, idx].transpose(0, 1))
+            for j, idx in rec_index.items() if idx
+        })
+    return res
