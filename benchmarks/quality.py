@@ -249,7 +249,7 @@ def main(argv=None) -> int:
             if any(x["args"][k] != loaded[0]["args"][k] for x in loaded):
                 raise SystemExit(f"--merge: the runs differ in {k}")
         results = {m: r for x in loaded for m, r in x["results"].items()}
-        order = [m for x in loaded for m in x["args"]["modes"]]
+        order = [m for x in loaded for m in x["args"]["modes"] if m in results]  # a .partial: what finished
         args.modes = [m for m in ("none", "block", "lazy") if m in results] + [
             m for m in order if m not in ("none", "block", "lazy")
         ]
