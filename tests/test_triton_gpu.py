@@ -184,6 +184,7 @@ def test_bf16_rotation_angle_addition(monkeypatch, angle, lowp):
         monkeypatch.setattr(ta, name, angle)
     for name in ("DECODE_ROT_LOWP", "EXTEND_ROT_LOWP"):
         monkeypatch.setattr(ta, name, lowp)
+    monkeypatch.setattr(ta, "DECODE_ANGLE_MAX_GRID", 1 << 30)  # decode: angle addition at any grid
     rope = make_rope()
     cases = [([1], None, 2), ([1] * 3, 7, 2), ([1] * 16, 1, 2), ([300], None, 2), ([1, 77, 513], None, 0),
              ([129, 64], 3, 2), ([129, 64], None, 0)]

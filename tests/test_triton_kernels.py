@@ -232,6 +232,20 @@ def test_rotation_angle_addition(small_blocks, monkeypatch, angle, lowp, dtype):
     check_attention([9, 2], 3, 1, 32, 12, dtype, True)  # page size not a power of two: gather fallback
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_decode_rotation_gather_and_grid_gate(small_blocks, monkeypatch, dtype):
+    # Decode takes angle addition only up to DECODE_ANGLE_MAX_GRID (batch x kv heads) programs and the
+    # per-key cos/sin gather above it (here: 2 programs -> angle, 3 and 4 -> gather), 16-bit math.
+    monkeypatch.setattr(ta, "DECODE_ROT_ANGLE", 1)
+    monkeypatch.setattr(ta, "DECODE_ROT_LOWP", 2)
+    monkeypatch.setattr(ta, "DECODE_ANGLE_MAX_GRID", 2)
+    check_attention([1, 1], 4, 1, 64, 8, dtype, True, num_splits=3, docs=3)
+    check_attention([1, 1, 1], 8, 1, 128, 16, dtype, True, llama3=True, docs=3)
+    check_attention([1, 1], 1, 2, 64, 4, dtype, True, num_splits=2, docs=3)
+    monkeypatch.setattr(ta, "DECODE_ROT_ANGLE", 0)
+    check_attention([1, 1], 4, 1, 64, 32, dtype, True, num_splits=2, docs=3)
+
+
 def test_extend_large_tile(monkeypatch):
     # Enough query tiles for the large-grid tile choice.
     monkeypatch.setattr(ta, "EXTEND_LARGE", (32, 16, 4, 2))

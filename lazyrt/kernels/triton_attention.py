@@ -60,18 +60,27 @@ DECODE_BLOCK_N_WIDE, DECODE_SLOTS_WIDE = 64, 2
 DECODE_BLOCK_N, DECODE_SLOTS = 32, 4
 DECODE_WARPS = 4
 DECODE_STAGES = 2
-# Decode flags, H100 RAG shape vs FlashInfer (b 1/4/16/64): 16-bit rotation math 1.36/1.04/1.04/1.03x
-# vs 1.38/1.08/1.07/1.05x in fp32, but rel. err vs the fp32-math output 4e-3 (bf16 products): off, for
-# accuracy. Page-table scan + unmasked full pages: within noise (1.40/1.07/1.05/1.02x): off.
-DECODE_ROT_LOWP = False  # rotate 16-bit keys in packed 16-bit math (as EXTEND_ROT_LOWP)
+# Decode flags, H100 RAG shape vs FlashInfer (b 1/4/16/64): page-table scan + unmasked full pages:
+# within noise (1.40/1.07/1.05/1.02x): off.
 # Key rotation angles (decode / extend). 0: gather a cos/sin row per key at pos_base + slot (fp16
 # tables). 1: angle addition, cos/sin(pos_base + slot) = combination of one fp32 row per page entry
 # (pos_base) and the rows of slots 0..PAGE_SIZE-1, which are loaded once per program (hoisted out of
 # the key loop) when key blocks hold whole pages: ~PAGE_SIZE x less table traffic for 4 more FMAs a
-# pair. 2: as 1 but the slot rows are re-read every block (fewer live registers). Needs a power-of-two
-# page size that divides or is a multiple of the key block; other shapes use the gather.
-# With ROT_LOWP = 2 the angle combination is done in 16-bit math too (1: only the rotation).
-DECODE_ROT_ANGLE = 0
+# pair. 2: as 1 but the slot rows are re-read every block (the only form when a page spans several
+# key blocks). Needs a power-of-two page size that divides or is a multiple of the key block; other
+# shapes use the gather. ROT_LOWP: 1 = rotate 16-bit keys in packed 16-bit math, 2 = the angle
+# combination too (gather: same as 1); fp32 math for fp32 KV.
+# H100, RAG shape, b 1/4/16/64 (docs/benchmarks.md "Rotation cost (session 3)"), decode us:
+#   gather fp32 23.9 / 71.5 / 244 / 916; gather 16-bit 23.4 / 68.6 / 236 / 899;
+#   angle 16-bit (1, 2) 21.1 / 71.3 / 244 / 917; angle fp32 22.4 / 75.4 / 256 / 1272; angle 2: 2-3x
+#   slower; no rotation 20.4 / 68.3 / 238 / 880; rel. err vs the fp32 reference 2.8e-3 (fp32 math),
+#   3.1e-3 (gather 16-bit), 3.5e-3 (angle 16-bit). Angle addition wins only while the grid is small
+#   (few, short splits: latency-bound), so decode uses it up to DECODE_ANGLE_MAX_GRID (batch x kv
+#   heads) programs and the 16-bit gather above. Extend: angle addition 5-40% slower at every batch
+#   (more live registers: spills), 16-bit math 1-3% slower at b >= 4: both off.
+DECODE_ROT_LOWP = 2
+DECODE_ROT_ANGLE = 1
+DECODE_ANGLE_MAX_GRID = 16
 EXTEND_ROT_ANGLE = 0
 DECODE_SCAN = 0  # >0: scan the page table first and run full, visible pages unmasked (as extend)
 # Extend/prefill: ROWS query rows (tokens x group heads) per program against BLOCK_N keys a step.
@@ -654,6 +663,8 @@ def lazy_attention_triton(
         q_blocks = triton.cdiv(max_q_len, block_m)
         auto_splits = pick_num_splits(B * q_blocks * num_kv_heads, max_tokens, q.device, EXTEND_SLOTS)
     angle = int(DECODE_ROT_ANGLE if decode else EXTEND_ROT_ANGLE) if rotate else 0
+    if decode and B * num_kv_heads > DECODE_ANGLE_MAX_GRID:
+        angle = 0
     if page_size & (page_size - 1) or (block_n % page_size and page_size % block_n):
         angle = 0  # angle addition needs key blocks of whole pages or pages of whole blocks
     n_parts, part_slots = max(1, block_n // page_size), min(block_n, page_size)
