@@ -1,8 +1,11 @@
 """Decode step time at batch 1..64 against the HBM roofline (issue 6).
 
-Step time of the lazyrt Engine = (time of max_tokens=N - time of max_tokens=1) / (N - 1), for B random
-prompts of --context tokens (plain prompts: every request reads its own KV). Roofline = (weight bytes +
-B x context x KV bytes per token) / measured device-to-device copy bandwidth.
+Step time = wall time of --steps pure decode steps of the lazyrt Engine (every request already
+prefilled, so no step carries a prefill piece), for B random prompts of --context tokens (plain
+prompts: every request reads its own KV). Roofline = (weight bytes + B x context x KV bytes per token)
+/ measured device-to-device copy bandwidth. (An earlier version timed generate(max_tokens=N) minus
+generate(max_tokens=1): with chunked prefill, early requests decode beside later requests' prefill
+pieces, so that difference mostly timed mixed prefill steps.)
 
 GPU:  python benchmarks/decode_roofline.py                      (llama-3.1-8b, dummy bf16, cuda)
 CPU smoke:  python benchmarks/decode_roofline.py --model tiny-llama --device cpu --batches 1 2 \
@@ -12,6 +15,7 @@ CPU smoke:  python benchmarks/decode_roofline.py --model tiny-llama --device cpu
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 
@@ -39,6 +43,45 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def decode_headroom(prompts: list[list[int]]) -> int:
+    """Output tokens a request may make before the last prompt is prefilled (>= 256 tokens a step)."""
+    return sum(len(p) for p in prompts) // 256 + 8
+
+
+def decode_step_seconds(eng, prompts: list[list[int]], steps: int, around_steps=None) -> float:
+    """Wall seconds per pure decode step: prefill every prompt first (stepping the engine core until
+    each request has its first token), then time `steps` more steps, in which every request decodes.
+    around_steps: optional context-manager factory wrapped around the timed steps (a profiler)."""
+    from lazyrt import SamplingParams
+    from lazyrt.runtime.request import RequestState
+
+    # early requests decode while later ones prefill: give them room to still be running when timed
+    sp = SamplingParams(max_tokens=steps + decode_headroom(prompts), temperature=0.0, ignore_eos=True)
+    reqs = [eng._make_request(p, sp) for p in prompts]
+    core = eng.core
+    for r in reqs:
+        core.add(r)
+    dev = str(eng.model.device)
+    try:
+        while any(not r.output_ids for r in reqs):
+            core.step()
+        sync(dev)
+        with around_steps() if around_steps else contextlib.nullcontext():
+            t = time.perf_counter()
+            for _ in range(steps):
+                core.step()
+            sync(dev)
+            elapsed = time.perf_counter() - t
+        if any(r.state is RequestState.FINISHED for r in reqs):
+            raise RuntimeError("a request finished inside the timed window: not a pure decode batch")
+        while any(r.state is not RequestState.FINISHED for r in reqs):
+            core.step()
+    finally:
+        for r in reqs:
+            core.abort(r.rid)
+    return elapsed / steps
+
+
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="llama-3.1-8b")
@@ -52,9 +95,10 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--out", default=None, help="JSON lines, appended")
     args = p.parse_args(argv)
 
-    from lazyrt import Engine, SamplingParams
+    from lazyrt import Engine
 
     max_b = max(args.batches)
+    headroom = decode_headroom([[0] * args.context] * max_b)
     eng = Engine(
         model=None if args.model == "default" else args.model,
         device=args.device,
@@ -62,38 +106,29 @@ def main(argv=None) -> list[dict]:
         load_format=args.load_format,
         cache_mode="none",
         max_running_requests=max_b,
-        kv_cache_tokens=max_b * (args.context + args.steps + 16) + 64,
+        kv_cache_tokens=max_b * (args.context + args.steps + 16 + headroom),
     )
     cfg = eng.model_config
-    dev = str(next(iter(eng.model.parameters())).device) if hasattr(eng.model, "parameters") else args.device
-    wbytes = (
-        sum(t.numel() * t.element_size() for t in eng.model.parameters())
-        if hasattr(eng.model, "parameters")
-        else 0
-    )
-    dtype_bytes = next(iter(eng.model.parameters())).element_size() if wbytes else 2
+    dev = str(eng.model.device)
+    # LlamaModel keeps its weights in a dict by HF name; tied embeddings are one tensor, counted once
+    unique = {t.data_ptr(): t for t in eng.model.w.values()}
+    wbytes = sum(t.numel() * t.element_size() for t in unique.values())
+    dtype_bytes = eng.model.dtype.itemsize
     kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype_bytes
     bw = copy_bandwidth(dev, args.copy_mb)
     print(f"weights {wbytes / 1e9:.2f} GB, KV {kv_per_token} B/token, copy bandwidth {bw / 1e12:.3f} TB/s")
     gen = torch.Generator().manual_seed(0)
     vocab = min(cfg.vocab_size, 32000)
 
-    def timed(b: int, n: int) -> float:
-        prompts = [torch.randint(100, vocab, (args.context,), generator=gen).tolist() for _ in range(b)]
-        sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-        sync(dev)
-        t = time.perf_counter()
-        eng.generate(prompts, sp)
-        sync(dev)
-        return time.perf_counter() - t
+    def prompts(b: int) -> list[list[int]]:
+        return [torch.randint(100, vocab, (args.context,), generator=gen).tolist() for _ in range(b)]
 
-    timed(min(args.batches), args.steps)  # warm-up (compiles, graphs)
+    decode_step_seconds(eng, prompts(min(args.batches)), 4)  # warm-up (compiles, graphs)
     rows = []
     print("| batch | step (ms) | roofline (ms) | roofline / step | tok/s |")
     print("|---|---|---|---|---|")
     for b in args.batches:
-        t1, tn = timed(b, 1), timed(b, args.steps + 1)
-        step = (tn - t1) / args.steps
+        step = decode_step_seconds(eng, prompts(b), args.steps)
         bytes_ = wbytes + b * (args.context + args.steps // 2) * kv_per_token
         roof = bytes_ / bw
         row = {

@@ -1,0 +1,89 @@
+"""Where a pure decode step's time goes: device kernel time by kernel vs wall time (issue 6).
+
+B random prompts of --context tokens are prefilled first; then --steps decode steps (every request
+decoding, no prefill piece in the step: benchmarks/decode_roofline.decode_step_seconds) run once
+untimed-by-profiler for the wall time and once under torch.profiler for the per-kernel device time.
+If the device is busy for much less than the wall time, the step is host-bound.
+
+GPU:  python benchmarks/decode_profile.py --batches 1 64 --context 4096
+CPU smoke:  python benchmarks/decode_profile.py --model tiny-llama --device cpu --batches 2 --context 32 \
+              --steps 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+
+def kernel_times(prof, device_type: str) -> dict[str, float]:
+    """Total self time (us) of each device kernel (or CPU op on a CPU run), by name."""
+    out: dict[str, float] = defaultdict(float)
+    for ev in prof.events():
+        if device_type == "cuda":
+            if ev.device_type == torch.autograd.DeviceType.CUDA:
+                out[ev.name] += ev.self_device_time_total
+        elif ev.cpu_parent is None:
+            out[ev.name] += ev.self_cpu_time_total
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="llama-3.1-8b")
+    p.add_argument("--load-format", default="dummy")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--cache-mode", default="none")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 64])
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--top", type=int, default=14)
+    p.add_argument("--out", default=None, help="JSON lines, appended")
+    args = p.parse_args()
+
+    from benchmarks.decode_roofline import decode_headroom, decode_step_seconds
+    from lazyrt import Engine
+
+    max_b = max(args.batches)
+    headroom = decode_headroom([[0] * args.context] * max_b)
+    eng = Engine(
+        model=None if args.model == "default" else args.model,
+        device=args.device,
+        load_format=args.load_format,
+        cache_mode=args.cache_mode,
+        max_running_requests=max_b,
+        kv_cache_tokens=max_b * (args.context + args.steps + 16 + headroom),
+    )
+    dev = args.device
+    vocab = min(eng.model_config.vocab_size, 32000)
+    gen = torch.Generator().manual_seed(0)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev == "cuda" else [])
+
+    def prompts(b: int) -> list[list[int]]:
+        return [torch.randint(100, vocab, (args.context,), generator=gen).tolist() for _ in range(b)]
+
+    decode_step_seconds(eng, prompts(1), 4)  # compile, capture
+    for b in args.batches:
+        wall_us = decode_step_seconds(eng, prompts(b), args.steps) * 1e6
+        prof = profile(activities=activities)
+        decode_step_seconds(eng, prompts(b), args.steps, around_steps=lambda p=prof: p)
+        per_step = {k: v / args.steps for k, v in kernel_times(prof, dev).items()}
+        busy_us = sum(per_step.values())
+        print(f"\n== batch {b}, context {args.context}: pure decode step wall {wall_us / 1e3:.2f} ms, "
+              f"device busy {busy_us / 1e3:.2f} ms ({busy_us / wall_us:.0%})")
+        top = sorted(per_step.items(), key=lambda kv: -kv[1])[: args.top]
+        for name, us in top:
+            print(f"  {us / 1e3:8.3f} ms  {us / busy_us:5.1%}  {name[:110]}")
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(json.dumps({"batch": b, "context": args.context, "cache_mode": args.cache_mode,
+                                    "wall_ms": wall_us / 1e3, "busy_ms": busy_us / 1e3,
+                                    "top": [(n, us / 1e3) for n, us in top]}) + "\n")
+
+
+if __name__ == "__main__":
+    main()
