@@ -1,6 +1,9 @@
 """One Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2/2.5, Qwen3) on lazyrt's attention backend.
 
-Weights keep Hugging Face names so any HF checkpoint, GGUF conversion or dummy init loads as is.
+Weights keep Hugging Face names so any HF checkpoint, GGUF conversion or dummy init loads as is. On
+CUDA the model fuses q/k/v and gate/up into one matrix each (`qkv_proj`, `gate_up_proj`: one GEMM
+instead of three / two, which matters for small decode batches); the CPU path keeps HF's separate
+projections, so its results match HF transformers op for op.
 """
 
 from __future__ import annotations
@@ -10,24 +13,40 @@ import torch.nn.functional as F
 
 from lazyrt.kernels.backend import AttentionBackend
 from lazyrt.kernels.metadata import AttentionMetadata
-from lazyrt.kernels.rope import RopeCache, apply_rope_ref
+from lazyrt.kernels.rope import RopeCache
 from lazyrt.models.config import ModelConfig
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+from lazyrt.models.layer_ops import TorchLayerOps, layer_ops_for, rms_norm
 
 
 class LlamaModel:
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor]):
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        ops: TorchLayerOps | None = None,
+        fuse_projections: bool | None = None,
+    ):
+        """Takes ownership of `weights` (fusing replaces entries in place). ops / fuse_projections:
+        default by device and dtype (CUDA: fused projections, FlashInfer/Triton layer ops)."""
         self.config = config
         missing = [n for n in self._required_names() if n not in weights]
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:3]}")
         self.w = weights
         self.lm_head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
+        self.ops = ops if ops is not None else layer_ops_for(self.device, self.dtype)
+        if fuse_projections if fuse_projections is not None else self.device.type == "cuda":
+            self._fuse_projections()
+
+    def _fuse_projections(self) -> None:
+        """q/k/v -> qkv_proj and gate/up -> gate_up_proj, one layer at a time (peak: one layer extra)."""
+        w = self.w
+        for i in range(self.config.num_layers):
+            a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+            w[a + "qkv_proj.weight"] = torch.cat([w.pop(a + f"{x}_proj.weight") for x in "qkv"])
+            if self.config.attention_bias:
+                w[a + "qkv_proj.bias"] = torch.cat([w.pop(a + f"{x}_proj.bias") for x in "qkv"])
+            w[m + "gate_up_proj.weight"] = torch.cat([w.pop(m + f"{x}_proj.weight") for x in ("gate", "up")])
 
     def _required_names(self) -> list[str]:
         c = self.config
@@ -58,13 +77,21 @@ class LlamaModel:
     ) -> torch.Tensor:
         c, w, p = self.config, self.w, f"model.layers.{i}.self_attn."
         n = x.shape[0]
-        q = F.linear(x, w[p + "q_proj.weight"], w.get(p + "q_proj.bias")).view(n, c.num_heads, c.head_dim)
-        k = F.linear(x, w[p + "k_proj.weight"], w.get(p + "k_proj.bias")).view(n, c.num_kv_heads, c.head_dim)
-        v = F.linear(x, w[p + "v_proj.weight"], w.get(p + "v_proj.bias")).view(n, c.num_kv_heads, c.head_dim)
+        nq, nkv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        qkv_w = w.get(p + "qkv_proj.weight")
+        if qkv_w is not None:  # strided views of one GEMM's output; the kernels take row strides
+            q, k, v = F.linear(x, qkv_w, w.get(p + "qkv_proj.bias")).split([nq, nkv, nkv], dim=-1)
+        else:
+            q = F.linear(x, w[p + "q_proj.weight"], w.get(p + "q_proj.bias"))
+            k = F.linear(x, w[p + "k_proj.weight"], w.get(p + "k_proj.bias"))
+            v = F.linear(x, w[p + "v_proj.weight"], w.get(p + "v_proj.bias"))
+        q = q.view(n, c.num_heads, c.head_dim)
+        k = k.view(n, c.num_kv_heads, c.head_dim)
+        v = v.view(n, c.num_kv_heads, c.head_dim)
         if c.qk_norm:
             q = rms_norm(q, w[p + "q_norm.weight"], c.rms_norm_eps)
             k = rms_norm(k, w[p + "k_norm.weight"], c.rms_norm_eps)
-        q = apply_rope_ref(q, meta.positions, rope)
+        q = self.ops.rope(q, meta.positions, rope)
         o = backend.forward(i, q, k, v, meta)  # k goes in unrotated: the backend decides when to rotate
         return F.linear(o.reshape(n, c.num_heads * c.head_dim), w[p + "o_proj.weight"])
 
@@ -73,18 +100,26 @@ class LlamaModel:
         self, input_ids: torch.Tensor, meta: AttentionMetadata, rope: RopeCache, backend: AttentionBackend
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, for the T new tokens of a step."""
-        c, w = self.config, self.w
+        c, w, ops = self.config, self.w, self.ops
         h = F.embedding(input_ids, w["model.embed_tokens.weight"])
+        x = ops.rms_norm(h, w["model.layers.0.input_layernorm.weight"], c.rms_norm_eps)
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
-            h = h + self._attention(
-                i, rms_norm(h, w[p + "input_layernorm.weight"], c.rms_norm_eps), meta, rope, backend
-            )
-            x = rms_norm(h, w[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
-            gate = F.linear(x, w[p + "mlp.gate_proj.weight"])
-            up = F.linear(x, w[p + "mlp.up_proj.weight"])
-            h = h + F.linear(F.silu(gate) * up, w[p + "mlp.down_proj.weight"])
-        return rms_norm(h, w["model.norm.weight"], c.rms_norm_eps)
+            a = self._attention(i, x, meta, rope, backend)
+            x, h = ops.add_rms_norm(a, h, w[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
+            last = i + 1 == c.num_layers
+            nxt = "model.norm.weight" if last else f"model.layers.{i + 1}.input_layernorm.weight"
+            x, h = ops.add_rms_norm(self._mlp(i, x), h, w[nxt], c.rms_norm_eps)
+        return x
+
+    def _mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        w, p = self.w, f"model.layers.{i}.mlp."
+        gate_up = w.get(p + "gate_up_proj.weight")
+        if gate_up is not None:
+            act = self.ops.silu_and_mul(F.linear(x, gate_up))
+        else:
+            act = F.silu(F.linear(x, w[p + "gate_proj.weight"])) * F.linear(x, w[p + "up_proj.weight"])
+        return F.linear(act, w[p + "down_proj.weight"])
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -42,7 +42,11 @@ class ModelWorker:
         self.model_id = loaded.model_id
         self.model_config = loaded.config
         weights = {k: v.to(dev) for k, v in loaded.weights.items()}
+        loaded.weights.clear()  # the model owns (and on CUDA fuses) the weights from here
         self.model = LlamaModel(loaded.config, weights)
+        del weights
+        if dev.startswith("cuda"):
+            torch.cuda.empty_cache()  # the unfused copies: give them back before sizing the KV pool
         self.max_context = min(loaded.config.max_context, cfg.max_model_len or 1 << 62)
         c = loaded.config
         self.pool = PagePool(
