@@ -243,6 +243,39 @@ def test_tight_budget_no_leaks_same_tokens(mode, tiny_model_dir):
     _no_leaks(ref)
 
 
+@pytest.mark.parametrize("mode", ["lazy", "block"])
+def test_large_recompute_goes_in_budget_sized_pieces(mode, tiny_model_dir):
+    """Recomputes larger than the step budget are split over steps (a piece sees the earlier pieces'
+    KV), beside other requests' decodes: every step's prefill stays within the budget and the tokens
+    equal a roomy engine's."""
+    path = tiny_model_dir("llama")
+    kw = dict(recompute_policy="tail", recompute_ratio=1.0)
+    small = _engine(path, mode, max_step_tokens=24, max_running_requests=3, **kw)
+    roomy = _engine(path, mode, **kw)
+    rng = random.Random()
+    vocab = small.model_config.vocab_size
+    prompts = []
+    for _ in range(5):
+        prefix, docs, suffix = _prompt(rng, vocab, n_docs=3, lo=20, hi=70)
+        prompts.append(RagPrompt(prefix, docs, suffix + _ids(rng, rng.randint(0, 30), vocab)))
+    prompts.insert(1, _ids(rng, 10, vocab))  # a plain prompt decoding beside them
+    sizes = []
+    orig = small.scheduler.schedule
+
+    def schedule():
+        plan = orig()
+        sizes.append(sum(len(i.token_ids) for i in plan.items if i.job is None))
+        return plan
+
+    small.scheduler.schedule = schedule
+    sp = SamplingParams(max_tokens=12)
+    outs = small.generate(prompts, sp)
+    assert max(sizes) <= 25  # budget 24 (+1: a step with no room still makes progress)
+    for p, out in zip(prompts, outs):
+        assert out["token_ids"] == roomy.generate(p, sp)[0]["token_ids"]
+    _no_leaks(small)
+
+
 def _chunk_pages(engine: Engine, req) -> int:
     ps = engine.scheduler.page_size
     return -(-len(req.prefix) // ps) + sum(-(-len(d) // ps) for d in req.docs)

@@ -50,10 +50,11 @@ class Request:
     copies: list[tuple[list[int], list[int], int]] = field(default_factory=list)
     # Selective recompute (runtime/recompute.py): the page indices of each doc it recomputes (chosen
     # once), the pages it owns for them, and the runs still to compute: (index of the run's Segment
-    # in `segments`, its tokens). They are prefilled in context, in the step of the suffix.
+    # in `segments`, offset of the first token left in the run, tokens left). They are prefilled in
+    # context before (or in the step of) the suffix.
     recompute_sel: list[list[int]] | None = None
     recomputed_pages: list[int] = field(default_factory=list)
-    pending_recompute: list[tuple[int, list[int]]] = field(default_factory=list)
+    pending_recompute: list[tuple[int, int, list[int]]] = field(default_factory=list)
     radix_node: object | None = None
     radix_pages: list[int] = field(default_factory=list)
     # accounting for `meta`

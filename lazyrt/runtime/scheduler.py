@@ -265,7 +265,7 @@ class Scheduler:
                 if recompute:
                     seg = Segment(self.pool.alloc(self.pages_for(n)), pos + lo, n)
                     req.recomputed_pages += seg.pages
-                    req.pending_recompute.append((len(req.segments), list(d[lo : lo + n])))
+                    req.pending_recompute.append((len(req.segments), 0, list(d[lo : lo + n])))
                 else:
                     req.cached_tokens += n if hit else 0
                     src = c.pages[lo // self.page_size : lo // self.page_size + self.pages_for(n)]
@@ -313,11 +313,21 @@ class Scheduler:
     def _plan_prefill(self, req: Request, plan: StepPlan, budget: int) -> int:
         """Adds the next piece of the request's own prefill (chunked prefill: a long prompt goes in
         pieces that fit the step budget, so running decodes never stall behind it and it never waits
-        for an idle step); returns the tokens planned. Recomputed doc pages go with the first piece,
-        and a scored prompt in one piece (its logprobs come from one step)."""
+        for an idle step); returns the tokens planned. Recomputed doc pages go first: with the first
+        piece if they fit, else in budget-sized pieces over the next steps, the suffix starting in
+        the step they end in if room is left (a large recompute must neither starve behind running
+        decodes nor stall them); a scored prompt in one piece (its logprobs come from one step)."""
         own = self._own_tokens(req)  # built once: for a plain prompt it is a copy of the prompt
         left = len(own) - req.own.num_tokens
-        heads = sum(len(t) for _, t in req.pending_recompute)
+        heads = sum(len(t) for _, _, t in req.pending_recompute)
+        if heads and heads + left > budget:
+            if plan.items and budget < min(heads, self.page_size):
+                return 0  # too little room this step for a useful piece
+            taken = self._recompute_piece(req, plan, max(budget, 1))
+            if req.pending_recompute or req.score_len or budget - taken < min(left, self.page_size):
+                return taken
+            plan.items.append(self._own_prefill_item(req, own, budget - taken))
+            return budget
         if heads + left <= budget or not plan.items:
             take = left if (req.score_len or heads + left <= budget) else max(budget - heads, 1)
         elif req.score_len or budget - heads < min(left, self.page_size):
@@ -335,11 +345,28 @@ class Scheduler:
         stores every item's K/V before any attends, so later runs and the suffix see the earlier
         runs' fresh K/V at each layer."""
         items = []
-        for idx, tokens in req.pending_recompute:
+        for idx, lo, tokens in req.pending_recompute:
             seg = req.segments[idx]
-            items.append(ForwardItem(tokens, seg.start_pos, req.segments[: idx + 1], seg))
+            items.append(ForwardItem(tokens, seg.start_pos + lo, req.segments[: idx + 1], seg))
         req.pending_recompute = []
         return items
+
+    def _recompute_piece(self, req: Request, plan: StepPlan, budget: int) -> int:
+        """The next `budget` tokens of the pending recomputed runs, in prompt order. A piece sees
+        the earlier pieces' stored KV; the run's slots not computed yet lie at later positions, so
+        the causal mask hides them."""
+        taken = 0
+        while req.pending_recompute and taken < budget:
+            idx, lo, tokens = req.pending_recompute[0]
+            n = min(len(tokens), budget - taken)
+            seg = req.segments[idx]
+            plan.items.append(ForwardItem(tokens[:n], seg.start_pos + lo, req.segments[: idx + 1], seg))
+            if n == len(tokens):
+                req.pending_recompute.pop(0)
+            else:
+                req.pending_recompute[0] = (idx, lo + n, tokens[n:])
+            taken += n
+        return taken
 
     def _decode_item(self, req: Request) -> ForwardItem:
         pos = req.own.start_pos + req.own.num_tokens
