@@ -400,3 +400,27 @@ def test_quality_benchmark_mode_syntax():
     for bad in ("lazy+idf2", "none+head1", "lazy+question0", "lazy+tail1.5", "lazy+question150%"):
         with pytest.raises(Exception, match="mode"):
             parse_mode(bad)
+
+
+@pytest.mark.slow
+def test_server_with_recompute_flags_matches_engine():
+    """The flags reach the scheduler process (and recomputed runs cross the worker wire): a real
+    server's greedy tokens equal an in-process Engine's with the same options."""
+    import httpx
+    from server_util import DOCS, ServerProc
+
+    docs = [" ".join([d] * 4) for d in DOCS]  # a few pages each
+    flags = ["--recompute-policy", "tail", "--recompute-ratio", "0.5", "--max-step-tokens", "48"]
+    srv = ServerProc("--device", "cpu", "--kv-cache-tokens", "8192", "--log-level", "warning", *flags)
+    try:
+        srv.wait_healthy()
+        body = {"text": "What is the capital of Arvania?", "docs": docs, "sampling_params": {"max_tokens": 8}}
+        got = httpx.post(srv.url + "/generate", json=body, timeout=120).json()
+        stats = httpx.get(srv.url + "/cache_stats", timeout=30).json()
+    finally:
+        srv.stop()
+    engine = Engine(device="cpu", kv_cache_tokens=8192, recompute_policy="tail", recompute_ratio=0.5)
+    want = engine.rag(docs, body["text"], sampling_params=SamplingParams(max_tokens=8))
+    assert got["token_ids"] == want["token_ids"]
+    assert got["meta"]["cached_tokens"] == want["meta"]["cached_tokens"]
+    assert stats["held_pages"] == 0
