@@ -265,6 +265,9 @@ def test_large_recompute_goes_in_budget_sized_pieces(mode, tiny_model_dir):
     def schedule():
         plan = orig()
         sizes.append(sum(len(i.token_ids) for i in plan.items if i.job is None))
+        for i in plan.items:  # keys end at the item's last token (dense backends align causal there)
+            t = i.segments[-1]
+            assert t is i.target and t.start_pos + t.num_tokens == i.start_pos + len(i.token_ids)
         return plan
 
     small.scheduler.schedule = schedule

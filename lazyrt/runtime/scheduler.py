@@ -353,14 +353,15 @@ class Scheduler:
 
     def _recompute_piece(self, req: Request, plan: StepPlan, budget: int) -> int:
         """The next `budget` tokens of the pending recomputed runs, in prompt order. A piece sees
-        the earlier pieces' stored KV; the run's slots not computed yet lie at later positions, so
-        the causal mask hides them."""
+        the earlier pieces' stored KV. Its key list ends at its own last token (a view of the run
+        cut there), as every item's does: a dense-page backend aligns the causal mask to the end."""
         taken = 0
         while req.pending_recompute and taken < budget:
             idx, lo, tokens = req.pending_recompute[0]
             n = min(len(tokens), budget - taken)
             seg = req.segments[idx]
-            plan.items.append(ForwardItem(tokens[:n], seg.start_pos + lo, req.segments[: idx + 1], seg))
+            view = Segment(seg.pages, seg.start_pos, lo + n)
+            plan.items.append(ForwardItem(tokens[:n], seg.start_pos + lo, req.segments[:idx] + [view], view))
             if n == len(tokens):
                 req.pending_recompute.pop(0)
             else:
