@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from tqdm import tqdm
 
 from lazyrt.batch_input import Job, key, parse_line
+from lazyrt.runtime.recompute import RECOMPUTE_POLICIES
 
 EXAMPLE = """\
 example:
@@ -72,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="local engine device: auto, cpu, cuda")
     p.add_argument("--cache-mode", default="lazy", help="local engine cache mode: lazy, block, prefix, none")
     p.add_argument("--kv-cache-tokens", type=int, default=None, help="local engine KV budget in tokens")
+    p.add_argument("--recompute-policy", default=None, choices=RECOMPUTE_POLICIES,
+                   help="local engine selective recompute (lazy/block; see python -m lazyrt.launch --help)")
+    p.add_argument("--recompute-pages", type=int, default=None, help="recompute budget: pages per later doc")
+    p.add_argument("--recompute-ratio", type=float, default=None, help="recompute budget: 0-1 of later docs")
     g = p.add_argument_group("sampling defaults (a line's sampling_params override them)")
     g.add_argument("--max-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0)
@@ -135,7 +140,8 @@ def make_runner(args: argparse.Namespace):
     from lazyrt import Engine
     from lazyrt.batch_runners import LocalRunner
 
-    kw = {"kv_cache_tokens": args.kv_cache_tokens} if args.kv_cache_tokens else {}
+    opts = ("kv_cache_tokens", "recompute_policy", "recompute_pages", "recompute_ratio")
+    kw = {k: getattr(args, k) for k in opts if getattr(args, k) is not None}
     engine = Engine(args.model, device=args.device, cache_mode=args.cache_mode, **kw)
     return LocalRunner(engine, args.concurrency or 32)
 

@@ -119,3 +119,22 @@ def test_help_shows_an_example_and_missing_input_fails():
     assert h.returncode == 0 and "example:" in h.stdout and "--endpoint" in h.stdout
     r = _run("--input", "/nonexistent/in.jsonl", "--output", "/tmp/never.jsonl")
     assert r.returncode == 2 and "nonexistent" in r.stderr
+
+
+def test_recompute_options_reach_the_engine(tmp_path):
+    inp = tmp_path / "in.jsonl"
+    rows = [{"id": f"r{i}", "docs": DOCS, "question": "How tall is Mount Feller?"} for i in range(3)]
+    inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    bad = _run("--input", str(inp), "--output", str(tmp_path / "bad.jsonl"), "--recompute-ratio", "1.5")
+    assert bad.returncode != 0 and "recompute_ratio" in bad.stderr and "Traceback" not in bad.stderr
+    plain, tail = tmp_path / "plain.jsonl", tmp_path / "tail.jsonl"
+    assert _run("--input", str(inp), "--output", str(plain)).returncode == 0
+    ok = _run("--input", str(inp), "--output", str(tail), "--recompute-policy", "tail",
+              "--recompute-pages", "1")
+    assert ok.returncode == 0, ok.stderr
+    a = [json.loads(x) for x in plain.read_text().splitlines()]
+    b = [json.loads(x) for x in tail.read_text().splitlines()]
+    assert [g["id"] for g in b] == ["r0", "r1", "r2"]
+    # repeats hit the chunk table; with recompute the later docs' pages are computed, not cached
+    for x, y in zip(a[1:], b[1:]):
+        assert y["meta"]["cached_tokens"] < x["meta"]["cached_tokens"]
