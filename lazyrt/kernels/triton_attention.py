@@ -6,9 +6,9 @@ Same contract as `attention_ref.lazy_attention_ref`. One kernel serves decode an
   page is loaded (and rotated) once per group, and a decode row block (1 token x group, padded to 16)
   feeds the tensor cores;
 - it walks the page-table entries of its split in blocks of BLOCK_N tokens (several small pages per
-  iteration), loads the two rotary halves of K, rotates them with cos/sin rows gathered from the
-  RopeCache at `pos_base + slot` (four FMAs a pair), masks `slot < valid_len` and `kv_pos <= q_pos`,
-  and runs an exp2 online softmax in fp32;
+  iteration), loads the two rotary halves of K, rotates them by `pos_base + slot` (four FMAs a
+  pair; cos/sin gathered per key, or by angle addition per page: below), masks `slot < valid_len`
+  and `kv_pos <= q_pos`, and runs an exp2 online softmax in fp32;
 - extend/prefill first scans its split's page table: blocks of "clean" entries (full pages whose last
   slot is visible to every query row of the tile) run in a branch-free, unmasked loop that the
   compiler software-pipelines (cp.async for K, V, cos, sin and the page table); the rest run masked;
@@ -20,16 +20,19 @@ Same contract as `attention_ref.lazy_attention_ref`. One kernel serves decode an
   With one split the kernel writes the output directly (no merge launch). A merge fused into the split
   kernel (DECODE_FUSED_MERGE: last-arriving program merges) measured slower (b1 32.5 vs 25.1 us).
 
-cos/sin come from an fp16 copy of the RopeCache for 16-bit KV (fp32 tables added 13% at batch 64).
+cos/sin come from an fp16 copy of the RopeCache for 16-bit KV (fp32 tables added 13% at batch 64), one
+row per key; on small decode grids instead by angle addition from one fp32 row per page entry and the
+rows of slots 0..page_size-1 (loaded once per program), with 16-bit rotation math for 16-bit KV.
 Measured on an H100 (triton 3.6, CUDA-graph replays, do_bench median), 32/8 heads, d=128, page 16,
-bf16, 5 x 2,048 + 128 keys a request, distinct pages per request:
-  lazy decode  b1 / 2 / 4 / 8 / 16 / 32 / 64:  34.8 / 53 / 84 / 144 / 263 / 506 / 948 us
-  same kernel, rotate_keys=False:              32.3 / 50 / 79 / 137 / 250 / 474 / 906 us
-  FlashInfer plain decode (docs, CUDA.md):     31 / - / - / - / 256 / - / 957 us
+bf16, 5 x 2,048 + 128 keys a request, distinct pages per request (benchmarks/kernels.py, session 3):
+  lazy decode  b1 / 4 / 16 / 64:               21.8 / 70.5 / 244 / 934 us = 1.18 / 1.04 / 1.04 / 1.04x
+  FlashInfer plain decode, same run:           18.5 / 67.5 / 234 / 901 us
+  (b1 with fp32 rotation math and a cos/sin gather per key, the earlier default: 23.8-24.7 us; the same
+  kernel with rotate_keys=False: 19.7-20.4 us)
   extend, one request: 128 new tokens over 10k keys 232 us; causal 2,048-token chunk 283 us
   (torch SDPA on contiguous, unrotated K/V: 124 / 86 us: extend has headroom, decode was the goal).
-  prefill of the 128-token question, b1 / 4 / 16 / 64: 110 / 342 / 1192 / 4723 us = 0.78 / 1.92 /
-  1.68 / 1.46x FlashInfer paged prefill without RoPE (was 146 / 492 / 1940 / 7715 us when the K/V
+  prefill of the 128-token question, b1 / 4 / 16 / 64: 111 / 341 / 1197 / 4701 us = 0.78 / 1.94 /
+  1.69 / 1.49x FlashInfer paged prefill without RoPE (was 146 / 492 / 1940 / 7715 us when the K/V
   loads sat under a causal-skip branch and were not pipelined). benchmarks/sweep_kernels.py.
 Host cost of one eager call is ~110 us (Triton's Python launch path): capture decode in CUDA graphs.
 
@@ -75,12 +78,13 @@ DECODE_STAGES = 2
 #   angle 16-bit (1, 2) 21.1 / 71.3 / 244 / 917; angle fp32 22.4 / 75.4 / 256 / 1272; angle 2: 2-3x
 #   slower; no rotation 20.4 / 68.3 / 238 / 880; rel. err vs the fp32 reference 2.8e-3 (fp32 math),
 #   3.1e-3 (gather 16-bit), 3.5e-3 (angle 16-bit). Angle addition wins only while the grid is small
-#   (few, short splits: latency-bound), so decode uses it up to DECODE_ANGLE_MAX_GRID (batch x kv
-#   heads) programs and the 16-bit gather above. Extend: angle addition 5-40% slower at every batch
-#   (more live registers: spills), 16-bit math 1-3% slower at b >= 4: both off.
+#   (few, short splits: latency-bound; at b2 the 16-bit gather is faster, 41.1 vs 42.4 us), so decode
+#   uses it up to DECODE_ANGLE_MAX_GRID (batch x kv heads) programs and the 16-bit gather above.
+#   Extend: angle addition 5-40% slower at every batch (more live registers: spills), 16-bit math
+#   1-3% slower at b >= 4: both off.
 DECODE_ROT_LOWP = 2
 DECODE_ROT_ANGLE = 1
-DECODE_ANGLE_MAX_GRID = 16
+DECODE_ANGLE_MAX_GRID = 8
 EXTEND_ROT_ANGLE = 0
 DECODE_SCAN = 0  # >0: scan the page table first and run full, visible pages unmasked (as extend)
 # Extend/prefill: ROWS query rows (tokens x group heads) per program against BLOCK_N keys a step.
