@@ -13,7 +13,10 @@ CPU smoke:  python benchmarks/decode_profile.py --model tiny-llama --device cpu 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 from collections import defaultdict
 
 import torch
@@ -32,6 +35,29 @@ def kernel_times(prof, device_type: str) -> dict[str, float]:
     return out
 
 
+class _CProfile:
+    def __init__(self, prof: cProfile.Profile):
+        self.prof = prof
+
+    def __enter__(self):
+        self.prof.enable()
+
+    def __exit__(self, *exc):
+        self.prof.disable()
+
+
+def host_profile(eng, prompts: list[list[int]], steps: int, top: int) -> None:
+    """Host functions by own time over `steps` pure decode steps (the device time shows as waits)."""
+    from benchmarks.decode_roofline import decode_step_seconds
+
+    prof = cProfile.Profile()
+    decode_step_seconds(eng, prompts, steps, around_steps=lambda: _CProfile(prof))
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+    print(f"-- host profile, {steps} steps (tottime in s over all steps)")
+    print("\n".join(line for line in out.getvalue().splitlines() if line.strip())[-6000:])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="llama-3.1-8b")
@@ -42,6 +68,8 @@ def main() -> None:
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--top", type=int, default=14)
+    p.add_argument("--host-profile", action="store_true",
+                   help="also run the steps under cProfile and print the top host functions")
     p.add_argument("--out", default=None, help="JSON lines, appended")
     args = p.parse_args()
 
@@ -78,6 +106,8 @@ def main() -> None:
         top = sorted(per_step.items(), key=lambda kv: -kv[1])[: args.top]
         for name, us in top:
             print(f"  {us / 1e3:8.3f} ms  {us / busy_us:5.1%}  {name[:110]}")
+        if args.host_profile:
+            host_profile(eng, prompts(b), args.steps, args.top)
         if args.out:
             with open(args.out, "a") as f:
                 f.write(json.dumps({"batch": b, "context": args.context, "cache_mode": args.cache_mode,

@@ -24,6 +24,10 @@ def main(argv=None) -> None:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--docs", type=int, default=5)
     p.add_argument("--doc-tokens", type=int, default=2048)
+    p.add_argument("--own-tokens", type=int, default=40, help="tokens already in each request's own run "
+                   "(none/prefix mode: the whole prompt, e.g. 4096)")
+    p.add_argument("--steps", type=int, default=0, help="also time N consecutive decode steps, the own run "
+                   "growing by one token a step (from_plan on the growing tables)")
     p.add_argument("--iters", type=int, default=200)
     args = p.parse_args(argv)
     ps, rng = 16, random.Random(0)
@@ -33,11 +37,12 @@ def main(argv=None) -> None:
         for _ in range(args.docs):
             segs.append(Segment(rng.sample(range(100000), -(-args.doc_tokens // ps)), pos, args.doc_tokens))
             pos += args.doc_tokens
-        own = Segment(rng.sample(range(100000), 6), pos, 40)
+        own_n = args.own_tokens
+        own = Segment(rng.sample(range(100000), -(-(own_n + 64) // ps)), pos, own_n)
         segs.append(own)
         req = Request(r, SamplingParams(max_tokens=64))
         req.output_ids = [1]
-        plan.items.append(ForwardItem([5], pos + 39, segs, own, request=req))
+        plan.items.append(ForwardItem([5], pos + own_n - 1, segs, own, request=req))
     enc, dec = StepEncoder(), StepDecoder()
     StepInputs.from_plan(dec.decode(decode(encode(enc.encode(plan, [])))), ps)  # first step: full tables
 
@@ -64,6 +69,15 @@ def main(argv=None) -> None:
     for name, v in rows:
         print(f"| {name} | {v:.3f} |")
     print(f"| total | {sum(v for _, v in rows):.3f} |")
+    if args.steps:
+        t0 = time.perf_counter()
+        for _ in range(args.steps):  # what a decode step sees: each own run one token longer
+            for it in plan2.items:
+                it.target.num_tokens += 1
+                it.start_pos += 1
+            StepInputs.from_plan(plan2, ps)
+        ms = (time.perf_counter() - t0) / args.steps * 1e3
+        print(f"| from_plan over growing own runs (mean of {args.steps} decode steps) | {ms:.3f} |")
 
 
 if __name__ == "__main__":

@@ -166,3 +166,40 @@ def test_step_decoder_rejects_unknown_request():
 
     with pytest.raises(ValueError, match="without segments"):
         StepDecoder().decode(StepMsg([StepItem([1], 5, None, 0, rid=7, target_tokens=3)]))
+
+
+def test_growing_segments_update_their_cached_tables():
+    """A run that grows step by step (decode), sometimes by several tokens or onto new pages, and
+    one whose pages are replaced: the cached tables always equal a fresh flattening."""
+    from lazyrt.runtime.request import Request, Segment
+    from lazyrt.runtime.scheduler import ForwardItem, StepPlan
+    from lazyrt.runtime.step_inputs import StepInputs
+
+    rng = random.Random()
+    ps = rng.choice([1, 4, 16])
+    pool = iter(rng.sample(range(100000), 5000))
+    items = []
+    for rid in range(rng.randrange(1, 6)):
+        doc = Segment([next(pool) for _ in range(3)], 0, 3 * ps - rng.randrange(ps))
+        n0 = rng.randrange(1, 3 * ps)
+        own = Segment([next(pool) for _ in range(-(-n0 // ps))], doc.num_tokens, n0)
+        req = Request(rid, SamplingParams())
+        items.append(ForwardItem([7], own.start_pos + n0 - 1, [doc, own], own, request=req))
+    for step in range(60):
+        plan = StepPlan(items=items)
+        s = StepInputs.from_plan(plan, ps)
+        ref, qo, kvp, rows = _flatten_ref(plan, ps)
+        got = dict(ids=s.input_ids, pos=s.positions, pages=s.store_pages, slots=s.store_slots,
+                   kv=s.kv_indices, base=s.pos_base, valid=s.valid_len)  # fmt: skip
+        for k in ref:
+            assert list(got[k]) == ref[k], (step, k)
+        assert list(s.kv_indptr) == kvp
+        for it in items:  # next step: grow by 1 (mostly) or a few tokens, adding pages as needed
+            own = it.target
+            grow = 1 if rng.random() < 0.8 else rng.randrange(2, 2 * ps + 2)
+            own.num_tokens += grow
+            while len(own.pages) * ps < own.num_tokens:
+                own.pages.append(next(pool))
+            if rng.random() < 0.05:  # the run moved to other pages: must not reuse the cached table
+                own.pages[:] = [next(pool) for _ in own.pages]
+            it.start_pos = own.start_pos + own.num_tokens - 1

@@ -75,11 +75,17 @@ class StepInputs:
             n = len(item.token_ids)
             ids.append(item.token_ids)
             q_lens.append(n)
-            pos = np.arange(item.start_pos, item.start_pos + n, dtype=_I64)
-            off = pos - item.target.start_pos
-            positions.append(pos)
-            store_pages.append(np.asarray(item.target.pages, dtype=_I64)[off // page_size])
-            store_slots.append(off % page_size)
+            if n == 1:  # decode: no array of the whole target run for one page
+                off = item.start_pos - item.target.start_pos
+                positions.append((item.start_pos,))
+                store_pages.append((item.target.pages[off // page_size],))
+                store_slots.append((off % page_size,))
+            else:
+                pos = np.arange(item.start_pos, item.start_pos + n, dtype=_I64)
+                off = pos - item.target.start_pos
+                positions.append(pos)
+                store_pages.append(np.asarray(item.target.pages, dtype=_I64)[off // page_size])
+                store_slots.append(off % page_size)
             entries = 0
             for seg in item.segments:
                 t = segment_table(seg, page_size)
@@ -90,9 +96,9 @@ class StepInputs:
         if not plan.items:
             return s
         s.input_ids = np.fromiter((t for x in ids for t in x), dtype=_I64)
-        s.positions = np.concatenate(positions)
-        s.store_pages = np.concatenate(store_pages)
-        s.store_slots = np.concatenate(store_slots)
+        s.positions = np.concatenate(positions, dtype=_I64)
+        s.store_pages = np.concatenate(store_pages, dtype=_I64)
+        s.store_slots = np.concatenate(store_slots, dtype=_I64)
         s.qo_indptr = np.concatenate([[0], np.cumsum(q_lens)]).astype(_I32)
         s.kv_indptr = np.concatenate([[0], np.cumsum(kv_lens)]).astype(_I32)
         if tables:
@@ -106,17 +112,34 @@ class StepInputs:
 
 
 def segment_table(seg: Segment, page_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(page ids, pos_base, valid_len) of a segment's pages; cached on it while its length holds."""
+    """(page ids, pos_base, valid_len) of a segment's pages; cached on it while its length holds.
+    A run that only grew since (a decoding request's own run, one token a step) is updated at its
+    end instead of rebuilt: rebuilding a 4k-token run's table for 64 requests cost ~1.5 ms a step."""
     key = (seg.num_tokens, seg.start_pos, len(seg.pages))
     cached = seg.table
     if cached is not None and cached[0] == key:
         return cached[1]
     n = -(-seg.num_tokens // page_size)
-    first = np.arange(n, dtype=_I32) * page_size
-    table = (
-        np.asarray(seg.pages[:n], dtype=_I32),
-        first + seg.start_pos,
-        np.minimum(page_size, seg.num_tokens - first).astype(_I32),
-    )
+    table = None
+    if cached is not None:
+        (old_tokens, old_start, _), (pages, base, valid) = cached
+        m = len(pages)
+        if old_start == seg.start_pos and 0 < old_tokens <= seg.num_tokens and m <= n:
+            if m and int(pages[-1]) == seg.pages[m - 1]:  # same run, grown: touch only its end
+                if n > m:
+                    pages = np.concatenate([pages, np.asarray(seg.pages[m:n], dtype=_I32)])
+                    base = np.concatenate([base, np.arange(m, n, dtype=_I32) * page_size + seg.start_pos])
+                    valid = np.concatenate([valid, np.full(n - m, page_size, dtype=_I32)])
+                else:
+                    valid = valid.copy()
+                valid[m - 1 :] = np.minimum(page_size, seg.num_tokens - np.arange(m - 1, n) * page_size)
+                table = (pages, base, valid)
+    if table is None:
+        first = np.arange(n, dtype=_I32) * page_size
+        table = (
+            np.asarray(seg.pages[:n], dtype=_I32),
+            first + seg.start_pos,
+            np.minimum(page_size, seg.num_tokens - first).astype(_I32),
+        )
     seg.table = (key, table)
     return table
