@@ -23,6 +23,9 @@ class EngineConfig:
     eviction_policy: str = "lfu"
     kv_cache_tokens: int | None = None  # KV budget in tokens; None = from memory
     kv_cache_memory_gb: float = 2.0  # CPU budget when kv_cache_tokens is None
+    # CUDA budget when kv_cache_tokens is None: this share of the memory free once the weights are
+    # loaded (the rest is for activations, CUDA graphs, other engines in the process)
+    kv_cache_memory_fraction: float = 0.8
     max_running_requests: int = 64
     max_step_tokens: int = 8192  # prefill tokens per step (decodes ride along)
     max_model_len: int | None = None  # cap on the model's context length
@@ -54,6 +57,11 @@ class EngineConfig:
             raise ValueError(f"page_size={self.page_size}: must be a power of two")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.page_size:
             raise ValueError(f"kv_cache_tokens={self.kv_cache_tokens}: must hold at least one page")
+        f = self.kv_cache_memory_fraction
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 < f <= 0.95:
+            raise ValueError(f"kv_cache_memory_fraction={f!r}: must be a number in (0, 0.95]")
+        if not self.kv_cache_memory_gb > 0:
+            raise ValueError(f"kv_cache_memory_gb={self.kv_cache_memory_gb!r}: must be > 0")
         if self.max_running_requests < 1 or self.max_step_tokens < 1:
             raise ValueError("max_running_requests and max_step_tokens must be >= 1")
         check_recompute_options(

@@ -54,6 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="CPU KV budget without --kv-cache-tokens",
     )
     p.add_argument(
+        "--kv-cache-memory-fraction",
+        type=float,
+        default=d.kv_cache_memory_fraction,
+        help="CUDA KV budget without --kv-cache-tokens: this share (0-0.95] of the GPU memory free "
+        "after loading the weights (lower it to share the GPU with another process)",
+    )
+    p.add_argument(
         "--max-running-requests", type=int, default=d.max_running_requests, help="batch size limit"
     )
     p.add_argument("--max-step-tokens", type=int, default=d.max_step_tokens, help="prefill tokens per step")
@@ -115,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         eviction_policy=args.eviction_policy,
         kv_cache_tokens=args.kv_cache_tokens,
         kv_cache_memory_gb=args.kv_cache_memory_gb,
+        kv_cache_memory_fraction=args.kv_cache_memory_fraction,
         max_running_requests=args.max_running_requests,
         max_step_tokens=args.max_step_tokens,
         max_model_len=args.max_model_len,

@@ -81,7 +81,7 @@ class ModelWorker:
         budget = int(self.config.kv_cache_memory_gb * (1 << 30))
         if torch.cuda.is_available() and self.model.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.model.device)
-            budget = int(free * 0.8)
+            budget = int(free * self.config.kv_cache_memory_fraction)
         return max(1, budget // per_page)
 
     def ready_info(self) -> WorkerReady:
