@@ -132,14 +132,13 @@ def recompute_layout(prefix, docs, suffix, recomputed: list[set[int]]):
 
 
 @torch.inference_mode()
-def hf_recompute_greedy(
-    model, prefix, docs, suffix, recomputed, max_new: int, eos_ids: set[int]
-) -> list[int]:
-    """Greedy tokens under selective-recompute semantics (full re-forward with a 4-D mask)."""
+def masked_greedy(model, layout, suffix: list[int], max_new: int, eos_ids: set[int]) -> list[int]:
+    """Greedy tokens by full re-forwards with a 4-D mask: layout(suffix + generated) gives
+    (ids, pos, mask, ...) of the whole sequence."""
     model.config._attn_implementation = "sdpa"
     out: list[int] = []
     for _ in range(max_new):
-        ids, pos, mask, _ = recompute_layout(prefix, docs, suffix + out, recomputed)
+        ids, pos, mask = layout(suffix + out)[:3]
         logits = model(
             torch.tensor([ids]), attention_mask=mask[None, None], position_ids=torch.tensor([pos])
         ).logits
@@ -150,11 +149,11 @@ def hf_recompute_greedy(
 
 
 @torch.inference_mode()
-def hf_recompute_kv(model, prefix, docs, suffix, recomputed):
-    """Per layer: {doc: (unrotated K, rotated K, V)} of its recomputed tokens (ascending offsets),
-    each [n, kv_heads, head_dim]. Unrotated K is k_proj's output (families without a k norm)."""
+def masked_kv(model, ids, pos, mask, index: dict[int, list[int]]):
+    """One forward with a 4-D mask; per layer {key: (unrotated K, rotated K, V)} of the positions in
+    index[key] (sequence indices), each [n, kv_heads, head_dim]. Unrotated K is k_proj's output
+    (families without a k norm)."""
     model.config._attn_implementation = "sdpa"
-    ids, pos, mask, rec_index = recompute_layout(prefix, docs, suffix, recomputed)
     raw = []
     hooks = [
         layer.self_attn.k_proj.register_forward_hook(lambda m, i, o: raw.append(o[0]))
@@ -178,6 +177,54 @@ def hf_recompute_kv(model, prefix, docs, suffix, recomputed):
         res.append({
             j: (k_raw[idx].view(len(idx), kvh, hd), cache.keys[0, :, idx].transpose(0, 1),
                 cache.values[0, :, idx].transpose(0, 1))
-            for j, idx in rec_index.items() if idx
+            for j, idx in index.items() if idx
         })
     return res
+
+
+def hf_recompute_greedy(
+    model, prefix, docs, suffix, recomputed, max_new: int, eos_ids: set[int]
+) -> list[int]:
+    """Greedy tokens under selective-recompute semantics (full re-forward with a 4-D mask)."""
+    return masked_greedy(
+        model, lambda sfx: recompute_layout(prefix, docs, sfx, recomputed), suffix, max_new, eos_ids
+    )
+
+
+def hf_recompute_kv(model, prefix, docs, suffix, recomputed):
+    """Per layer: {doc: (unrotated K, rotated K, V)} of its recomputed tokens (ascending offsets)."""
+    return masked_kv(model, *recompute_layout(prefix, docs, suffix, recomputed))
+
+
+def capture_recomputed_kv(engine) -> dict:
+    """rid -> per layer, (start_pos, K, V) of each recomputed run segment as the request finishes."""
+    from lazyrt.runtime.request import RequestState
+
+    snaps: dict = {}
+    orig = engine.scheduler.finish
+
+    def finish(req, reason):
+        if req.state is not RequestState.FINISHED and req.recomputed_pages:
+            own = set(req.recomputed_pages)
+            segs = [s for s in req.segments if s.pages and set(s.pages) <= own]
+            snaps[req.rid] = [
+                [
+                    (
+                        s.start_pos,
+                        kv[s.pages, 0].reshape(-1, *kv.shape[3:])[: s.num_tokens].clone(),
+                        kv[s.pages, 1].reshape(-1, *kv.shape[3:])[: s.num_tokens].clone(),
+                    )
+                    for s in segs
+                ]
+                for kv in engine.pool.kv
+            ]
+        orig(req, reason)
+
+    engine.scheduler.finish = finish
+    return snaps
+
+
+def assert_no_leaked_pages(engine) -> None:
+    s = engine.cache_stats()
+    assert s["held_pages"] == 0
+    assert s["free_pages"] + s["chunk_pages"] + s["radix_pages"] == s["total_pages"]

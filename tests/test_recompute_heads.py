@@ -14,13 +14,12 @@ import random
 import pytest
 import torch
 from conftest import load_hf
-from hf_reference import hf_greedy
+from hf_reference import assert_no_leaked_pages, capture_recomputed_kv, hf_greedy, masked_greedy, masked_kv
 
 from lazyrt import Engine, RagPrompt, SamplingParams
 from lazyrt.cache.page_pool import PagePool
 from lazyrt.config import EngineConfig
 from lazyrt.launch import build_parser, main
-from lazyrt.runtime.request import RequestState
 from lazyrt.runtime.scheduler import Scheduler
 
 PS = 16
@@ -96,87 +95,13 @@ def head_layout(prefix, docs, suffix, heads):
     return ids, pos, mask, head_index
 
 
-@torch.inference_mode()
 def hf_head_greedy(model, prefix, docs, suffix, heads, max_new: int, eos_ids: set[int]) -> list[int]:
-    model.config._attn_implementation = "sdpa"
-    out: list[int] = []
-    for _ in range(max_new):
-        ids, pos, mask, _ = head_layout(prefix, docs, suffix + out, heads)
-        logits = model(
-            torch.tensor([ids]), attention_mask=mask[None, None], position_ids=torch.tensor([pos])
-        ).logits
-        out.append(int(logits[0, -1].argmax()))
-        if out[-1] in eos_ids:
-            break
-    return out
+    return masked_greedy(model, lambda sfx: head_layout(prefix, docs, sfx, heads), suffix, max_new, eos_ids)
 
 
-@torch.inference_mode()
 def hf_head_kv(model, prefix, docs, suffix, heads):
     """Per layer: {doc: (unrotated K, rotated K, V)} of each recomputed head, [h, kv_heads, head_dim]."""
-    model.config._attn_implementation = "sdpa"
-    ids, pos, mask, head_index = head_layout(prefix, docs, suffix, heads)
-    raw = []
-    hooks = [
-        layer.self_attn.k_proj.register_forward_hook(lambda m, i, o: raw.append(o[0]))
-        for layer in model.model.layers
-    ]
-    try:
-        out = model(
-            torch.tensor([ids]),
-            attention_mask=mask[None, None],
-            position_ids=torch.tensor([pos]),
-            use_cache=True,
-        )
-    finally:
-        for h in hooks:
-            h.remove()
-    kvh, hd = model.config.num_key_value_heads, model.config.hidden_size // model.config.num_attention_heads
-    res = []
-    for layer, k_raw in enumerate(raw):
-        cache = out.past_key_values.layers[layer]
-        per_doc = {}
-        for j, idx in head_index.items():
-            if idx:
-                per_doc[j] = (
-                    k_raw[idx].view(len(idx), kvh, hd),
-                    cache.keys[0, :, idx].transpose(0, 1),
-                    cache.values[0, :, idx].transpose(0, 1),
-                )
-        res.append(per_doc)
-    return res
-
-
-def _capture_heads(engine: Engine) -> dict[int, list[list[tuple[int, torch.Tensor, torch.Tensor]]]]:
-    """rid -> per layer, the K/V of each recomputed head segment as the request finishes."""
-    snaps: dict = {}
-    orig = engine.scheduler.finish
-
-    def finish(req, reason):
-        if req.state is not RequestState.FINISHED and req.recomputed_pages:
-            own = set(req.recomputed_pages)
-            segs = [s for s in req.segments if s.pages and set(s.pages) <= own]
-            snaps[req.rid] = [
-                [
-                    (
-                        s.start_pos,
-                        kv[s.pages, 0].reshape(-1, *kv.shape[3:])[: s.num_tokens].clone(),
-                        kv[s.pages, 1].reshape(-1, *kv.shape[3:])[: s.num_tokens].clone(),
-                    )
-                    for s in segs
-                ]
-                for kv in engine.pool.kv
-            ]
-        orig(req, reason)
-
-    engine.scheduler.finish = finish
-    return snaps
-
-
-def _no_leaks(engine: Engine) -> None:
-    s = engine.cache_stats()
-    assert s["held_pages"] == 0
-    assert s["free_pages"] + s["chunk_pages"] + s["radix_pages"] == s["total_pages"]
+    return masked_kv(model, *head_layout(prefix, docs, suffix, heads))
 
 
 def _engine(path, mode, n, **kw):
@@ -200,7 +125,7 @@ def test_off_is_block_attention_as_before(mode, tiny_model_dir):
         # heads of length 0 in the reference layout = plain block attention
         assert out["token_ids"] == hf_head_greedy(hf, prefix, d, suffix, [0] * 4, 8, engine.eos_ids)
     assert out["meta"]["cached_tokens"] == len(prefix) + sum(map(len, docs))
-    _no_leaks(engine)
+    assert_no_leaked_pages(engine)
 
 
 # (b) the head pages hold in-context K/V; the chunks are untouched -----------------------------------
@@ -210,7 +135,7 @@ def test_head_pages_hold_in_context_kv(mode, n_pages, tiny_model_dir):
     path = tiny_model_dir("llama")
     hf = load_hf(path)
     engine = _engine(path, mode, n_pages)
-    snaps = _capture_heads(engine)
+    snaps = capture_recomputed_kv(engine)
     rng = random.Random()
     prefix, docs, suffix = _prompt(rng, engine.model_config.vocab_size, lo=5, hi=70)
     heads = head_lens(docs, n_pages)
@@ -247,7 +172,7 @@ def test_head_pages_hold_in_context_kv(mode, n_pages, tiny_model_dir):
         for before, kv in zip(chunk_kv[c.key], engine.pool.kv):
             assert torch.equal(before, kv[c.pages])
     assert first["token_ids"] == hf_head_greedy(hf, prefix, docs, suffix, heads, 8, engine.eos_ids)
-    _no_leaks(engine)
+    assert_no_leaked_pages(engine)
 
 
 # (c) lazy = block, both = the reference --------------------------------------------------------------
@@ -265,8 +190,8 @@ def test_lazy_and_block_with_heads_agree_with_reference(family, tiny_model_dir):
         assert a["token_ids"] == b["token_ids"]
         ref = hf_head_greedy(hf, prefix, docs, suffix, head_lens(docs, 1), 8, lazy.eos_ids)
         assert a["token_ids"] == ref
-    _no_leaks(lazy)
-    _no_leaks(block)
+    assert_no_leaked_pages(lazy)
+    assert_no_leaked_pages(block)
 
 
 # (d) heads covering whole docs = full attention --------------------------------------------------------
@@ -285,7 +210,7 @@ def test_whole_doc_heads_equal_full_attention(mode, tiny_model_dir):
         ref = none.generate(RagPrompt(prefix, docs, suffix), sp)[0]
         assert out["token_ids"] == ref["token_ids"]
         assert out["token_ids"] == hf_greedy(hf, prefix + sum(docs, []) + suffix, 10, engine.eos_ids)
-    _no_leaks(engine)
+    assert_no_leaked_pages(engine)
 
 
 # (e) page accounting ---------------------------------------------------------------------------------
@@ -309,7 +234,7 @@ def test_reservation_matches_pages_used(mode, tiny_model_dir):
     assert used == [engine.scheduler.worst_case_pages(req)]
     heads = sum(-(-h // PS) for h in head_lens(docs, 1))
     assert heads > 0 and len(req.recomputed_pages) == 0  # released at finish
-    _no_leaks(engine)
+    assert_no_leaked_pages(engine)
 
 
 @pytest.mark.parametrize("mode", ["lazy", "block"])
@@ -340,13 +265,13 @@ def test_tight_budget_no_leaks_and_same_tokens(mode, tiny_model_dir):
             )
     sp = SamplingParams(max_tokens=6)
     outs = engine.generate(prompts, sp)
-    _no_leaks(engine)
+    assert_no_leaked_pages(engine)
     assert engine.scheduler.chunks.stats.evictions > 0
     ref = _engine(path, mode, 1)
     for p, out in zip(prompts, outs):
         ref.flush_cache()
         assert out["token_ids"] == ref.generate(p, sp)[0]["token_ids"]
-    _no_leaks(ref)
+    assert_no_leaked_pages(ref)
 
 
 # (f) bad values ----------------------------------------------------------------------------------------
@@ -384,4 +309,4 @@ def test_small_step_budget_splits_suffix_after_heads(mode, tiny_model_dir):
     outs = small.generate(prompts, GREEDY)
     for p, out in zip(prompts, outs):
         assert out["token_ids"] == roomy.generate(p, GREEDY)[0]["token_ids"]
-    _no_leaks(small)
+    assert_no_leaked_pages(small)

@@ -17,14 +17,19 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import load_hf
-from hf_reference import hf_greedy, hf_recompute_greedy, hf_recompute_kv
+from hf_reference import (
+    assert_no_leaked_pages,
+    capture_recomputed_kv,
+    hf_greedy,
+    hf_recompute_greedy,
+    hf_recompute_kv,
+)
 
 from lazyrt import Engine, RagPrompt, SamplingParams
 from lazyrt.cache.page_pool import PagePool
 from lazyrt.config import EngineConfig
 from lazyrt.launch import build_parser, main
 from lazyrt.runtime.recompute import page_budget, page_runs, question_page_scores, select_pages
-from lazyrt.runtime.request import RequestState
 from lazyrt.runtime.scheduler import Scheduler
 
 PS = 16
@@ -58,38 +63,6 @@ def _inject(engine: Engine, by_doc: dict[tuple[int, ...], list[int]]) -> None:
     sched.recompute_selection = selection
 
 
-def _capture(engine: Engine) -> dict:
-    """rid -> per layer, (start_pos, K, V) of each recomputed run segment as the request finishes."""
-    snaps: dict = {}
-    orig = engine.scheduler.finish
-
-    def finish(req, reason):
-        if req.state is not RequestState.FINISHED and req.recomputed_pages:
-            own = set(req.recomputed_pages)
-            segs = [s for s in req.segments if s.pages and set(s.pages) <= own]
-            snaps[req.rid] = [
-                [
-                    (
-                        s.start_pos,
-                        kv[s.pages, 0].reshape(-1, *kv.shape[3:])[: s.num_tokens].clone(),
-                        kv[s.pages, 1].reshape(-1, *kv.shape[3:])[: s.num_tokens].clone(),
-                    )
-                    for s in segs
-                ]
-                for kv in engine.pool.kv
-            ]
-        orig(req, reason)
-
-    engine.scheduler.finish = finish
-    return snaps
-
-
-def _no_leaks(engine: Engine) -> None:
-    s = engine.cache_stats()
-    assert s["held_pages"] == 0
-    assert s["free_pages"] + s["chunk_pages"] + s["radix_pages"] == s["total_pages"]
-
-
 def _engine(path, mode: str, **kw) -> Engine:
     return Engine(path, device="cpu", cache_mode=mode, kv_cache_tokens=8192, **kw)
 
@@ -103,7 +76,7 @@ def test_random_page_runs_match_reference(mode, tiny_model_dir):
     path = tiny_model_dir("llama")
     hf = load_hf(path)
     engine = _engine(path, mode)
-    snaps = _capture(engine)
+    snaps = capture_recomputed_kv(engine)
     rng = random.Random()
     prefix, docs, suffix = _prompt(rng, engine.model_config.vocab_size, lo=20, hi=90)
     pages = {}
@@ -146,7 +119,7 @@ def test_random_page_runs_match_reference(mode, tiny_model_dir):
     for c in engine.scheduler.chunks:
         for before, kv in zip(chunk_kv[c.key], engine.pool.kv):
             assert torch.equal(before, kv[c.pages])
-    _no_leaks(engine)
+    assert_no_leaked_pages(engine)
 
 
 @pytest.mark.parametrize("family", ["llama3", "qwen3"])
@@ -173,8 +146,8 @@ def test_question_policy_matches_reference_lazy_equals_block(family, tiny_model_
         assert sum(map(len, sel)) > 0
         rec = [_offsets(d, s) for d, s in zip(docs, sel)]
         assert a["token_ids"] == hf_recompute_greedy(hf, prefix, docs, suffix, rec, 6, lazy.eos_ids)
-    _no_leaks(lazy)
-    _no_leaks(block)
+    assert_no_leaked_pages(lazy)
+    assert_no_leaked_pages(block)
 
 
 @pytest.mark.parametrize("mode", ["lazy", "block"])
@@ -199,7 +172,7 @@ def test_every_page_selected_equals_none_mode(mode, tiny_model_dir):
             out = e.generate(RagPrompt(prefix, docs, suffix), sp)[0]
             assert out["token_ids"] == ref
     for e in engines:
-        _no_leaks(e)
+        assert_no_leaked_pages(e)
 
 
 @pytest.mark.parametrize("mode", ["lazy", "block"])
@@ -234,13 +207,13 @@ def test_tight_budget_no_leaks_same_tokens(mode, tiny_model_dir):
 
     engine.scheduler.finish = finish
     outs = engine.generate(prompts, sp)
-    _no_leaks(engine)
+    assert_no_leaked_pages(engine)
     assert engine.scheduler.chunks.stats.evictions > 0
     assert used and all(used)
     ref = _engine(path, mode, **kw)
     for p, out in zip(prompts, outs):
         assert out["token_ids"] == ref.generate(p, sp)[0]["token_ids"]
-    _no_leaks(ref)
+    assert_no_leaked_pages(ref)
 
 
 @pytest.mark.parametrize("mode", ["lazy", "block"])
@@ -276,7 +249,7 @@ def test_large_recompute_goes_in_budget_sized_pieces(mode, tiny_model_dir):
     assert max(sizes) <= 25  # budget 24 (+1: a step with no room still makes progress)
     for p, out in zip(prompts, outs):
         assert out["token_ids"] == roomy.generate(p, sp)[0]["token_ids"]
-    _no_leaks(small)
+    assert_no_leaked_pages(small)
 
 
 def _chunk_pages(engine: Engine, req) -> int:
@@ -303,7 +276,7 @@ def test_question_scores_are_idf_weighted():
 def test_question_policy_picks_best_pages_within_budget():
     ps = 4
     rng = random.Random()
-    docs = [[rng.randrange(1000, 2000) for _ in range(rng.randint(1, 30))] for _ in range(5)]
+    docs = [[rng.randrange(1000, 2000) for _ in range(rng.randint(8, 30))] for _ in range(5)]
     question = [5, 6, 7]
     docs[0][0] = 5  # the first doc is never recomputed, whatever it holds
     docs[2][5] = 5
