@@ -38,8 +38,10 @@ def test_torch_ops_match_formulas():
     assert isinstance(layer_ops_for(torch.device("cpu"), torch.float32), TorchLayerOps)
 
 
-def test_fused_projections_same_tokens():
-    eng = Engine(model="tiny-llama", load_format="dummy", device="cpu", kv_cache_tokens=4096, seed=7)
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_fused_projections_same_tokens(family, tiny_model_dir):
+    """Fusing q/k/v (+ biases: qwen2) and gate/up changes no greedy token (fp32, CPU)."""
+    eng = Engine(tiny_model_dir(family), device="cpu", kv_cache_tokens=4096)
     g = torch.Generator().manual_seed(torch.seed() % (1 << 31))
     prompts = [torch.randint(5, 500, (int(n),), generator=g).tolist() for n in torch.randint(3, 40, (4,))]
     sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -50,6 +52,7 @@ def test_fused_projections_same_tokens():
     model._fuse_projections()
     assert "model.layers.0.self_attn.q_proj.weight" not in w and "model.layers.0.mlp.up_proj.weight" not in w
     assert torch.equal(w["model.layers.0.self_attn.qkv_proj.weight"][: q.shape[0]], q)
+    assert ("model.layers.0.self_attn.qkv_proj.bias" in w) == model.config.attention_bias
     eng.flush_cache()
     after = [o["token_ids"] for o in eng.generate(prompts, sp)]
     assert after == before
