@@ -8,6 +8,9 @@ generate(max_tokens=1): with chunked prefill, early requests decode beside later
 pieces, so that difference mostly timed mixed prefill steps.)
 
 GPU:  python benchmarks/decode_roofline.py                      (llama-3.1-8b, dummy bf16, cuda)
+      python benchmarks/decode_roofline.py --cache-mode lazy --context 10256 --batches 1 4 16 64
+          (RAG prompts: 5 of 100 shared 2,048-token docs + a 16-token question; the roofline still
+          counts every request's full KV read, so L2 reuse of shared pages can push it above 1)
 CPU smoke:  python benchmarks/decode_roofline.py --model tiny-llama --device cpu --batches 1 2 \
               --context 32 --steps 4
 """
@@ -20,6 +23,8 @@ import json
 import time
 
 import torch
+
+QUESTION_TOKENS = 16  # lazy/block prompts: docs + a question of this many tokens
 
 
 def copy_bandwidth(device: str, mb: int = 1024) -> float:
@@ -43,12 +48,19 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def decode_headroom(prompts: list[list[int]]) -> int:
+def prompt_len(p) -> int:
+    """Tokens of a plain prompt (token ids) or of a RagPrompt with token-id parts."""
+    if isinstance(p, list):
+        return len(p)
+    return len(p.prefix) + sum(len(d) for d in p.docs) + len(p.suffix)
+
+
+def decode_headroom(prompts: list) -> int:
     """Output tokens a request may make before the last prompt is prefilled (>= 256 tokens a step)."""
-    return sum(len(p) for p in prompts) // 256 + 8
+    return sum(prompt_len(p) for p in prompts) // 256 + 8
 
 
-def decode_step_seconds(eng, prompts: list[list[int]], steps: int, around_steps=None) -> float:
+def decode_step_seconds(eng, prompts: list, steps: int, around_steps=None) -> float:
     """Wall seconds per pure decode step: prefill every prompt first (stepping the engine core until
     each request has its first token), then time `steps` more steps, in which every request decodes.
     around_steps: optional context-manager factory wrapped around the timed steps (a profiler)."""
@@ -91,22 +103,31 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     p.add_argument("--context", type=int, default=10368, help="prompt tokens a request (5 x 2048 + 128)")
     p.add_argument("--steps", type=int, default=32, help="decode steps timed")
+    p.add_argument("--cache-mode", default="none", help="none: plain prompts; lazy/block: RAG prompts")
+    p.add_argument("--docs-per-request", type=int, default=5, help="lazy/block: documents a request")
+    p.add_argument("--pool-docs", type=int, default=100, help="lazy/block: documents to draw them from")
     p.add_argument("--copy-mb", type=int, default=1024)
     p.add_argument("--out", default=None, help="JSON lines, appended")
     args = p.parse_args(argv)
 
-    from lazyrt import Engine
+    from lazyrt import Engine, RagPrompt
 
     max_b = max(args.batches)
+    rag = args.cache_mode in ("lazy", "block")
+    doc_tokens = (args.context - QUESTION_TOKENS) // args.docs_per_request if rag else 0
     headroom = decode_headroom([[0] * args.context] * max_b)
+    # lazy keeps each pool document once and a request owns only its question + outputs; block
+    # also copies its documents per request; none holds a full context per request
+    shared = args.pool_docs * (doc_tokens + 16) if rag else 0
+    own = QUESTION_TOKENS if args.cache_mode == "lazy" else args.context
     eng = Engine(
         model=None if args.model == "default" else args.model,
         device=args.device,
         dtype=args.dtype,
         load_format=args.load_format,
-        cache_mode="none",
+        cache_mode=args.cache_mode,
         max_running_requests=max_b,
-        kv_cache_tokens=max_b * (args.context + args.steps + 16 + headroom),
+        kv_cache_tokens=shared + max_b * (own + args.steps + 16 + headroom),
     )
     cfg = eng.model_config
     dev = str(eng.model.device)
@@ -120,8 +141,16 @@ def main(argv=None) -> list[dict]:
     gen = torch.Generator().manual_seed(0)
     vocab = min(cfg.vocab_size, 32000)
 
-    def prompts(b: int) -> list[list[int]]:
-        return [torch.randint(100, vocab, (args.context,), generator=gen).tolist() for _ in range(b)]
+    def rand(n: int) -> list[int]:
+        return torch.randint(100, vocab, (n,), generator=gen).tolist()
+
+    pool = [rand(doc_tokens) for _ in range(args.pool_docs)] if rag else []
+
+    def prompts(b: int) -> list:
+        if not rag:
+            return [rand(args.context) for _ in range(b)]
+        pick = torch.randint(0, len(pool), (b, args.docs_per_request), generator=gen).tolist()
+        return [RagPrompt([], [pool[i] for i in row], rand(QUESTION_TOKENS)) for row in pick]
 
     decode_step_seconds(eng, prompts(min(args.batches)), 4)  # warm-up (compiles, graphs)
     rows = []
@@ -138,6 +167,7 @@ def main(argv=None) -> list[dict]:
             "efficiency": roof / step,
             "tokens_per_s": b / step,
             "context": args.context,
+            "cache_mode": args.cache_mode,
             "model": args.model,
             "device": dev,
             "copy_bw_tbs": bw / 1e12,
