@@ -189,6 +189,21 @@ def main() -> None:
             print(f"{kind} B={B} FI={fi_us and round(fi_us, 1)} | {top}")
 
 
+def flashinfer_us(fi, workspace, bench, lay, meta, q, q_len: int) -> float:
+    """FlashInfer without RoPE on the same pages: batch decode (q_len 1) or causal paged prefill."""
+    last = torch.full((meta.kv_indptr.numel() - 1,), PAGE, dtype=torch.int32, device=DEV)  # full pages
+    if q_len == 1:
+        w = fi.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True)
+        w.plan(meta.kv_indptr, lay.indices, last, Q_HEADS, KV_HEADS, HEAD_DIM, PAGE,
+               pos_encoding_mode="NONE", q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+    else:
+        w = fi.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+        w.plan(meta.qo_indptr, meta.kv_indptr, lay.indices, last, Q_HEADS, KV_HEADS, HEAD_DIM, PAGE,
+               causal=True, pos_encoding_mode="NONE", q_data_type=torch.bfloat16,
+               kv_data_type=torch.bfloat16)
+    return bench(functools.partial(w.run, q, lay.kv))
+
+
 def sweep_extend_batch(B, default, variants, gen, rope, scale, fi, workspace, bench, results,
                        deadline=None) -> None:
     dev = DEV
@@ -202,12 +217,7 @@ def sweep_extend_batch(B, default, variants, gen, rope, scale, fi, workspace, be
     ref = f()
     fi_us = None
     if fi is not None:
-        last = torch.full((B,), PAGE, dtype=torch.int32, device=dev)
-        pre = fi.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
-        pre.plan(meta.qo_indptr, meta.kv_indptr, lay.indices, last, Q_HEADS, KV_HEADS, HEAD_DIM, PAGE,
-                 causal=True, pos_encoding_mode="NONE", q_data_type=torch.bfloat16,
-                 kv_data_type=torch.bfloat16)
-        fi_us = bench(functools.partial(pre.run, qp, lay.kv))
+        fi_us = flashinfer_us(fi, workspace, bench, lay, meta, qp, QUESTION)
         print(f"FI prefill B={B}: {fi_us:.1f}us", flush=True)
     us0 = bench(f)
     meta.rotate_keys = False  # same kernel and pages, keys taken as stored: what rotation costs
@@ -261,11 +271,7 @@ def sweep_decode_flags(B, gen, rope, scale, fi, workspace, bench, results) -> No
     ref = f()
     fi_us = None
     if fi is not None:
-        last = torch.full((B,), PAGE, dtype=torch.int32, device=DEV)
-        dec = fi.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True)
-        dec.plan(meta.kv_indptr, lay.indices, last, Q_HEADS, KV_HEADS, HEAD_DIM, PAGE,
-                 pos_encoding_mode="NONE", q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
-        fi_us = bench(functools.partial(dec.run, q, lay.kv))
+        fi_us = flashinfer_us(fi, workspace, bench, lay, meta, q, 1)
         print(f"FI decode B={B}: {fi_us:.1f}us", flush=True)
     saved = ta.DECODE_SCAN, ta.DECODE_ROT_LOWP
     for var in DECODE_FLAGS:
@@ -314,17 +320,7 @@ def sweep_rot(B, q_len, gen, rope, scale, fi, workspace, bench, results, rounds=
         print(f"{kind} B={B} committed default err vs fp32 ref {rel_err(default_out, ref):.1e}", flush=True)
     fi_us = None
     if fi is not None:
-        last = torch.full((B,), PAGE, dtype=torch.int32, device=DEV)
-        if q_len == 1:
-            w = fi.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True)
-            w.plan(meta.kv_indptr, lay.indices, last, Q_HEADS, KV_HEADS, HEAD_DIM, PAGE,
-                   pos_encoding_mode="NONE", q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
-        else:
-            w = fi.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
-            w.plan(meta.qo_indptr, meta.kv_indptr, lay.indices, last, Q_HEADS, KV_HEADS, HEAD_DIM, PAGE,
-                   causal=True, pos_encoding_mode="NONE", q_data_type=torch.bfloat16,
-                   kv_data_type=torch.bfloat16)
-        fi_us = bench(functools.partial(w.run, q, lay.kv))
+        fi_us = flashinfer_us(fi, workspace, bench, lay, meta, q, q_len)
     errs: dict = {"default": (rel_err(default_out, ref) if ref is not None else None, 0.0)}
     ta.DECODE_ANGLE_MAX_GRID = 1 << 30  # explicit variants: angle addition at every grid size
     for var in ROT_VARIANTS:
@@ -404,11 +400,7 @@ def sweep_decode_batch(B, gen, rope, scale, fi, workspace, bench, results, deadl
     ref = f0()
     fi_us = None
     if fi is not None:
-        last = torch.full((B,), PAGE, dtype=torch.int32, device=dev)
-        dec = fi.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True)
-        dec.plan(meta.kv_indptr, lay.indices, last, Q_HEADS, KV_HEADS, HEAD_DIM, PAGE,
-                 pos_encoding_mode="NONE", q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
-        fi_us = bench(functools.partial(dec.run, q, lay.kv))
+        fi_us = flashinfer_us(fi, workspace, bench, lay, meta, q, 1)
         print(f"FI decode B={B}: {fi_us:.1f}us", flush=True)
     us0 = bench(f0)
     print(f"DEC B={B} default: {us0:.1f}us x{us0 / fi_us if fi_us else 0:.2f}", flush=True)
