@@ -21,6 +21,8 @@ import sys
 from dataclasses import dataclass
 
 import torch
+import triton
+import triton.language as tl
 
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 
@@ -224,6 +226,8 @@ def bench_batch(B: int, gen, rope, scale, fi, workspace, bench) -> dict:
         )
         row["flashinfer_prefill_us"] = bench(lambda: pre.run(qp, lay.kv))
         row["prefill_ratio"] = row["lazy_prefill_us"] / row["flashinfer_prefill_us"]
+        row.update(query_rotation_prefill(fi, lay, stored, rope, scale, bench, gen))
+        row["qrot_prefill_ratio"] = row["qrot_prefill_us"] / row["flashinfer_prefill_us"]
     return row
 
 
@@ -325,6 +329,119 @@ def query_rotation_decode(fi, workspace, lay: Layout, stored, q_raw, rope, scale
     return {"qrot_decode_us": bench(run), "qrot_rel_err_vs_lazy": rel_err(out, ref)}
 
 
+@triton.jit
+def _rope_gather_kernel(
+    x_ptr, y_ptr, src_ptr, pos_ptr, cos_ptr, sin_ptr, stride_xt, stride_yt, stride_cos,
+    HEADS: tl.constexpr, HALF: tl.constexpr,
+):
+    """y[i] = RoPE(x[src[i]], pos[i]): the per-chunk query copies in one pass over q."""
+    i = tl.program_id(0)
+    h = tl.arange(0, HEADS)[:, None] * (2 * HALF)
+    c = tl.arange(0, HALF)[None, :]
+    src = tl.load(src_ptr + i).to(tl.int64)
+    pos = tl.load(pos_ptr + i)
+    cos = tl.load(cos_ptr + pos * stride_cos + c)
+    sin = tl.load(sin_ptr + pos * stride_cos + c)
+    x = x_ptr + src * stride_xt + h + c
+    x1 = tl.load(x).to(tl.float32)
+    x2 = tl.load(x + HALF).to(tl.float32)
+    y = y_ptr + i.to(tl.int64) * stride_yt + h + c
+    tl.store(y, (x1 * cos - x2 * sin).to(y_ptr.dtype.element_ty))
+    tl.store(y + HALF, (x2 * cos + x1 * sin).to(y_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _merge_chunk_states_kernel(
+    oc_ptr, lc_ptr, oq_ptr, lq_ptr, out_ptr, q_len,
+    CHUNKS_C: tl.constexpr, HEADS: tl.constexpr, D: tl.constexpr,
+):
+    """Token row i = (request r, token t): merge the question state (row i of oq / lq) with the
+    CHUNKS_C chunk states (rows (r * CHUNKS_C + c) * q_len + t of oc / lc); FlashInfer LSE is log2."""
+    i = tl.program_id(0)
+    r = i // q_len
+    t = i % q_len
+    h = tl.arange(0, HEADS)
+    hd = h[:, None] * D + tl.arange(0, D)[None, :]
+    m = tl.load(lq_ptr + i * HEADS + h)
+    acc = tl.load(oq_ptr + i.to(tl.int64) * HEADS * D + hd).to(tl.float32)
+    w = tl.full([HEADS], 1.0, tl.float32)
+    for c in tl.static_range(CHUNKS_C):
+        row = ((r * CHUNKS_C + c) * q_len + t).to(tl.int64)
+        lse = tl.load(lc_ptr + row * HEADS + h)
+        o = tl.load(oc_ptr + row * HEADS * D + hd).to(tl.float32)
+        m_new = tl.maximum(m, lse)
+        a = tl.math.exp2(m - m_new)
+        bw = tl.math.exp2(lse - m_new)
+        acc = acc * a[:, None] + o * bw[:, None]
+        w = w * a + bw
+        m = m_new
+    tl.store(out_ptr + i.to(tl.int64) * HEADS * D + hd, (acc / w[:, None]).to(out_ptr.dtype.element_ty))
+
+
+def query_rotation_prefill(fi, lay: Layout, stored, rope, scale, bench, gen) -> dict:
+    """Prefill of the question in the query-rotation design, on FlashInfer's prefill core: keys
+    stored rotated at chunk-local positions (question keys at their own positions); one pass writes
+    the query rotated for each chunk (to position - chunk offset + local start) and at its own
+    positions; FlashInfer paged prefill runs the (request, chunk) sub-sequences non-causally and the
+    question causally, returning LSEs; one kernel merges the 6 states a token. Checked against the
+    lazy kernel on the same inputs."""
+    from lazyrt.kernels.triton_attention import lazy_attention_triton
+
+    B, ppr, dev = lay.batch, lay.pages_per_req, lay.kv.device
+    cpages, qpages, T = CHUNK_TOKENS // PAGE, QUESTION // PAGE, QUESTION
+    q_raw = torch.randn(B * T, Q_HEADS, HEAD_DIM, generator=gen, device=dev, dtype=torch.bfloat16)
+    qpos = torch.arange(CHUNKS * CHUNK_TOKENS, CHUNKS * CHUNK_TOKENS + T, device=dev)
+    r_idx = torch.arange(B, device=dev)
+    shift = torch.tensor([lay.chunk_start[c] - lay.local_start for c in range(CHUNKS)], device=dev)
+    # rows (r, c, t) for the chunk copies, then (r, t) for the question
+    src = torch.cat([
+        (r_idx[:, None, None] * T + torch.arange(T, device=dev)).expand(B, CHUNKS, T).flatten(),
+        torch.arange(B * T, device=dev),
+    ]).int()
+    pos = torch.cat([
+        (qpos[None, None, :] - shift[None, :, None]).expand(B, CHUNKS, T).flatten(),
+        qpos.repeat(B),
+    ]).int()
+    n_c = B * CHUNKS * T
+    q_all = torch.empty(src.numel(), Q_HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16)
+    idx = lay.indices.view(B, ppr)
+
+    def plan(n_seq, q_per, pages_per, indices, causal):
+        ws = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+        w = fi.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
+        w.plan(
+            torch.arange(0, n_seq * q_per + 1, q_per, dtype=torch.int32, device=dev),
+            torch.arange(0, n_seq * pages_per + 1, pages_per, dtype=torch.int32, device=dev),
+            indices.contiguous(),
+            torch.full((n_seq,), PAGE, dtype=torch.int32, device=dev),
+            Q_HEADS, KV_HEADS, HEAD_DIM, PAGE,
+            causal=causal, pos_encoding_mode="NONE", q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16,
+        )
+        return w
+
+    pre_c = plan(B * CHUNKS, T, cpages, idx[:, : CHUNKS * cpages].reshape(-1), False)
+    pre_q = plan(B, T, qpages, idx[:, CHUNKS * cpages :].reshape(-1), True)
+    out = torch.empty(B * T, Q_HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16)
+
+    def run():
+        _rope_gather_kernel[(src.numel(),)](
+            q_raw, q_all, src, pos, rope.cos, rope.sin, q_raw.stride(0), q_all.stride(0), rope.cos.stride(0),
+            HEADS=Q_HEADS, HALF=HEAD_DIM // 2, num_warps=4,
+        )
+        oc, lc = pre_c.run(q_all[:n_c], stored, return_lse=True)
+        oq, lq = pre_q.run(q_all[n_c:], stored, return_lse=True)
+        _merge_chunk_states_kernel[(B * T,)](
+            oc, lc, oq, lq, out, T, CHUNKS_C=CHUNKS, HEADS=Q_HEADS, D=HEAD_DIM, num_warps=4
+        )
+        return out
+
+    got = run().clone()
+    meta = lazy_meta(lay, T)
+    q_abs = apply_rope_ref(q_raw.float(), meta.positions, rope).to(torch.bfloat16)
+    ref = lazy_attention_triton(q_abs, lay.kv, meta, rope, scale, max_q_len=T, max_kv_entries=ppr)
+    return {"qrot_prefill_us": bench(run), "qrot_prefill_rel_err_vs_lazy": rel_err(got, ref)}
+
+
 def sweep_extend(batches, gen, rope, scale, bench) -> None:
     from lazyrt.kernels import triton_attention as ta
 
@@ -377,6 +494,8 @@ def print_table(results: list[dict]) -> None:
         "lazy_prefill_us",
         "flashinfer_prefill_us",
         "prefill_ratio",
+        "qrot_prefill_us",
+        "qrot_prefill_ratio",
     ]
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
