@@ -236,6 +236,7 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--out", default=None, help="write results as JSON here")
     ap.add_argument("--skip-flashinfer", action="store_true")
+    ap.add_argument("--qrot-only", action="store_true", help="only the query-rotation prefill breakdown")
     ap.add_argument("--sweep-extend", action="store_true", help="time lazy prefill over extend tile settings")
     args = ap.parse_args()
 
@@ -266,6 +267,16 @@ def main() -> None:
             print(f"no graph capture ({type(e).__name__}: {e}); timing eagerly", file=sys.stderr)
             return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1000.0
 
+    if args.qrot_only:  # the query-rotation prefill and FlashInfer's prefill only
+        for B in args.batches:
+            row = qrot_only_row(B, gen, rope, scale, fi, workspace, bench)
+            print(json.dumps(row), flush=True)
+            results.append(row)
+            torch.cuda.empty_cache()
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(), "results": results}, f, indent=1)
+        return
     if args.sweep_extend:
         sweep_extend(args.batches, gen, rope, scale, bench)
         return
@@ -279,6 +290,25 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "results": results}, f, indent=1)
+
+
+def qrot_only_row(B: int, gen, rope, scale, fi, workspace, bench) -> dict:
+    """FlashInfer paged prefill of the question and the query-rotation prefill (with its breakdown)."""
+    dev = "cuda"
+    lay = build_layout(B, dev, gen)
+    meta_p = lazy_meta(lay, QUESTION)
+    qp = torch.randn(B * QUESTION, Q_HEADS, HEAD_DIM, generator=gen, device=dev, dtype=torch.bfloat16)
+    pre = fi.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+    pre.plan(
+        meta_p.qo_indptr, meta_p.kv_indptr, lay.indices,
+        torch.full((B,), PAGE, dtype=torch.int32, device=dev),
+        Q_HEADS, KV_HEADS, HEAD_DIM, PAGE, causal=True, pos_encoding_mode="NONE",
+        q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16,
+    )  # fmt: skip
+    row = {"batch": B, "flashinfer_prefill_us": bench(lambda: pre.run(qp, lay.kv))}
+    row.update(query_rotation_prefill(fi, lay, rotate_at_local_positions(lay, rope), rope, scale, bench, gen))
+    row["qrot_prefill_ratio"] = row["qrot_prefill_us"] / row["flashinfer_prefill_us"]
+    return row
 
 
 def query_rotation_decode(fi, workspace, lay: Layout, stored, q_raw, rope, scale, bench) -> dict:
@@ -406,9 +436,9 @@ def query_rotation_prefill(fi, lay: Layout, stored, rope, scale, bench, gen) -> 
     q_all = torch.empty(src.numel(), Q_HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16)
     idx = lay.indices.view(B, ppr)
 
-    def plan(n_seq, q_per, pages_per, indices, causal):
+    def plan(n_seq, q_per, pages_per, indices, causal, backend="auto"):
         ws = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
-        w = fi.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
+        w = fi.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=backend)
         w.plan(
             torch.arange(0, n_seq * q_per + 1, q_per, dtype=torch.int32, device=dev),
             torch.arange(0, n_seq * pages_per + 1, pages_per, dtype=torch.int32, device=dev),
@@ -423,23 +453,43 @@ def query_rotation_prefill(fi, lay: Layout, stored, rope, scale, bench, gen) -> 
     pre_q = plan(B, T, qpages, idx[:, CHUNKS * cpages :].reshape(-1), True)
     out = torch.empty(B * T, Q_HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16)
 
-    def run():
+    def rotate():
         _rope_gather_kernel[(src.numel(),)](
             q_raw, q_all, src, pos, rope.cos, rope.sin, q_raw.stride(0), q_all.stride(0), rope.cos.stride(0),
             HEADS=Q_HEADS, HALF=HEAD_DIM // 2, num_warps=4,
         )
-        oc, lc = pre_c.run(q_all[:n_c], stored, return_lse=True)
-        oq, lq = pre_q.run(q_all[n_c:], stored, return_lse=True)
+
+    def merge(oc, lc, oq, lq):
         _merge_chunk_states_kernel[(B * T,)](
             oc, lc, oq, lq, out, T, CHUNKS_C=CHUNKS, HEADS=Q_HEADS, D=HEAD_DIM, num_warps=4
         )
+
+    def run():
+        rotate()
+        oc, lc = pre_c.run(q_all[:n_c], stored, return_lse=True)
+        oq, lq = pre_q.run(q_all[n_c:], stored, return_lse=True)
+        merge(oc, lc, oq, lq)
         return out
 
     got = run().clone()
     meta = lazy_meta(lay, T)
     q_abs = apply_rope_ref(q_raw.float(), meta.positions, rope).to(torch.bfloat16)
     ref = lazy_attention_triton(q_abs, lay.kv, meta, rope, scale, max_q_len=T, max_kv_entries=ppr)
-    return {"qrot_prefill_us": bench(run), "qrot_prefill_rel_err_vs_lazy": rel_err(got, ref)}
+    row = {"qrot_prefill_us": bench(run), "qrot_prefill_rel_err_vs_lazy": rel_err(got, ref)}
+    # where the time goes: each piece alone
+    oc, lc = pre_c.run(q_all[:n_c], stored, return_lse=True)
+    oq, lq = pre_q.run(q_all[n_c:], stored, return_lse=True)
+    row["qrot_rotate_us"] = bench(rotate)
+    row["qrot_chunks_us"] = bench(lambda: pre_c.run(q_all[:n_c], stored, return_lse=True))
+    row["qrot_question_us"] = bench(lambda: pre_q.run(q_all[n_c:], stored, return_lse=True))
+    row["qrot_merge_us"] = bench(lambda: merge(oc, lc, oq, lq))
+    for backend in ("fa2", "fa3"):
+        try:
+            w = plan(B * CHUNKS, T, cpages, idx[:, : CHUNKS * cpages].reshape(-1), False, backend)
+            row[f"qrot_chunks_{backend}_us"] = bench(lambda w=w: w.run(q_all[:n_c], stored, return_lse=True))
+        except Exception as e:  # noqa: BLE001
+            print(f"{backend}: {type(e).__name__}: {e}", file=sys.stderr)
+    return row
 
 
 def sweep_extend(batches, gen, rope, scale, bench) -> None:
