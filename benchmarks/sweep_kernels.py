@@ -1,16 +1,17 @@
 """On-device sweep of the lazy attention kernel's tiles at the RAG shape, against FlashInfer.
 
     python benchmarks/sweep_kernels.py --batches 1 4 16 64 [--decode-batches 1 4] [--skip-flashinfer]
-        [--extend-set full|ws|slots|bound|rot] [--decode-set tiles|flags|rot] [--budget-s S]
+        [--extend-set full|stages|slots|bound|rot] [--decode-set tiles|flags|rot] [--budget-s S]
         [--then-bench B...]
 
 Extend (the 128-token question over 5 x 2,048 chunk keys): every (rows, keys/step, warps,
-stages, 16-bit rotation, lazy rescale, warp specialization) variant below, timed like
-benchmarks/kernels.py (median CUDA-graph replay) on the same pages as FlashInfer's paged prefill
-without RoPE; each variant is checked against the default variant's output (--extend-set slots:
-split slots per SM instead). Decode (--decode-set tiles): fused / PDL merge, keys/step, splits,
-stages and warps vs FlashInfer decode; --extend-set bound: only the default with and without key
-rotation (the most a design without per-key rotation could gain); (flags): page-table scan x 16-bit rotation.
+stages, 16-bit rotation) variant below, timed like benchmarks/kernels.py (median CUDA-graph
+replay) on the same pages as FlashInfer's paged prefill without RoPE; each variant is checked
+against the default variant's output (--extend-set stages: the committed tiles and a few stage
+counts; slots: split slots per SM instead). Decode (--decode-set tiles): PDL merge, keys/step,
+splits, stages and warps vs FlashInfer decode; (flags): 16-bit rotation math (DECODE_ROT_LOWP 0 / 1 / 2).
+--extend-set bound: only the default with and without key rotation (the most a design without
+per-key rotation could gain).
 --decode-set rot / --extend-set rot: per-key cos/sin gather vs angle addition x 16-bit math (ROT_VARIANTS),
 each with its error vs the fp32 reference, and the same kernel without rotation.
 --then-bench B...: then benchmarks/kernels.py's rows with the best extend and decode-flag choices.
@@ -44,23 +45,21 @@ from lazyrt.kernels.rope import RopeCache  # noqa: E402
 from lazyrt.models.config import ModelConfig  # noqa: E402
 from lazyrt.models.dummy import PRESETS  # noqa: E402
 
-# extend tiles (rows, block_n, warps, stages) x flags (rotate in 16-bit math, lazy-rescale threshold,
-# warp-specialized unmasked loop)
+# extend tiles (rows, block_n, warps, stages) x flags (rotate in 16-bit math)
 EXTEND_TILES = [(128, 32, 4, 2), (256, 64, 8, 2), (128, 128, 8, 2)]
-EXTEND_FLAGS = [(False, 0.0, False), (True, 0.0, False), (False, 8.0, False), (True, 8.0, False)]
-# --extend-set ws: the committed tiles and a few stage counts, with and without warp specialization
-EXTEND_TILES_WS = [(128, 32, 4, 2), (256, 64, 8, 2), (128, 64, 4, 3), (256, 64, 8, 3), (256, 128, 8, 2)]
-EXTEND_FLAGS_WS = [(False, 0.0, False), (False, 0.0, True)]
+EXTEND_FLAGS = [(False,), (True,)]
+# --extend-set stages: the committed tiles and a few stage counts
+EXTEND_TILES_STAGES = [(128, 32, 4, 2), (256, 64, 8, 2), (128, 64, 4, 3), (256, 64, 8, 3), (256, 128, 8, 2)]
+EXTEND_FLAGS_STAGES = [(False,)]
 DECODE_SPLITS = [None, 24, 48, 66]  # None: the kernel's own pick
 DECODE_BLOCK_NS = [32, 64]
 DEV = "cuda"
 
 
-def set_extend(rows, block_n, warps, stages, lowp, lazy, ws=False, large_min=10**9):
+def set_extend(rows, block_n, warps, stages, lowp, large_min=10**9):
     """One explicit tile for every grid size (large_min=10**9 turns the large-grid tile off)."""
     ta.EXTEND_ROWS, ta.EXTEND_BLOCK_N, ta.EXTEND_WARPS, ta.EXTEND_STAGES = rows, block_n, warps, stages
-    ta.EXTEND_ROT_LOWP, ta.EXTEND_LAZY_RESCALE, ta.EXTEND_LARGE_MIN_PER_SM = lowp, lazy, large_min
-    ta.EXTEND_WARP_SPEC = ws
+    ta.EXTEND_ROT_LOWP, ta.EXTEND_LARGE_MIN_PER_SM = lowp, large_min
 
 
 def choose(results) -> tuple:
@@ -89,13 +88,13 @@ def main() -> None:
     ap.add_argument("--decode-batches", type=int, nargs="*", default=[])
     ap.add_argument("--skip-flashinfer", action="store_true")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--extend-set", choices=["full", "ws", "slots", "bound", "rot"], default="full",
-                    help="ws: committed tiles +- stages, with/without warp specialization; slots: the "
-                         "committed small / large tile with 1-4 split slots per SM; rot: key-rotation "
+    ap.add_argument("--extend-set", choices=["full", "stages", "slots", "bound", "rot"], default="full",
+                    help="stages: the committed tiles and a few stage counts; slots: the committed "
+                         "small / large tile with 1-4 split slots per SM; rot: key-rotation "
                          "variants (angle addition x 16-bit math, ROT_VARIANTS)")
     ap.add_argument("--decode-set", choices=["tiles", "flags", "rot"], default="tiles",
-                    help="tiles: fused/PDL merge x keys/step x splits x stages/warps; flags: page-table "
-                         "scan x 16-bit rotation (then-bench applies the best by mean ratio to FlashInfer); "
+                    help="tiles: PDL merge x keys/step x splits x stages/warps; flags: 16-bit "
+                         "rotation math (then-bench applies the best by mean ratio to FlashInfer); "
                          "rot: key-rotation variants as --extend-set rot")
     ap.add_argument("--rounds", type=int, default=2, help="rot sets: timing rounds over all variants")
     ap.add_argument("--budget-s", type=float, default=None, help="stop starting variants after this")
@@ -122,13 +121,13 @@ def main() -> None:
         return triton.testing.do_bench_cudagraph(fn, rep=60, return_mode="median") * 1000.0
 
     global EXTEND_TILES, EXTEND_FLAGS
-    if args.extend_set == "ws":
-        EXTEND_TILES, EXTEND_FLAGS = EXTEND_TILES_WS, EXTEND_FLAGS_WS
+    if args.extend_set == "stages":
+        EXTEND_TILES, EXTEND_FLAGS = EXTEND_TILES_STAGES, EXTEND_FLAGS_STAGES
     variants = [t + f for f in EXTEND_FLAGS for t in EXTEND_TILES] if args.extend_set != "bound" else []
     deadline = time.time() + args.budget_s if args.budget_s else None
-    default = (ta.EXTEND_ROWS, ta.EXTEND_BLOCK_N, ta.EXTEND_WARPS, ta.EXTEND_STAGES, False, 0.0, False)
+    default = (ta.EXTEND_ROWS, ta.EXTEND_BLOCK_N, ta.EXTEND_WARPS, ta.EXTEND_STAGES, False)
     saved = (ta.EXTEND_ROWS, ta.EXTEND_BLOCK_N, ta.EXTEND_WARPS, ta.EXTEND_STAGES, ta.EXTEND_ROT_LOWP,
-             ta.EXTEND_LAZY_RESCALE, ta.EXTEND_WARP_SPEC, ta.EXTEND_LARGE_MIN_PER_SM)
+             ta.EXTEND_LARGE_MIN_PER_SM)
     results: list[dict] = []
     for B in args.decode_batches:
         if args.decode_set == "rot":
@@ -158,16 +157,15 @@ def main() -> None:
 
         dbest = choose_decode(results)
         if dbest is not None:
-            ta.DECODE_SCAN, ta.DECODE_ROT_LOWP = dbest[1]
-            print(f"CHOSEN-DECODE mean ratio {dbest[0]:.3f}: scan={dbest[1][0]} lowp={dbest[1][1]}")
+            ta.DECODE_ROT_LOWP = dbest[1]
+            print(f"CHOSEN-DECODE mean ratio {dbest[0]:.3f}: lowp={dbest[1]}")
         best = choose(results)
         if best is not None:
-            _, (lowp, lazy, ws), small, large = best
+            _, (lowp,), small, large = best
             ta.EXTEND_ROWS, ta.EXTEND_BLOCK_N, ta.EXTEND_WARPS, ta.EXTEND_STAGES = small
             ta.EXTEND_LARGE = large
-            ta.EXTEND_ROT_LOWP, ta.EXTEND_LAZY_RESCALE, ta.EXTEND_WARP_SPEC = lowp, lazy, ws
-            print(f"CHOSEN mean ratio {best[0]:.3f}: small {small} large {large} lowp={lowp} lazy={lazy} "
-                  f"ws={ws}")
+            ta.EXTEND_ROT_LOWP = lowp
+            print(f"CHOSEN mean ratio {best[0]:.3f}: small {small} large {large} lowp={lowp}")
         rows = []
         for B in args.then_bench:
             rows.append(bench_batch(B, gen, rope, scale, fi, workspace, bench))
@@ -178,8 +176,8 @@ def main() -> None:
                 json.dump({"device": torch.cuda.get_device_name(), "chosen": best, "results": rows}, fh,
                           indent=1)
         print_table(rows)
-    print("== best per batch (variant: rows, block_n, warps, stages, lowp, lazy, ws | "
-          "fused, block_n, splits, stages, warps)")
+    print("== best per batch (variant: rows, block_n, warps, stages, lowp | "
+          "pdl, block_n, splits, stages, warps)")
     for kind in ("extend", "decode", "slots", "dflags", "rot_decode", "rot_extend"):  # ext_bound: as they run
         for B in sorted({r["batch"] for r in results if r["kind"] == kind}):
             rs = sorted((r for r in results if r["kind"] == kind and r["batch"] == B), key=lambda r: r["us"])
@@ -245,7 +243,7 @@ def sweep_extend_batch(B, default, variants, gen, rope, scale, fi, workspace, be
     set_extend(*default)
 
 
-DECODE_FLAGS = [(0, False), (128, False), (0, True), (128, True)]  # (DECODE_SCAN, DECODE_ROT_LOWP)
+DECODE_FLAGS = [0, 1, 2]  # DECODE_ROT_LOWP
 
 
 def choose_decode(results):
@@ -254,7 +252,7 @@ def choose_decode(results):
     batches = {r["batch"] for r in rs}
     best = None
     for flags in DECODE_FLAGS:
-        mine = [r["us"] / r["fi_us"] for r in rs if tuple(r["var"]) == flags]
+        mine = [r["us"] / r["fi_us"] for r in rs if r["var"] == flags]
         if mine and len(mine) == len(batches):
             score = sum(mine) / len(mine)
             if best is None or score < best[0]:
@@ -273,9 +271,9 @@ def sweep_decode_flags(B, gen, rope, scale, fi, workspace, bench, results) -> No
     if fi is not None:
         fi_us = flashinfer_us(fi, workspace, bench, lay, meta, q, 1)
         print(f"FI decode B={B}: {fi_us:.1f}us", flush=True)
-    saved = ta.DECODE_SCAN, ta.DECODE_ROT_LOWP
+    saved = ta.DECODE_ROT_LOWP
     for var in DECODE_FLAGS:
-        ta.DECODE_SCAN, ta.DECODE_ROT_LOWP = var
+        ta.DECODE_ROT_LOWP = var
         try:
             err = rel_err(f(), ref)
             us = bench(f)
@@ -284,8 +282,8 @@ def sweep_decode_flags(B, gen, rope, scale, fi, workspace, bench, results) -> No
             continue
         results.append({"kind": "dflags", "batch": B, "var": var, "us": us, "err": err, "fi_us": fi_us})
         ratio = f" x{us / fi_us:.2f}" if fi_us else ""
-        print(f"DFLAGS B={B} scan={var[0]} lowp={var[1]}: {us:.1f}us{ratio} err={err:.1e}", flush=True)
-    ta.DECODE_SCAN, ta.DECODE_ROT_LOWP = saved
+        print(f"DFLAGS B={B} lowp={var}: {us:.1f}us{ratio} err={err:.1e}", flush=True)
+    ta.DECODE_ROT_LOWP = saved
 
 
 # --decode-set / --extend-set rot: (rotation angles, 16-bit math) = (DECODE|EXTEND)_ROT_ANGLE,
@@ -388,7 +386,7 @@ def sweep_extend_slots(B, gen, rope, scale, bench, results, deadline=None) -> No
 
 
 def sweep_decode_batch(B, gen, rope, scale, fi, workspace, bench, results, deadline=None) -> None:
-    """Decode variants (fused merge, keys/step, splits, stages, warps), each checked against the
+    """Decode variants (PDL merge, keys/step, splits, stages, warps), each checked against the
     default's output."""
     dev = DEV
     lay = build_layout(B, dev, gen)
@@ -407,21 +405,18 @@ def sweep_decode_batch(B, gen, rope, scale, fi, workspace, bench, results, deadl
     meta.rotate_keys = False  # same kernel and pages, keys taken as stored: what rotation costs
     print(f"DEC B={B} default, no rotation: {bench(f0):.1f}us", flush=True)
     meta.rotate_keys = True
-    saved = (ta.DECODE_BLOCK_N_WIDE, ta.DECODE_BLOCK_N, ta.DECODE_STAGES, ta.DECODE_WARPS,
-             ta.DECODE_FUSED_MERGE, ta.MERGE_PDL)
-    # (fused merge, PDL merge, keys/step, splits, stages, warps)
-    variants = [(False, pdl, bn, sp, 2, 4) for pdl in (True, False) for bn in DECODE_BLOCK_NS
+    saved = ta.DECODE_BLOCK_N_WIDE, ta.DECODE_BLOCK_N, ta.DECODE_STAGES, ta.DECODE_WARPS, ta.MERGE_PDL
+    # (PDL merge, keys/step, splits, stages, warps)
+    variants = [(pdl, bn, sp, 2, 4) for pdl in (True, False) for bn in DECODE_BLOCK_NS
                 for sp in DECODE_SPLITS]
-    variants += [(False, True, bn, None, st, w) for bn in DECODE_BLOCK_NS
-                 for st, w in ((3, 4), (2, 8), (3, 8))]
-    variants += [(True, False, bn, None, 2, 4) for bn in DECODE_BLOCK_NS]
+    variants += [(True, bn, None, st, w) for bn in DECODE_BLOCK_NS for st, w in ((3, 4), (2, 8), (3, 8))]
     for var in variants:
         if deadline is not None and time.time() > deadline:
             print(f"DEC B={B}: time budget spent", flush=True)
             break
-        fused, pdl, bn, sp, st, w = var
+        pdl, bn, sp, st, w = var
         ta.DECODE_BLOCK_N_WIDE = ta.DECODE_BLOCK_N = bn
-        ta.DECODE_STAGES, ta.DECODE_WARPS, ta.DECODE_FUSED_MERGE, ta.MERGE_PDL = st, w, fused, pdl
+        ta.DECODE_STAGES, ta.DECODE_WARPS, ta.MERGE_PDL = st, w, pdl
         f = functools.partial(f0, num_splits=sp)
         try:
             err = rel_err(f(), ref)
@@ -432,10 +427,9 @@ def sweep_decode_batch(B, gen, rope, scale, fi, workspace, bench, results, deadl
         results.append({"kind": "decode", "batch": B, "var": var, "us": us, "err": err,
                         "fi_us": fi_us, "default_us": us0})
         ratio = f" x{us / fi_us:.2f}" if fi_us else ""
-        print(f"DEC B={B} fused={fused} pdl={pdl} n={bn} splits={sp} stages={st} warps={w}: "
+        print(f"DEC B={B} pdl={pdl} n={bn} splits={sp} stages={st} warps={w}: "
               f"{us:.1f}us{ratio} err={err:.1e}", flush=True)
-    (ta.DECODE_BLOCK_N_WIDE, ta.DECODE_BLOCK_N, ta.DECODE_STAGES, ta.DECODE_WARPS,
-     ta.DECODE_FUSED_MERGE, ta.MERGE_PDL) = saved
+    ta.DECODE_BLOCK_N_WIDE, ta.DECODE_BLOCK_N, ta.DECODE_STAGES, ta.DECODE_WARPS, ta.MERGE_PDL = saved
 
 if __name__ == "__main__":
     main()

@@ -141,24 +141,16 @@ def test_decode(request, group, kv_heads, head_dim, page_size, dtype, rotate, ll
     check_attention(q_lens, group, kv_heads, head_dim, page_size, dtype, rotate, llama3, num_splits)
 
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_decode_split_merge(small_blocks, monkeypatch, fused):
-    # Split-KV merge fused into the split kernel (last-arriving program merges, arrival counters
-    # reset for the next launch) or as its own launch; a merge chunk smaller than the split count
-    # (several merge steps) and repeated calls on the same counters.
-    monkeypatch.setattr(ta, "DECODE_FUSED_MERGE", fused)
-    monkeypatch.setattr(ta, "MERGE_CHUNK", 2)
+def test_decode_split_merge(small_blocks):
+    # Split-KV partials combined by the merge launch, several split counts in a row.
     for splits in (5, 3, 8):
         check_attention([1, 1, 1], 4, 2, 64, 4, torch.float32, True, num_splits=splits, docs=3)
-    if fused:
-        assert all(int(b.abs().sum()) == 0 for b in ta._COUNTERS[torch.device("cpu")])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_decode_scan_lowp(small_blocks, monkeypatch, dtype):
-    # Decode with the page-table scan (unmasked full pages) and 16-bit rotation math; partly filled
-    # pages and shuffled entries keep the masked path in use too.
-    monkeypatch.setattr(ta, "DECODE_SCAN", 8)
+def test_decode_lowp(small_blocks, monkeypatch, dtype):
+    # Decode with 16-bit rotation math (fp32 math for fp32 KV); partly filled and full pages,
+    # shuffled and ordered entries.
     monkeypatch.setattr(ta, "DECODE_ROT_LOWP", True)
     check_attention([1, 1, 1], 4, 2, 64, 4, dtype, True, num_splits=3, docs=3)
     check_attention([1, 1], 4, 1, 64, 8, dtype, True, num_splits=None, docs=3, full_pages=True,
@@ -200,12 +192,10 @@ def test_extend_unmasked_blocks(small_blocks, split):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_extend_lazy_rescale_lowp_rotation(small_blocks, monkeypatch, dtype):
-    # Skipped rescales (tiny threshold: some blocks rescale, some not) and 16-bit rotation math.
-    monkeypatch.setattr(ta, "EXTEND_LAZY_RESCALE", 0.25)
+def test_extend_lowp_rotation(small_blocks, monkeypatch, dtype):
+    # 16-bit rotation math on the unmasked and the masked path.
     monkeypatch.setattr(ta, "EXTEND_ROT_LOWP", True)
     check_attention([40, 1, 23], 2, 1, 64, 8, dtype, True, docs=5, shuffle=False, full_pages=True)
-    monkeypatch.setattr(ta, "EXTEND_LAZY_RESCALE", 8.0)
     check_attention([33, 5], 4, 1, 64, 16, dtype, True, num_splits=2, docs=4, shuffle=False, full_pages=True)
 
 

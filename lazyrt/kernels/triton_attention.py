@@ -16,9 +16,11 @@ Same contract as `attention_ref.lazy_attention_ref`. One kernel serves decode an
 - split-KV (flash-decoding): with few programs for the GPU, the entries of each sequence are cut into
   `num_splits` ranges; each split writes a partial output + log2-sum-exp and `_merge_kernel` combines
   them, launched with programmatic dependent launch on sm_90+ (MERGE_PDL: 24.4 vs 25.0 us at batch 1,
-  no change at 4).
-  With one split the kernel writes the output directly (no merge launch). A merge fused into the split
-  kernel (DECODE_FUSED_MERGE: last-arriving program merges) measured slower (b1 32.5 vs 25.1 us).
+  no change at 4). With one split the kernel writes the output directly (no merge launch).
+
+(Tried on the H100 and removed, docs/benchmarks.md: a merge fused into the split kernel and lazy
+rescale: slower; warp specialization of the unmasked loop: no compile on triton 3.6; the page-table
+scan for decode: within noise.)
 
 cos/sin come from an fp16 copy of the RopeCache for 16-bit KV (fp32 tables added 13% at batch 64), one
 row per key; on small decode grids instead by angle addition from one fp32 row per page entry and the
@@ -63,8 +65,7 @@ DECODE_BLOCK_N_WIDE, DECODE_SLOTS_WIDE = 64, 2
 DECODE_BLOCK_N, DECODE_SLOTS = 32, 4
 DECODE_WARPS = 4
 DECODE_STAGES = 2
-# Decode flags, H100 RAG shape vs FlashInfer (b 1/4/16/64): page-table scan + unmasked full pages:
-# within noise (1.40/1.07/1.05/1.02x): off.
+# Decode runs every key block masked (SCAN=0): the extend page-table scan was within noise for it.
 # Key rotation angles (decode / extend). 0: gather a cos/sin row per key at pos_base + slot (fp16
 # tables). 1: angle addition, cos/sin(pos_base + slot) = combination of one fp32 row per page entry
 # (pos_base) and the rows of slots 0..PAGE_SIZE-1, which are loaded once per program (hoisted out of
@@ -86,12 +87,10 @@ DECODE_ROT_LOWP = 2
 DECODE_ROT_ANGLE = 1
 DECODE_ANGLE_MAX_GRID = 8
 EXTEND_ROT_ANGLE = 0
-DECODE_SCAN = 0  # >0: scan the page table first and run full, visible pages unmasked (as extend)
 # Extend/prefill: ROWS query rows (tokens x group heads) per program against BLOCK_N keys a step.
 # H100 sweep (RAG shape): 128 x 32 keys, 4 warps best for small grids (b <= 4); 256 x 64, 8 warps for
 # large ones (b 16 / 64: -10%). Rotating in 16-bit math: -7% for the small tile at b >= 16 but +3% for
-# the large one, rel. err 4e-3 vs 2.8e-3: off. Lazy rescale (tau 8): 5-10% slower (branch + a cross-
-# warp max per block, more spills): off.
+# the large one, rel. err 4e-3 vs 2.8e-3: off.
 EXTEND_ROWS = 128
 EXTEND_BLOCK_N = 32
 EXTEND_WARPS = 4
@@ -101,7 +100,6 @@ EXTEND_SLOTS = 2
 EXTEND_LARGE = (256, 64, 8, 2)
 EXTEND_LARGE_MIN_PER_SM = 2
 EXTEND_ROT_LOWP = False  # rotate 16-bit keys in their own dtype (packed math) instead of fp32
-EXTEND_LAZY_RESCALE = 0.0  # >0: skip rescaling acc on unmasked blocks unless a row max grows this much (log2)
 EXTEND_SCAN = 128  # page-table entries scanned per step to find the unmasked / live key blocks
 # Split-KV: as many splits as fill one wave of resident programs (never more: a second, partial wave
 # costs more than it spreads), none once the grid alone has a program per SM, and no split shorter
@@ -109,20 +107,10 @@ EXTEND_SCAN = 128  # page-table entries scanned per step to find the unmasked / 
 MIN_SPLIT_TOKENS = 256
 MAX_SPLITS = 64
 HALF_TABLES = True
-# Decode with splits: the last split program of each (request, kv head) merges (an atomic arrival
-# counter per pair, zeroed again by the merger) instead of a separate merge launch. The counters
-# live in one buffer per device, allocated outside CUDA-graph capture; launches that share it must
-# be ordered (one stream), as the engine's are. MERGE_CHUNK splits are merged a step.
-DECODE_FUSED_MERGE = False
-MERGE_CHUNK = 64
-# Separate merge launched with programmatic dependent launch (sm_90+): the split kernel lets it launch
-# at once, its programs wait (griddepcontrol.wait) for the split kernel's results, so the merge's
+# Merge of the splits launched with programmatic dependent launch (sm_90+): the split kernel lets it
+# launch at once, its programs wait (griddepcontrol.wait) for the split kernel's results, so the merge's
 # launch latency overlaps the split kernel instead of following it.
 MERGE_PDL = True
-# tl.range(warp_specialize=True) on the unmasked extend loop: triton 3.6 on sm_90 fails to compile it
-# (NVGPUWarpSpecialization pass error, 2026-11-22); kept for later Triton versions.
-EXTEND_WARP_SPEC = False
-_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
 MIN_DOT = 16  # tl.dot needs every dim >= 16: small head halves / groups are zero-padded to it
 
 _LOG2E = 1.4426950408889634
@@ -181,18 +169,6 @@ def _pdl_cap(device_index: int | None) -> bool:
 def _pdl_ok(device: torch.device) -> bool:
     """Programmatic dependent launch: CUDA sm_90+, a Triton with grid dependency control."""
     return device.type == "cuda" and gdc_wait is not None and _pdl_cap(device.index)
-
-
-def _split_counters(device: torch.device, n: int) -> torch.Tensor | None:
-    """A zeroed int32 buffer of >= n arrival counters on `device` (None if one would have to be
-    allocated during CUDA-graph capture). Buffers are never freed: captured graphs keep their address."""
-    bufs = _COUNTERS.setdefault(device, [])
-    if bufs and bufs[-1].numel() >= n:
-        return bufs[-1]
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return None
-    bufs.append(torch.zeros(max(n, 4096), dtype=torch.int32, device=device))
-    return bufs[-1]
 
 
 def decode_tiles(base_programs: int, max_tokens: int, device: torch.device) -> tuple[int, int]:
@@ -290,8 +266,7 @@ def _attend_block(
     HALF: tl.constexpr, HALF_P: tl.constexpr, REST: tl.constexpr, REST_P: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_P: tl.constexpr,
     ROTATE: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr,
-    ROT_LOWP: tl.constexpr, LAZY_RESCALE: tl.constexpr,
-    ANGLE: tl.constexpr, NP: tl.constexpr, SP: tl.constexpr, HOIST: tl.constexpr,
+    ROT_LOWP: tl.constexpr, ANGLE: tl.constexpr, NP: tl.constexpr, SP: tl.constexpr, HOIST: tl.constexpr,
 ):
     """One key block into the online softmax. MASKED=False: the caller guarantees every key of the
     block is a valid slot of an entry in range and visible to every query row (no load/score masks)."""
@@ -372,20 +347,6 @@ def _attend_block(
         p = tl.math.exp2(s * sm_scale_log2 - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = tl.dot(p.to(dt), v, acc * alpha[:, None], input_precision=DOT_PREC)
-    elif LAZY_RESCALE > 0:
-        # Unmasked block: keep the running max (and skip rescaling acc) unless some row's max grew by
-        # more than LAZY_RESCALE (log2 units): p <= 2^LAZY_RESCALE stays exact enough in fp32/bf16.
-        m_blk = tl.max(s, axis=1) * sm_scale_log2
-        if tl.max(m_blk - m_i, axis=0) > LAZY_RESCALE:
-            m_new = tl.maximum(m_i, m_blk)
-            alpha = tl.math.exp2(m_i - m_new)
-            l_i = l_i * alpha
-            acc = acc * alpha[:, None]
-        else:
-            m_new = m_i
-        p = tl.math.exp2(s * sm_scale_log2 - m_new[:, None])
-        l_i = l_i + tl.sum(p, axis=1)
-        acc = tl.dot(p.to(dt), v, acc, input_precision=DOT_PREC)
     else:
         m_new = tl.maximum(m_i, tl.max(s, axis=1) * sm_scale_log2)
         alpha = tl.math.exp2(m_i - m_new)
@@ -397,7 +358,7 @@ def _attend_block(
 
 @triton.jit
 def _lazy_attn_kernel(
-    q_ptr, kv_ptr, out_ptr, part_out_ptr, part_lse_ptr, counter_ptr,
+    q_ptr, kv_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     qo_indptr_ptr, positions_ptr, kv_indptr_ptr, kv_indices_ptr, pos_base_ptr, valid_len_ptr,
     cos_ptr, sin_ptr,
     sm_scale_log2, q_blocks, num_splits, num_q_heads,
@@ -408,8 +369,7 @@ def _lazy_attn_kernel(
     HALF: tl.constexpr, HALF_P: tl.constexpr, REST: tl.constexpr, REST_P: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_P: tl.constexpr,
     ROTATE: tl.constexpr, SCAN: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
-    ROT_LOWP: tl.constexpr, LAZY_RESCALE: tl.constexpr,
-    FUSE_MERGE: tl.constexpr, MERGE_CHUNK: tl.constexpr, WARP_SPEC: tl.constexpr, PDL: tl.constexpr,
+    ROT_LOWP: tl.constexpr, PDL: tl.constexpr,
     ANGLE: tl.constexpr, NP: tl.constexpr, SP: tl.constexpr, HOIST: tl.constexpr,
 ):
     if PDL:
@@ -495,26 +455,15 @@ def _lazy_attn_kernel(
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, HEAD_P], tl.float32)
-    if WARP_SPEC:
-        for blk in tl.range(0, n_clean, warp_specialize=True):
-            m_i, l_i, acc = _attend_block(
-                blk, m_i, l_i, acc, q1, q2, q3, qpos, cs_slot, ss_slot,
-                kv_ptr, kv_indices_ptr, pos_base_ptr, valid_len_ptr, cos_ptr, sin_ptr,
-                e_begin, e_lo, e_hi, kvh, sm_scale_log2,
-                stride_kp, stride_kk, stride_ks, stride_kh, stride_cos,
-                PAGE_SIZE, BLOCK_N, HALF, HALF_P, REST, REST_P, HEAD_DIM, HEAD_P, ROTATE, False, DOT_PREC,
-                ROT_LOWP, LAZY_RESCALE, ANGLE, NP, SP, HOIST,
-            )
-    else:
-        for blk in range(0, n_clean):
-            m_i, l_i, acc = _attend_block(
-                blk, m_i, l_i, acc, q1, q2, q3, qpos, cs_slot, ss_slot,
-                kv_ptr, kv_indices_ptr, pos_base_ptr, valid_len_ptr, cos_ptr, sin_ptr,
-                e_begin, e_lo, e_hi, kvh, sm_scale_log2,
-                stride_kp, stride_kk, stride_ks, stride_kh, stride_cos,
-                PAGE_SIZE, BLOCK_N, HALF, HALF_P, REST, REST_P, HEAD_DIM, HEAD_P, ROTATE, False, DOT_PREC,
-                ROT_LOWP, LAZY_RESCALE, ANGLE, NP, SP, HOIST,
-            )
+    for blk in range(0, n_clean):
+        m_i, l_i, acc = _attend_block(
+            blk, m_i, l_i, acc, q1, q2, q3, qpos, cs_slot, ss_slot,
+            kv_ptr, kv_indices_ptr, pos_base_ptr, valid_len_ptr, cos_ptr, sin_ptr,
+            e_begin, e_lo, e_hi, kvh, sm_scale_log2,
+            stride_kp, stride_kk, stride_ks, stride_kh, stride_cos,
+            PAGE_SIZE, BLOCK_N, HALF, HALF_P, REST, REST_P, HEAD_DIM, HEAD_P, ROTATE, False, DOT_PREC,
+            ROT_LOWP, ANGLE, NP, SP, HOIST,
+        )
     for blk in range(n_clean, n_blocks):
         m_i, l_i, acc = _attend_block(
             blk, m_i, l_i, acc, q1, q2, q3, qpos, cs_slot, ss_slot,
@@ -522,7 +471,7 @@ def _lazy_attn_kernel(
             e_begin, e_lo, e_hi, kvh, sm_scale_log2,
             stride_kp, stride_kk, stride_ks, stride_kh, stride_cos,
             PAGE_SIZE, BLOCK_N, HALF, HALF_P, REST, REST_P, HEAD_DIM, HEAD_P, ROTATE, True, DOT_PREC,
-            ROT_LOWP, 0.0, ANGLE, NP, SP, HOIST,
+            ROT_LOWP, ANGLE, NP, SP, HOIST,
         )
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
@@ -533,58 +482,9 @@ def _lazy_attn_kernel(
         tl.store(part_out_ptr + idx[:, None] * HEAD_P + cd[None, :], o, mask=omask)
         lse = tl.where(l_i > 0, m_i + tl.math.log2(l_safe), float("-inf"))
         tl.store(part_lse_ptr + idx, lse, mask=row_ok)
-        if FUSE_MERGE:
-            # Decode (one token, GROUP heads): the last split to finish this (request, kv head) merges
-            # all splits itself, so no merge launch. Barrier: every thread's partial stores come before
-            # the acq_rel atomic (release); the atomic's acquire orders the reads of the other splits'
-            # partials after it. The merger zeroes the counter for the next launch.
-            tl.debug_barrier()
-            cidx = pid0 * tl.num_programs(1) + kvh
-            arrived = tl.atomic_add(counter_ptr + cidx, 1, sem="acq_rel", scope="gpu")
-            if arrived == num_splits - 1:
-                tl.store(counter_ptr + cidx, 0)
-                _merge_group(part_out_ptr, part_lse_ptr, out_ptr, q_start, kvh, num_splits, num_q_heads,
-                             stride_ot, stride_oh, GROUP, HEAD_DIM, HEAD_P, MERGE_CHUNK)
     else:
         o_row = tok.to(tl.int64) * stride_ot + head * stride_oh
         tl.store(out_ptr + o_row[:, None] + cd[None, :], o.to(out_ptr.dtype.element_ty), mask=omask)
-
-
-@triton.jit
-def _merge_group(
-    part_out_ptr, part_lse_ptr, out_ptr, t, kvh, num_splits, num_q_heads, stride_ot, stride_oh,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_P: tl.constexpr, MERGE_CHUNK: tl.constexpr,
-):
-    """Merge the split partials of token t's GROUP heads of kv head kvh (LSE-weighted), MERGE_CHUNK
-    splits a step. Partials are read through L2 (.cg): other programs wrote them."""
-    cd = tl.arange(0, HEAD_P)
-    cd_ok = cd < HEAD_DIM
-    for g in tl.static_range(GROUP):
-        h = kvh * GROUP + g
-        base = (t.to(tl.int64) * num_q_heads + h) * num_splits
-        m = tl.full([MERGE_CHUNK], float("-inf"), tl.float32)
-        w_sum = tl.zeros([MERGE_CHUNK], tl.float32)
-        acc = tl.zeros([MERGE_CHUNK, HEAD_P], tl.float32)
-        for s0 in range(0, num_splits, MERGE_CHUNK):
-            # elementwise running max per chunk lane, folded across lanes at the end
-            s = s0 + tl.arange(0, MERGE_CHUNK)
-            s_ok = s < num_splits
-            lse = tl.load(part_lse_ptr + base + s, mask=s_ok, other=float("-inf"), cache_modifier=".cg")
-            o = tl.load(part_out_ptr + (base + s)[:, None] * HEAD_P + cd[None, :],
-                        mask=s_ok[:, None] & cd_ok[None, :], other=0.0, cache_modifier=".cg")
-            m_new = tl.maximum(m, lse)
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            a = tl.math.exp2(m - m_use)
-            w = tl.math.exp2(lse - m_use)
-            w_sum = w_sum * a + w
-            acc = acc * a[:, None] + o * w[:, None]
-            m = m_new
-        mx = tl.max(m, axis=0)
-        f = tl.math.exp2(m - tl.where(mx == float("-inf"), 0.0, mx))
-        tot = tl.sum(w_sum * f, axis=0)
-        res = tl.sum(acc * f[:, None], axis=0) / tl.where(tot > 0, tot, 1.0)
-        tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + cd, res.to(out_ptr.dtype.element_ty),
-                 mask=cd_ok)
 
 
 @triton.jit
@@ -691,15 +591,11 @@ def lazy_attention_triton(
         part_lse = torch.empty((T, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out  # unused
-    counters = None
-    if split and decode and DECODE_FUSED_MERGE:
-        counters = _split_counters(q.device, B * num_kv_heads)
-    fuse = counters is not None
-    pdl = split and not fuse and MERGE_PDL and _pdl_ok(q.device)
+    pdl = split and MERGE_PDL and _pdl_ok(q.device)
     entry_align = block_n // page_size if block_n % page_size == 0 else 1
 
     _lazy_attn_kernel[(B * q_blocks, num_kv_heads, num_splits)](
-        q, kv, out, part_out, part_lse, counters if fuse else out,
+        q, kv, out, part_out, part_lse,
         meta.qo_indptr, meta.positions, meta.kv_indptr, meta.kv_indices, meta.pos_base, meta.valid_len,
         cos, sin,
         float(sm_scale) * _LOG2E, q_blocks, num_splits, num_q_heads,
@@ -710,15 +606,12 @@ def lazy_attention_triton(
         HALF=half, HALF_P=max(MIN_DOT, _pow2(half)),
         REST=rest, REST_P=max(MIN_DOT, _pow2(rest)) if rest else 0,
         HEAD_DIM=head_dim, HEAD_P=head_p,
-        ROTATE=rotate, SCAN=DECODE_SCAN if decode else EXTEND_SCAN, SPLIT=split,
-        ROT_LOWP=rot_lowp, LAZY_RESCALE=0.0 if decode else float(EXTEND_LAZY_RESCALE),
-        FUSE_MERGE=fuse, MERGE_CHUNK=min(_pow2(num_splits), MERGE_CHUNK),
-        WARP_SPEC=bool(EXTEND_WARP_SPEC) and not decode, PDL=pdl,
+        ROTATE=rotate, SCAN=0 if decode else EXTEND_SCAN, SPLIT=split, ROT_LOWP=rot_lowp, PDL=pdl,
         ANGLE=bool(angle), NP=n_parts, SP=part_slots, HOIST=angle == 1 and part_slots == page_size,
         DOT_PREC="ieee" if kv.dtype == torch.float32 else "tf32",
         num_warps=warps, num_stages=stages,
     )
-    if split and not fuse:
+    if split:
         _merge_kernel[(T, num_q_heads)](
             part_out, part_lse, out, num_splits, num_q_heads, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, HEAD_P=head_p, SPLIT_P=max(2, _pow2(num_splits)), PDL=pdl, num_warps=4,
