@@ -25,11 +25,21 @@ except Exception as e:  # noqa: BLE001
     pytest.skip(f"triton is not importable ({e})", allow_module_level=True)
 
 from lazyrt.kernels import triton_attention as ta  # noqa: E402
-from lazyrt.kernels.attention_ref import lazy_attention_ref, rerotate_pages_ref, store_kv_ref  # noqa: E402
+from lazyrt.kernels.attention_ref import (  # noqa: E402
+    copy_rerotate_pages_ref,
+    lazy_attention_ref,
+    rerotate_pages_ref,
+    store_kv_ref,
+)
 from lazyrt.kernels.metadata import AttentionMetadata  # noqa: E402
 from lazyrt.kernels.rope import RopeCache, apply_rope_ref  # noqa: E402
 from lazyrt.kernels.triton_attention import lazy_attention_triton  # noqa: E402
-from lazyrt.kernels.triton_kv import apply_rope_triton, rerotate_pages_triton, store_kv_triton  # noqa: E402
+from lazyrt.kernels.triton_kv import (  # noqa: E402
+    apply_rope_triton,
+    copy_rerotate_pages_triton,
+    rerotate_pages_triton,
+    store_kv_triton,
+)
 from lazyrt.models.config import ModelConfig  # noqa: E402
 
 SEED = int.from_bytes(os.urandom(4), "little")
@@ -222,6 +232,15 @@ def test_kv_kernels_bf16():
     rerotate_pages_ref(ref, pages, delta, rope)
     rerotate_pages_triton(kv, pages, delta, rope)
     assert rel_err(kv, ref) <= 1e-2
+    kv_all = torch.randn(4, 300, 2, PAGE, KV_HEADS, HEAD_DIM, device=DEV, dtype=BF16)
+    perm = torch.randperm(300, device=DEV)
+    src, dst = perm[:120].int(), perm[120:240].int()
+    deltas = torch.randint(-20000, 20000, (120,), device=DEV, dtype=torch.int32)
+    ref_all = kv_all.clone()
+    copy_rerotate_pages_ref(ref_all, src, dst, deltas, rope)
+    copy_rerotate_pages_triton(kv_all, src, dst, deltas, rope)
+    assert rel_err(kv_all, ref_all) <= 1e-2
+    assert torch.equal(kv_all[:, :, 1], ref_all[:, :, 1])
     x = torch.randn(3000, Q_HEADS, HEAD_DIM, device=DEV, dtype=BF16)
     pos = torch.randint(0, MAX_POS, (3000,), device=DEV)
     assert rel_err(apply_rope_triton(x, pos, rope), apply_rope_ref(x.float(), pos, rope)) <= 1e-2

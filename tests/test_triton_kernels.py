@@ -17,10 +17,20 @@ except Exception as e:  # noqa: BLE001
     pytest.skip(f"triton is not importable ({e}); pip install 'triton>=3.8'", allow_module_level=True)
 
 from lazyrt.kernels import triton_attention as ta  # noqa: E402
-from lazyrt.kernels.attention_ref import lazy_attention_ref, rerotate_pages_ref, store_kv_ref  # noqa: E402
+from lazyrt.kernels.attention_ref import (  # noqa: E402
+    copy_rerotate_pages_ref,
+    lazy_attention_ref,
+    rerotate_pages_ref,
+    store_kv_ref,
+)
 from lazyrt.kernels.metadata import AttentionMetadata  # noqa: E402
 from lazyrt.kernels.rope import RopeCache, apply_rope_ref  # noqa: E402
-from lazyrt.kernels.triton_kv import apply_rope_triton, rerotate_pages_triton, store_kv_triton  # noqa: E402
+from lazyrt.kernels.triton_kv import (  # noqa: E402
+    apply_rope_triton,
+    copy_rerotate_pages_triton,
+    rerotate_pages_triton,
+    store_kv_triton,
+)
 from lazyrt.models.config import ModelConfig  # noqa: E402
 
 SEED = int.from_bytes(os.urandom(4), "little")
@@ -287,6 +297,44 @@ def test_rerotate_pages(dtype, head_dim, rotary_dim):
     assert torch.equal(kv[:, 1], ref[:, 1])
     rerotate_pages_triton(kv, pages, -delta, rope)  # a negative delta rotates back
     assert rel_err(kv, orig) < (1e-5 if dtype == torch.float32 else 2e-3)
+
+
+@pytest.mark.parametrize(
+    "dtype,kv_heads,head_dim,rotary_dim", [(torch.float32, 2, 64, None), (torch.float16, 3, 128, 96)]
+)
+def test_copy_rerotate_pages(dtype, kv_heads, head_dim, rotary_dim):
+    """Block-mode copies of a whole step in one launch (all layers, per-page deltas incl. 0 and
+    negative) vs the reference, and the reference vs copy-then-rerotate_pages_ref per layer."""
+    rope = make_rope(head_dim, llama3=True, rotary_dim=rotary_dim)
+    layers, pages, page_size = 3, 24, 4
+    kv_all = torch.randn(layers, pages, 2, page_size, kv_heads, head_dim).to(dtype)
+    perm = torch.randperm(pages)
+    src, dst = perm[:9].int(), perm[9:18].int()  # disjoint, like fresh copies of chunk pages
+    delta = torch.tensor([random.randint(-300, 300) for _ in range(9)], dtype=torch.int32)
+    delta[0], delta[1] = 0, -abs(int(delta[1])) - 1
+    ref = kv_all.clone()
+    copy_rerotate_pages_ref(ref, src, dst, delta, rope)
+    got = kv_all.clone()
+    copy_rerotate_pages_triton(got, src, dst, delta, rope)
+    assert rel_err(got, ref) < TOL[dtype] / 10
+    assert torch.equal(got[:, :, 1], ref[:, :, 1])  # values copied bit-exactly
+    untouched = torch.ones(pages, dtype=torch.bool)
+    untouched[dst.long()] = False
+    assert torch.equal(got[:, untouched], kv_all[:, untouched])
+    half = rope.rotary_dim // 2
+    assert torch.equal(got[:, dst.long(), 0, ..., 2 * half :], kv_all[:, src.long(), 0, ..., 2 * half :])
+    # independent check of the reference: per layer, copy then the in-place re-rotation (delta >= 0)
+    pos = delta >= 0
+    for layer in range(layers):
+        old = kv_all[layer].clone()
+        old[dst[pos].long()] = old[src[pos].long()]
+        for i in torch.nonzero(pos).flatten().tolist():
+            rerotate_pages_ref(old, dst[i : i + 1].long(), int(delta[i]), rope)
+        assert rel_err(ref[layer, dst[pos].long()], old[dst[pos].long()]) < TOL[dtype] / 10
+    # a negative delta undoes a positive one
+    back = got.clone()
+    copy_rerotate_pages_triton(back, dst, src, -delta, rope)
+    assert rel_err(back[:, src.long()], kv_all[:, src.long()]) < (1e-5 if dtype == torch.float32 else 2e-3)
 
 
 @pytest.mark.parametrize(

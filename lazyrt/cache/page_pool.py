@@ -15,7 +15,8 @@ class PagePool:
     """KV pages for all layers, FlashInfer NHD layout, plus a free-list allocator.
 
     ``kv[layer]`` has shape ``[num_pages, 2, page_size, num_kv_heads, head_dim]``; ``[:, 0]`` is K and
-    ``[:, 1]`` is V. Pages are handed out lowest free index first, so allocation is deterministic.
+    ``[:, 1]`` is V; ``kv_all`` is all layers, ``[num_layers, ...]``. Pages are handed out lowest free
+    index first, so allocation is deterministic.
     """
 
     def __init__(
@@ -42,9 +43,10 @@ class PagePool:
         # there, so no allocator (the worker's or the scheduler process's copy) can ever hand them out.
         self.scratch_pages = list(range(num_pages, num_pages + scratch_pages))
         shape = (num_pages + scratch_pages, 2, page_size, num_kv_heads, head_dim)
-        self.kv: list[torch.Tensor] = [
-            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)
-        ]
+        # One allocation for all layers (block-mode copies touch every layer in one kernel launch);
+        # kv[layer] is a contiguous view of it.
+        self.kv_all = torch.zeros((num_layers, *shape), dtype=dtype, device=self.device)
+        self.kv: list[torch.Tensor] = list(self.kv_all.unbind(0))
         # A sorted list is a valid min-heap; _is_free makes double-free detection O(1).
         self._free_heap: list[int] = list(range(num_pages))
         self._is_free: list[bool] = [True] * num_pages

@@ -69,3 +69,21 @@ def rerotate_pages_ref(kv: torch.Tensor, pages: torch.Tensor, delta: int, rope: 
     flat = k.reshape(-1, *k.shape[2:])
     pos = torch.full((flat.shape[0],), delta, dtype=torch.long, device=kv.device)
     kv[pages, 0] = apply_rope_ref(flat.float(), pos, rope).to(kv.dtype).view_as(k)
+
+
+def copy_rerotate_pages_ref(
+    kv_all: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, delta: torch.Tensor, rope: RopeCache
+) -> None:
+    """Block-mode materialization for every layer of kv_all [layers, pages, 2, page_size, H, D]: page
+    dst[i] gets src[i]'s K and V, its keys rotated by delta[i] more positions (negative: backwards)."""
+    half = rope.rotary_dim // 2
+    d = delta.long()
+    cos = rope.cos[d.abs(), :half][:, None, None, :]  # [n, 1, 1, half]
+    sin = rope.sin[d.abs(), :half][:, None, None, :] * d.sign()[:, None, None, None].to(rope.sin.dtype)
+    for kv in kv_all:
+        block = kv[src.long()].clone()  # [n, 2, page_size, H, D]
+        k = block[:, 0].float()
+        x1, x2 = k[..., :half], k[..., half : 2 * half]
+        rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, k[..., 2 * half :]], dim=-1)
+        block[:, 0] = rotated.to(kv.dtype)
+        kv[dst.long()] = block

@@ -1,7 +1,8 @@
 """Triton KV-page kernels: store new K/V into pages, re-rotate stored keys (block mode), apply RoPE.
 
-Same signatures and results as `attention_ref.store_kv_ref`, `attention_ref.rerotate_pages_ref` and
-`rope.apply_rope_ref`. All math in fp32, one rounding to the output dtype.
+Same signatures and results as `attention_ref.store_kv_ref`, `attention_ref.rerotate_pages_ref`,
+`attention_ref.copy_rerotate_pages_ref` and `rope.apply_rope_ref`. All math in fp32, one rounding to
+the output dtype.
 """
 
 from __future__ import annotations
@@ -98,6 +99,65 @@ def rerotate_pages_triton(kv: torch.Tensor, pages: torch.Tensor, delta: int, rop
         kv, pages, rope.cos[idx], rope.sin[idx], -1.0 if delta < 0 else 1.0,
         n_rows, kv.stride(0), kv.stride(3),
         HALF=half, HALF_P=_pow2(half), BLOCK_R=ROPE_BLOCK_ROWS, num_warps=4,
+    )
+
+
+@triton.jit
+def _copy_rerotate_kernel(
+    kv_ptr, src_ptr, dst_ptr, delta_ptr, cos_ptr, sin_ptr, n_rows,
+    stride_l, stride_p, stride_kv, stride_row, stride_cos,
+    HALF: tl.constexpr, HALF_P: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_P: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    # Program (page pair i, layer, row block): rows r = slot * kv_heads + head of one page.
+    i = tl.program_id(0)
+    layer = tl.program_id(1).to(tl.int64)
+    src = tl.load(src_ptr + i).to(tl.int64)
+    dst = tl.load(dst_ptr + i).to(tl.int64)
+    delta = tl.load(delta_ptr + i)
+    r = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = r < n_rows
+    row = layer * stride_l + r[:, None].to(tl.int64) * stride_row
+    s_ptr = kv_ptr + row + src * stride_p
+    d_ptr = kv_ptr + row + dst * stride_p
+    d = tl.arange(0, HEAD_P)[None, :]
+    vmask = r_ok[:, None] & (d < HEAD_DIM)
+    tl.store(d_ptr + stride_kv + d, tl.load(s_ptr + stride_kv + d, mask=vmask), mask=vmask)
+    c = tl.arange(0, HALF_P)[None, :]
+    cmask = r_ok[:, None] & (c < HALF)
+    cos = tl.load(cos_ptr + tl.abs(delta) * stride_cos + c, mask=c < HALF, other=0.0)
+    sin = tl.load(sin_ptr + tl.abs(delta) * stride_cos + c, mask=c < HALF, other=0.0)
+    sin = tl.where(delta < 0, -sin, sin)
+    x1 = tl.load(s_ptr + c, mask=cmask, other=0.0).to(tl.float32)
+    x2 = tl.load(s_ptr + HALF + c, mask=cmask, other=0.0).to(tl.float32)
+    y1, y2 = _rope_rows(x1, x2, cos, sin)
+    tl.store(d_ptr + c, y1.to(kv_ptr.dtype.element_ty), mask=cmask)
+    tl.store(d_ptr + HALF + c, y2.to(kv_ptr.dtype.element_ty), mask=cmask)
+    if 2 * HALF < HEAD_DIM:  # partial rotary: the tail of each key is copied as is
+        tmask = vmask & (d >= 2 * HALF)
+        tl.store(d_ptr + d, tl.load(s_ptr + d, mask=tmask), mask=tmask)
+
+
+def copy_rerotate_pages_triton(
+    kv_all: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, delta: torch.Tensor, rope: RopeCache
+) -> None:
+    """Block-mode materialization in one launch for all layers of kv_all [layers, pages, 2, page_size,
+    kv_heads, head_dim]: dst[i] <- src[i] (K and V), keys rotated by delta[i] (int, may be negative).
+    src and dst pages must not overlap. |delta| must be < the RopeCache's positions."""
+    n = src.numel()
+    if n == 0:
+        return
+    layers, _, _, page_size, heads, head_dim = kv_all.shape
+    assert kv_all.is_contiguous() and rope.rotary_dim % 2 == 0
+    assert dst.numel() == n and delta.numel() == n
+    half = rope.rotary_dim // 2
+    n_rows = page_size * heads
+    grid = (n, layers, triton.cdiv(n_rows, ROPE_BLOCK_ROWS))
+    _copy_rerotate_kernel[grid](
+        kv_all, src, dst, delta, rope.cos, rope.sin, n_rows,
+        kv_all.stride(0), kv_all.stride(1), kv_all.stride(2), kv_all.stride(4), rope.cos.stride(0),
+        HALF=half, HALF_P=_pow2(half), HEAD_DIM=head_dim, HEAD_P=_pow2(head_dim),
+        BLOCK_R=ROPE_BLOCK_ROWS, num_warps=4,
     )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from lazyrt.cache.page_pool import PagePool
-from lazyrt.kernels.attention_ref import rerotate_pages_ref
+from lazyrt.kernels.attention_ref import copy_rerotate_pages_ref
 from lazyrt.kernels.backend import make_backend
 from lazyrt.kernels.metadata import AttentionMetadata
 from lazyrt.kernels.rope import RopeCache
@@ -24,12 +24,12 @@ class ModelRunner:
         self.backend = make_backend(
             self.device, pool.kv, self.rope, model.config.head_dim**-0.5, use_flashinfer=not rotate_keys
         )
-        self._rerotate = rerotate_pages_ref
+        self._copy_rerotate = copy_rerotate_pages_ref
         self.graphs = None
         if self.device.type == "cuda":
-            from lazyrt.kernels.triton_kv import rerotate_pages_triton
+            from lazyrt.kernels.triton_kv import copy_rerotate_pages_triton
 
-            self._rerotate = rerotate_pages_triton
+            self._copy_rerotate = copy_rerotate_pages_triton
 
     def enable_cuda_graphs(self, max_batch: int, max_context: int) -> None:
         """Capture decode graphs for batch sizes up to max_batch (CUDA only)."""
@@ -63,15 +63,22 @@ class ModelRunner:
         )
         return t(s.input_ids, torch.long), meta
 
+    def copy_pages(self, copies: list) -> None:
+        """Block mode: every copy of the step (all layers) in one kernel launch on CUDA; a 5-document
+        request used to cost 3 launches per document and layer (~15 ms of host time on an H100 box)."""
+        src = [p for c in copies for p in c.src]
+        dst = [p for c in copies for p in c.dst]
+        delta = [c.delta for c in copies for _ in c.src]
+        if max(map(abs, delta), default=0) >= self.rope.cos.shape[0]:
+            raise ValueError(f"block copy delta {max(map(abs, delta))} exceeds the RoPE table")
+        as_t = lambda x: torch.tensor(x, dtype=torch.int32, device=self.device)  # noqa: E731
+        self._copy_rerotate(self.pool.kv_all, as_t(src), as_t(dst), as_t(delta), self.rope)
+
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> torch.Tensor | None:
         """Runs the step; returns fp32 logits [n_sampled, vocab] for items with a request, in order."""
-        for copy in plan.copies:
-            src = torch.tensor(copy.src, device=self.device)
-            dst = torch.tensor(copy.dst, device=self.device)
-            for kv in self.pool.kv:
-                kv[dst] = kv[src]
-                self._rerotate(kv, dst, copy.delta, self.rope)
+        if plan.copies:
+            self.copy_pages(plan.copies)
         if not plan.items:
             return None
         s = StepInputs.from_plan(plan, self.pool.page_size)
