@@ -164,6 +164,7 @@ class Result:
     cached_tokens: int = 0
     chunk_hits: int = 0
     chunk_misses: int = 0
+    timings_ms: dict = field(default_factory=dict)  # the server's TTFT split (meta["timings_ms"])
 
 
 def request_body(wl: Workload, i: int, output_tokens: int) -> dict:
@@ -217,6 +218,7 @@ async def one_request(client, url: str, body: dict, index: int, t0: float, timeo
     res.e2e_s = time.perf_counter() - start
     for k in ("completion_tokens", "prompt_tokens", "cached_tokens", "chunk_hits", "chunk_misses"):
         setattr(res, k, int(meta.get(k) or 0))
+    res.timings_ms = meta.get("timings_ms") or {}
     res.ok = last is not None
     if not res.ok:
         res.error = "no tokens streamed"
@@ -350,6 +352,12 @@ def summarize(results: list[Result], wall: float, before: dict, after: dict, pea
         "tpot_ms": _stats(tpot),
         "itl_ms": _stats(itl),
         "e2e_ms": _stats([r.e2e_s for r in ok]),
+        # server-side split of TTFT (tokenize / queue for admission / prefill incl. any step in flight
+        # / ttft = HTTP receipt to first output back at HTTP), medians over requests, ms
+        "server_ttft_split_ms": {
+            k: _stats([r.timings_ms[k] for r in ok if r.timings_ms.get(k) is not None], scale=1.0)["p50"]
+            for k in ("tokenize", "queue", "prefill", "ttft")
+        },
         "request_throughput": len(ok) / span if span > 0 else None,
         "output_throughput": out_tokens / span if span > 0 else None,
         "total_output_tokens": out_tokens,
@@ -586,7 +594,9 @@ def write_row(args, row: dict) -> None:
         f"[bench] {row['mode']:6s} {row['popularity']:7s} rate={row['rate']:<5g} ok={row['completed']} "
         f"failed={row['failed']} TTFT p50={_f(t['p50'])}ms p99={_f(t['p99'])}ms "
         f"out tok/s={_f(row['output_throughput'])} hit={_f(row['chunk_hit_ratio'], 3)} "
-        f"pages peak={row['kv_pages_used_peak']}" + (f" errors={row['errors']}" if row["failed"] else ""),
+        f"pages peak={row['kv_pages_used_peak']} server TTFT split p50 (tokenize/queue/prefill/ttft ms)="
+        + "/".join(_f(v) for v in row["server_ttft_split_ms"].values())
+        + (f" errors={row['errors']}" if row["failed"] else ""),
         flush=True,
     )
 

@@ -135,6 +135,16 @@ def test_generate_endpoint_matches_engine_and_stop_strings(server, engine):
     want = engine.rag(DOCS, body["text"], sampling_params=SamplingParams(max_tokens=12))
     assert r["text"] == want["text"] and r["token_ids"] == want["token_ids"]
     assert r["meta"]["prompt_tokens"] == want["meta"]["prompt_tokens"]
+    # Where the time to first token went, in ms: each part >= 0 and together within the whole
+    t0 = time.perf_counter()
+    r2 = httpx.post(server.url + "/generate", json={**body, "sampling_params": {"max_tokens": 1}}, timeout=60)
+    client_ms = (time.perf_counter() - t0) * 1e3
+    timings = r2.json()["meta"]["timings_ms"]
+    assert set(timings) == {"tokenize", "queue", "prefill", "ttft"}, timings
+    assert all(v >= 0 for v in timings.values()), timings
+    parts = timings["tokenize"] + timings["queue"] + timings["prefill"]
+    assert parts <= timings["ttft"] + 1.0 and timings["ttft"] <= client_ms, (timings, client_ms)
+    assert "timings_ms" not in want["meta"]  # in-process Engine: no server path to time
     # A stop string is never emitted, not even in part, and the text is a prefix of the unstopped one.
     stop = want["text"].split()[2]
     body["sampling_params"]["stop"] = [stop]

@@ -63,6 +63,7 @@ class EngineCore:
             if int(rid) in self.requests:
                 self.requests[int(rid)].score_logprobs = list(logprobs)
         now = time.perf_counter()
+        wall = time.time()
         outs = []
         for req, tok in zip(sampled, result.tokens):
             first = not req.output_ids
@@ -72,6 +73,8 @@ class EngineCore:
             if reason is not None:
                 self.abort(req.rid, reason)
             meta = request_meta(req) if first or reason else None
+            if first and meta is not None and req.received_at:
+                meta["timings_ms"] = request_timings(req, wall)
             outs.append(TokenOut(req.rid, [tok], reason, meta))
         return outs
 
@@ -100,6 +103,18 @@ class EngineCore:
         if len(req.output_ids) >= req.max_new_tokens:
             return "length"
         return None
+
+
+def request_timings(req: Request, first_token_at: float) -> dict:
+    """Where a served request's time to first token went (ms, wall clock across processes): HTTP
+    receipt -> tokenized, -> admitted by the scheduler (queueing for pages / a running slot), ->
+    first token sampled (its prefill steps, and any step in flight when it arrived)."""
+    ms = lambda a, b: round((b - a) * 1e3, 3) if a and b else None  # noqa: E731
+    return {
+        "tokenize": ms(req.received_at, req.tokenized_at),
+        "queue": ms(req.tokenized_at, req.admitted_at),
+        "prefill": ms(req.admitted_at, first_token_at),
+    }
 
 
 def request_meta(req: Request) -> dict:

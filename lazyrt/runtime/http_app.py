@@ -52,10 +52,12 @@ def error_response(e: ApiError) -> JSONResponse:
 class _Tracker:
     """Per-request timing for the TTFT / inter-token histograms."""
 
-    def __init__(self, metrics: ServerMetrics):
+    def __init__(self, metrics: ServerMetrics, received_at: float = 0.0):
         self.metrics = metrics
         self.start = time.perf_counter()
         self.last: float | None = None
+        self.received_at = received_at  # wall clock, for meta["timings_ms"]
+        self.first_at = 0.0
 
     def saw(self, out: TextOut) -> None:
         now = time.perf_counter()
@@ -63,6 +65,7 @@ class _Tracker:
             return
         if self.last is None:
             self.metrics.ttft.observe(now - self.start)
+            self.first_at = time.time()
         else:
             self.metrics.itl.observe(now - self.last)
         self.last = now
@@ -75,6 +78,10 @@ class _Tracker:
         m.generation_tokens.inc(meta.get("completion_tokens", 0))
         m.cached_tokens.inc(meta.get("cached_tokens", 0))
         m.e2e.observe(time.perf_counter() - self.start)
+        if isinstance(meta.get("timings_ms"), dict) and self.received_at and self.first_at:
+            # + the way back: detokenizer and HTTP; "ttft" is the whole server-side time to first token
+            ttft = round((self.first_at - self.received_at) * 1e3, 3)
+            meta["timings_ms"] = {**meta["timings_ms"], "ttft": ttft}
         return meta
 
 
@@ -144,6 +151,7 @@ def create_app(state: ServerState) -> FastAPI:
         finish: Callable[[str, dict], dict],
         chunk: Callable[[str, str | None, dict | None], dict | None],
     ) -> Response:
+        received_at = time.time()
         try:
             if not state.healthy and client.ready_info is None:
                 raise ApiError(503, "the model is still loading", None, "server_error")
@@ -155,8 +163,9 @@ def create_app(state: ServerState) -> FastAPI:
             return error_response(e)
         rid = client.new_rid()
         parsed.req.rid = rid
+        parsed.req.received_at = received_at
         q = client.submit(parsed.req)
-        tracker = _Tracker(state.metrics)
+        tracker = _Tracker(state.metrics, received_at)
         first = await next_out(q, request)
         if first is None:
             client.abort(rid)

@@ -50,6 +50,7 @@ class GenerateReq:
     doc_turn: int | None = None
     continue_final: bool = False
     continuation: str | None = None  # scoring: appended to the prompt; its token logprobs reported
+    received_at: float = 0.0  # wall clock (time.time) when HTTP got it: per-request timings in meta
 
 
 @message
@@ -79,6 +80,8 @@ class TokenizedReq:
     docs: list[list[int]] = field(default_factory=list)
     suffix: list[int] = field(default_factory=list)
     score_len: int = 0  # the last score_len prompt tokens are scored (see Request.score_len)
+    received_at: float = 0.0  # wall clock: HTTP got it / the tokenizer process finished it
+    tokenized_at: float = 0.0
 
 
 # ---- scheduler <-> model worker ----------------------------------------------------------------

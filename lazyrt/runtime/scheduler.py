@@ -9,6 +9,7 @@ makes new requests wait.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -288,6 +289,7 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         while self.waiting and len(self.running) < self.max_running and self._try_admit(self.waiting[0]):
             self.running.append(self.waiting.popleft())
+            self.running[-1].admitted_at = time.time()
         plan = StepPlan()
         budget = self.max_step_tokens
         for req in self.running:

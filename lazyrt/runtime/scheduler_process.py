@@ -98,6 +98,7 @@ class SchedulerLoop:
     def handle(self, msg: object) -> None:
         if isinstance(msg, TokenizedReq):
             req = Request(msg.rid, msg.sampling, prefix=msg.prefix, docs=msg.docs, suffix=msg.suffix)
+            req.received_at, req.tokenized_at = msg.received_at, msg.tokenized_at
             req.score_len = msg.score_len
             req.max_new_tokens = msg.max_new_tokens
             try:

@@ -8,6 +8,7 @@ scheduler frees the pages; tokens the scheduler produced meanwhile are dropped h
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 import zmq
@@ -55,6 +56,7 @@ class TokenizerLoop:
                 send(self.to_http, ErrorOut(msg.rid, f"tokenization failed: {e}", None, 500, "server_error"))
                 return
             self.live[msg.rid] = _Live(IncrementalDetokenizer(self.tokenizer, msg.sampling.stop))
+            tok.received_at, tok.tokenized_at = msg.received_at, time.time()
             send(self.to_sched, tok)
         elif isinstance(msg, AbortReq):
             self.live.pop(msg.rid, None)
