@@ -209,21 +209,7 @@ def bench_batch(B: int, gen, rope, scale, fi, workspace, bench) -> dict:
         lambda: lazy_attention_triton(qp, lay.kv, meta_p, rope, scale, max_q_len=QUESTION, max_kv_entries=ppr)
     )
     if fi is not None:
-        pre = fi.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
-        pre.plan(
-            meta_p.qo_indptr,
-            meta_p.kv_indptr,
-            lay.indices,
-            last,
-            Q_HEADS,
-            KV_HEADS,
-            HEAD_DIM,
-            PAGE,
-            causal=True,
-            pos_encoding_mode="NONE",
-            q_data_type=torch.bfloat16,
-            kv_data_type=torch.bfloat16,
-        )
+        pre = flashinfer_prefill(fi, workspace, meta_p.qo_indptr, meta_p.kv_indptr, lay.indices, causal=True)
         row["flashinfer_prefill_us"] = bench(lambda: pre.run(qp, lay.kv))
         row["prefill_ratio"] = row["lazy_prefill_us"] / row["flashinfer_prefill_us"]
         row.update(query_rotation_prefill(fi, lay, stored, rope, scale, bench, gen))
@@ -292,19 +278,25 @@ def main() -> None:
             json.dump({"device": torch.cuda.get_device_name(), "results": results}, f, indent=1)
 
 
+def flashinfer_prefill(fi, workspace, qo_indptr, kv_indptr, indices, causal: bool, backend: str = "auto"):
+    """FlashInfer paged prefill, no RoPE, bf16, full pages, planned on these page tables."""
+    n_seq = qo_indptr.numel() - 1
+    w = fi.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend=backend)
+    w.plan(
+        qo_indptr, kv_indptr, indices, torch.full((n_seq,), PAGE, dtype=torch.int32, device=indices.device),
+        Q_HEADS, KV_HEADS, HEAD_DIM, PAGE, causal=causal, pos_encoding_mode="NONE",
+        q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16,
+    )  # fmt: skip
+    return w
+
+
 def qrot_only_row(B: int, gen, rope, scale, fi, workspace, bench) -> dict:
     """FlashInfer paged prefill of the question and the query-rotation prefill (with its breakdown)."""
     dev = "cuda"
     lay = build_layout(B, dev, gen)
     meta_p = lazy_meta(lay, QUESTION)
     qp = torch.randn(B * QUESTION, Q_HEADS, HEAD_DIM, generator=gen, device=dev, dtype=torch.bfloat16)
-    pre = fi.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
-    pre.plan(
-        meta_p.qo_indptr, meta_p.kv_indptr, lay.indices,
-        torch.full((B,), PAGE, dtype=torch.int32, device=dev),
-        Q_HEADS, KV_HEADS, HEAD_DIM, PAGE, causal=True, pos_encoding_mode="NONE",
-        q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16,
-    )  # fmt: skip
+    pre = flashinfer_prefill(fi, workspace, meta_p.qo_indptr, meta_p.kv_indptr, lay.indices, causal=True)
     row = {"batch": B, "flashinfer_prefill_us": bench(lambda: pre.run(qp, lay.kv))}
     row.update(query_rotation_prefill(fi, lay, rotate_at_local_positions(lay, rope), rope, scale, bench, gen))
     row["qrot_prefill_ratio"] = row["qrot_prefill_us"] / row["flashinfer_prefill_us"]
@@ -437,17 +429,12 @@ def query_rotation_prefill(fi, lay: Layout, stored, rope, scale, bench, gen) -> 
     idx = lay.indices.view(B, ppr)
 
     def plan(n_seq, q_per, pages_per, indices, causal, backend="auto"):
-        ws = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
-        w = fi.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=backend)
-        w.plan(
+        return flashinfer_prefill(
+            fi, torch.empty(256 << 20, dtype=torch.uint8, device=dev),
             torch.arange(0, n_seq * q_per + 1, q_per, dtype=torch.int32, device=dev),
             torch.arange(0, n_seq * pages_per + 1, pages_per, dtype=torch.int32, device=dev),
-            indices.contiguous(),
-            torch.full((n_seq,), PAGE, dtype=torch.int32, device=dev),
-            Q_HEADS, KV_HEADS, HEAD_DIM, PAGE,
-            causal=causal, pos_encoding_mode="NONE", q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16,
-        )
-        return w
+            indices.contiguous(), causal, backend,
+        )  # fmt: skip
 
     pre_c = plan(B * CHUNKS, T, cpages, idx[:, : CHUNKS * cpages].reshape(-1), False)
     pre_q = plan(B, T, qpages, idx[:, CHUNKS * cpages :].reshape(-1), True)
