@@ -93,9 +93,8 @@ class PagePool:
             raise ValueError("copy_pages: duplicate destination pages")
         src_t = torch.tensor(src, dtype=torch.long, device=self.device)
         dst_t = torch.tensor(dst, dtype=torch.long, device=self.device)
-        for layer in self.kv:
-            # index_select materializes the source first, so overlapping src/dst is safe.
-            layer.index_copy_(0, dst_t, layer.index_select(0, src_t))
+        # every layer at once; index_select materializes the source first, so overlapping src/dst is safe
+        self.kv_all.index_copy_(1, dst_t, self.kv_all.index_select(1, src_t))
 
     @staticmethod
     def bytes_per_page(
