@@ -17,22 +17,29 @@ every access; a policy never scans the table. Only ready chunks with ref_count 0
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, ClassVar, Literal
-
-if TYPE_CHECKING:
-    from lazyrt.cache.chunk_table import Chunk
+from collections.abc import Sized
+from typing import ClassVar, Literal, Protocol
 
 Access = Literal["insert", "hit", "acquire"]
+
+
+class Evictable(Protocol):
+    """What a policy sees of a ChunkTable entry (lazyrt.cache.chunk_table.Chunk has these fields);
+    a protocol so that the policies do not depend on the table that uses them."""
+
+    priority: float
+    hits: int
+    pages: Sized
 
 
 class EvictionPolicy(ABC):
     name: ClassVar[str]
 
     @abstractmethod
-    def on_access(self, chunk: Chunk, kind: Access, tick: int) -> bool:
+    def on_access(self, chunk: Evictable, kind: Access, tick: int) -> bool:
         """Update ``chunk.priority`` for an access at logical time ``tick``; True if it changed."""
 
-    def on_evict(self, chunk: Chunk) -> None:
+    def on_evict(self, chunk: Evictable) -> None:
         """Called with each chunk chosen for eviction, before it leaves the table."""
         return None
 
@@ -40,7 +47,7 @@ class EvictionPolicy(ABC):
 class LruPolicy(EvictionPolicy):
     name = "lru"
 
-    def on_access(self, chunk: Chunk, kind: Access, tick: int) -> bool:
+    def on_access(self, chunk: Evictable, kind: Access, tick: int) -> bool:
         chunk.priority = float(tick)
         return True
 
@@ -52,17 +59,17 @@ class _AgingFrequencyPolicy(EvictionPolicy):
         self.clock = 0.0
 
     @abstractmethod
-    def value(self, chunk: Chunk) -> float:
+    def value(self, chunk: Evictable) -> float:
         """cost / size of one access to the chunk."""
 
-    def on_access(self, chunk: Chunk, kind: Access, tick: int) -> bool:
+    def on_access(self, chunk: Evictable, kind: Access, tick: int) -> bool:
         if kind == "acquire":
             return False  # a hit was counted by the lookup that found the chunk
         # chunk.hits counts lookup hits; the insert is the first use.
         chunk.priority = self.clock + (chunk.hits + 1) * self.value(chunk)
         return True
 
-    def on_evict(self, chunk: Chunk) -> None:
+    def on_evict(self, chunk: Evictable) -> None:
         # max(): a chunk skipped while referenced may be evicted later with a stale, lower priority.
         self.clock = max(self.clock, chunk.priority)
 
@@ -70,14 +77,14 @@ class _AgingFrequencyPolicy(EvictionPolicy):
 class LfuPolicy(_AgingFrequencyPolicy):
     name = "lfu"
 
-    def value(self, chunk: Chunk) -> float:
+    def value(self, chunk: Evictable) -> float:
         return 1.0  # cost = size (tokens recomputed on a miss)
 
 
 class GdsfPolicy(_AgingFrequencyPolicy):
     name = "gdsf"
 
-    def value(self, chunk: Chunk) -> float:
+    def value(self, chunk: Evictable) -> float:
         return 1.0 / max(len(chunk.pages), 1)  # cost = 1 per miss, size in pages
 
 

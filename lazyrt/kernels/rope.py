@@ -8,13 +8,23 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
-from lazyrt.models.config import ModelConfig
+
+class RopeConfig(Protocol):
+    """The rope fields of a model config (lazyrt.models.config.ModelConfig has them); a protocol so
+    that the kernels do not depend on the model package."""
+
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+
+    @property
+    def rotary_dim(self) -> int: ...
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+def rope_inv_freq(config: RopeConfig) -> torch.Tensor:
     """Inverse frequencies [rotary_dim // 2] in fp32, with llama3 / linear scaling applied."""
     dim = config.rotary_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
@@ -48,7 +58,7 @@ class RopeCache:
         return self.cos.shape[-1]
 
     @classmethod
-    def build(cls, config: ModelConfig, max_positions: int, device: str | torch.device = "cpu") -> RopeCache:
+    def build(cls, config: RopeConfig, max_positions: int, device: str | torch.device = "cpu") -> RopeCache:
         inv_freq = rope_inv_freq(config)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
