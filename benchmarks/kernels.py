@@ -4,7 +4,7 @@ Llama-3.1-8B attention (32 q heads, 8 KV heads, d=128, bf16), page size 16, each
 5 chunks x 2,048 tokens + a 128-token question. One layer's pages; every request has its own
 pages (no L2 sharing), the same pages for every kernel compared.
 
-    python benchmarks/kernels.py --batches 1 4 16 64 --out docs/kernels.json
+    python benchmarks/kernels.py --batches 1 4 16 64 --out docs/data/kernels.json
 
 Rows: lazy decode vs FlashInfer decode (no RoPE), FlashInfer decode with ROPE_LLAMA for scale;
 lazy prefill of the question vs FlashInfer paged prefill (no RoPE); materialize (copy the chunk

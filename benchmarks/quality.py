@@ -6,14 +6,14 @@ reused across questions. `none` (full causal attention, nothing reused) is the q
 `block` and `lazy` both use block attention (each doc attends to the shared prefix and itself),
 `block` by materializing re-rotated copies, `lazy` by rotating keys in the kernel.
 Selective recompute (engine options recompute_policy + recompute_pages / recompute_ratio,
-lazyrt/runtime/recompute.py): `MODE+POLICY<N>` recomputes N pages per doc after the first,
+lazyrt/runtime/scheduler/recompute.py): `MODE+POLICY<N>` recomputes N pages per doc after the first,
 `MODE+POLICY<P>%` P% of those docs' pages, in the request's context; POLICY is head | tail | question.
 `lazy+head2` = the sink fix (first 2 pages of each doc after the first); `lazy+question10%` = the
 10% of pages that best match the question's rarer tokens.
 
-    python benchmarks/quality.py --questions 200 --modes none block lazy --out docs/quality.json
+    python benchmarks/quality.py --questions 200 --modes none block lazy --out docs/data/quality.json
     python benchmarks/quality.py --questions 200 --modes none lazy lazy+head1 lazy+head2 \
-        --max-tokens 32 --out docs/quality_heads.json
+        --max-tokens 32 --out docs/data/quality_heads.json
     python benchmarks/quality.py --merge a.json b.json --out all.json   # runs split over processes
 
 Reports accuracy per mode, greedy-token agreement of lazy with block and with none, answer-level

@@ -1,6 +1,6 @@
 """Host time of one decode step's bookkeeping at RAG shape, no model: plan -> StepMsg -> wire bytes ->
 worker plan -> flattened arrays -> tensors. 64 requests x (prefix + 5 x 2,048-token docs + own run),
-page size 16 (41k page-table entries). Run: python benchmarks/host_step_overhead.py
+page size 16 (41k page-table entries). Run: python benchmarks/experiments/host_step_overhead.py
 """
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ import time
 
 import torch
 
-from lazyrt.runtime.messages import decode, encode
-from lazyrt.runtime.request import Request, Segment
-from lazyrt.runtime.scheduler import ForwardItem, StepPlan
-from lazyrt.runtime.step_inputs import StepInputs
-from lazyrt.runtime.step_wire import StepDecoder, StepEncoder
+from lazyrt.runtime.ipc.messages import decode, encode
+from lazyrt.runtime.scheduler.plan import ForwardItem, StepPlan
+from lazyrt.runtime.scheduler.request import Request, Segment
+from lazyrt.runtime.scheduler.step_wire import StepDecoder, StepEncoder
+from lazyrt.runtime.worker.step_inputs import StepInputs
 from lazyrt.sampling_params import SamplingParams
 
 

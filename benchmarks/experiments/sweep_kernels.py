@@ -1,8 +1,8 @@
 """On-device sweep of the lazy attention kernel's tiles at the RAG shape, against FlashInfer.
 
-    python benchmarks/sweep_kernels.py --batches 1 4 16 64 [--decode-batches 1 4] [--skip-flashinfer]
-        [--extend-set full|stages|slots|bound|rot] [--decode-set tiles|flags|rot] [--budget-s S]
-        [--then-bench B...]
+    python benchmarks/experiments/sweep_kernels.py --batches 1 4 16 64 [--decode-batches 1 4]
+        [--skip-flashinfer] [--extend-set full|stages|slots|bound|rot] [--decode-set tiles|flags|rot]
+        [--budget-s S] [--then-bench B...]
 
 Extend (the 128-token question over 5 x 2,048 chunk keys): every (rows, keys/step, warps,
 stages, 16-bit rotation) variant below, timed like benchmarks/kernels.py (median CUDA-graph
