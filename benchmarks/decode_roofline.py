@@ -65,7 +65,7 @@ def decode_step_seconds(eng, prompts: list, steps: int, around_steps=None) -> fl
     each request has its first token), then time `steps` more steps, in which every request decodes.
     around_steps: optional context-manager factory wrapped around the timed steps (a profiler)."""
     from lazyrt import SamplingParams
-    from lazyrt.runtime.request import RequestState
+    from lazyrt.runtime.scheduler.request import RequestState
 
     # early requests decode while later ones prefill: give them room to still be running when timed
     sp = SamplingParams(max_tokens=steps + decode_headroom(prompts), temperature=0.0, ignore_eos=True)

@@ -41,10 +41,10 @@ from rag_workload import WorkloadConfig, build_workload  # noqa: E402
 
 from lazyrt.cache.eviction import EVICTION_POLICIES  # noqa: E402
 from lazyrt.cache.page_pool import PagePool  # noqa: E402
-from lazyrt.runtime.engine_core import EngineCore  # noqa: E402
-from lazyrt.runtime.messages import StepMsg, StepResult  # noqa: E402
-from lazyrt.runtime.request import Request  # noqa: E402
-from lazyrt.runtime.scheduler import Scheduler  # noqa: E402
+from lazyrt.runtime.ipc.messages import StepMsg, StepResult  # noqa: E402
+from lazyrt.runtime.scheduler.engine_core import EngineCore  # noqa: E402
+from lazyrt.runtime.scheduler.request import Request  # noqa: E402
+from lazyrt.runtime.scheduler.scheduler import Scheduler  # noqa: E402
 from lazyrt.sampling_params import SamplingParams  # noqa: E402
 
 DEFAULT_BUDGETS = [20480, 30720, 40960, 61440, 81920, 122880, 163840, 245760]

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from tqdm import tqdm
 
 from lazyrt.batch_input import Job, key, parse_line
-from lazyrt.runtime.recompute import RECOMPUTE_POLICIES
+from lazyrt.config import RECOMPUTE_POLICIES
 
 EXAMPLE = """\
 example:
@@ -137,8 +137,8 @@ def make_runner(args: argparse.Namespace):
         runner = EndpointRunner(args.endpoint, args.concurrency or 8, args.api_key)
         runner.check()
         return runner
-    from lazyrt import Engine
     from lazyrt.batch_runners import LocalRunner
+    from lazyrt.runtime.engine.engine import Engine
 
     opts = ("kv_cache_tokens", "recompute_policy", "recompute_pages", "recompute_ratio")
     kw = {k: getattr(args, k) for k in opts if getattr(args, k) is not None}

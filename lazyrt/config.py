@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lazyrt.cache.eviction import EVICTION_POLICIES
-from lazyrt.runtime.recompute import check_recompute_options
-from lazyrt.runtime.scheduler import CACHE_MODES
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+CACHE_MODES = ("lazy", "block", "prefix", "none")
+# Selective recompute policies (lazyrt/runtime/scheduler/recompute.py picks the pages)
+RECOMPUTE_POLICIES = ("head", "tail", "question")
 
 
 @dataclass
@@ -31,7 +32,7 @@ class EngineConfig:
     max_model_len: int | None = None  # cap on the model's context length
     load_format: str = "auto"
     cuda_graph_max_batch: int = 64  # decode steps up to this batch replay CUDA graphs; 0 = off
-    # Selective recompute (lazy/block only; runtime/recompute.py): pages of the documents after the
+    # Selective recompute (lazy/block only; runtime/scheduler/recompute.py): pages of the documents after the
     # first recomputed in the request's context (own pages; the rest shared from the chunk).
     # Which pages: head | tail | question (IDF-weighted question-token overlap).
     recompute_policy: str = "head"
@@ -67,3 +68,33 @@ class EngineConfig:
         check_recompute_options(
             self.recompute_policy, self.recompute_pages, self.recompute_ratio, self.recompute_head_pages
         )
+
+
+def check_recompute_options(
+    policy: str, pages: int, ratio: float, head_pages: int = 0
+) -> tuple[str, int, float]:
+    """Validates the options; returns (policy, pages per doc, ratio) with the legacy
+    recompute_head_pages=N folded in as (head, N, 0). Raises ValueError naming the bad option."""
+    for name, v in (("recompute_head_pages", head_pages), ("recompute_pages", pages)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(
+                f"{name}={v!r}: must be an integer >= 0 (pages of each document after the first "
+                "recomputed in context; 0 = off)"
+            )
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= ratio <= 1.0:
+        raise ValueError(
+            f"recompute_ratio={ratio!r}: must be a number in [0, 1] (share of the pages of the documents "
+            "after the first recomputed in context; 0 = off)"
+        )
+    if policy not in RECOMPUTE_POLICIES:
+        raise ValueError(f"recompute_policy={policy!r}: must be one of {', '.join(RECOMPUTE_POLICIES)}")
+    if pages and ratio:
+        raise ValueError("recompute_pages and recompute_ratio: set one budget, not both")
+    if head_pages:
+        if pages or ratio or policy != "head":
+            raise ValueError(
+                "recompute_head_pages is the head policy's page budget: use it alone, or use "
+                "recompute_policy with recompute_pages / recompute_ratio"
+            )
+        return "head", head_pages, 0.0
+    return policy, pages, float(ratio)

@@ -10,11 +10,9 @@ import argparse
 import sys
 
 from lazyrt.cache.eviction import EVICTION_POLICIES
-from lazyrt.config import DTYPES, EngineConfig
+from lazyrt.config import CACHE_MODES, DTYPES, RECOMPUTE_POLICIES, EngineConfig
 from lazyrt.models.loader import LOAD_FORMATS
-from lazyrt.runtime.recompute import RECOMPUTE_POLICIES
-from lazyrt.runtime.scheduler import CACHE_MODES
-from lazyrt.runtime.server import ServerOptions, serve
+from lazyrt.runtime.server.serve import ServerOptions, serve
 
 
 def build_parser() -> argparse.ArgumentParser:

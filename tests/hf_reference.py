@@ -198,7 +198,7 @@ def hf_recompute_kv(model, prefix, docs, suffix, recomputed):
 
 def capture_recomputed_kv(engine) -> dict:
     """rid -> per layer, (start_pos, K, V) of each recomputed run segment as the request finishes."""
-    from lazyrt.runtime.request import RequestState
+    from lazyrt.runtime.scheduler.request import RequestState
 
     snaps: dict = {}
     orig = engine.scheduler.finish

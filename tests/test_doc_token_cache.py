@@ -7,9 +7,9 @@ import random
 import pytest
 
 from lazyrt import Engine
-from lazyrt.runtime.doc_token_cache import DocTokenCache
-from lazyrt.runtime.messages import GenerateReq
-from lazyrt.runtime.tokenizer import RequestTokenizer
+from lazyrt.runtime.ipc.messages import GenerateReq
+from lazyrt.runtime.tokenizer.doc_token_cache import DocTokenCache
+from lazyrt.runtime.tokenizer.request_tokenizer import RequestTokenizer
 from lazyrt.sampling_params import SamplingParams
 
 

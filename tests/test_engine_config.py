@@ -7,7 +7,7 @@ import torch
 
 from lazyrt.config import EngineConfig
 from lazyrt.launch import build_parser, main
-from lazyrt.runtime.model_worker import ModelWorker
+from lazyrt.runtime.worker.model_worker import ModelWorker
 
 
 @pytest.mark.parametrize(

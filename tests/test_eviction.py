@@ -200,7 +200,7 @@ def test_randomized_invariants(policy):
 def test_config_and_cli_wiring():
     from lazyrt.config import EngineConfig
     from lazyrt.launch import build_parser
-    from lazyrt.runtime.scheduler import Scheduler
+    from lazyrt.runtime.scheduler.scheduler import Scheduler
 
     with pytest.raises(ValueError, match="eviction_policy='nope': must be one of lru, lfu, gdsf"):
         EngineConfig(eviction_policy="nope").validate()

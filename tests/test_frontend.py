@@ -19,7 +19,7 @@ from lazyrt_frontend import (
 from server_util import DOCS, serve_cpu
 
 from lazyrt import Engine, SamplingParams
-from lazyrt.runtime.rag_template import build_program_prompt
+from lazyrt.runtime.tokenizer.rag_template import build_program_prompt
 
 pytestmark = pytest.mark.slow
 

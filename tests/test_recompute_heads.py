@@ -20,7 +20,7 @@ from lazyrt import Engine, RagPrompt, SamplingParams
 from lazyrt.cache.page_pool import PagePool
 from lazyrt.config import EngineConfig
 from lazyrt.launch import build_parser, main
-from lazyrt.runtime.scheduler import Scheduler
+from lazyrt.runtime.scheduler.scheduler import Scheduler
 
 PS = 16
 GREEDY = SamplingParams(max_tokens=8)

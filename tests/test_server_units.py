@@ -7,8 +7,8 @@ import pickle
 import msgpack
 import pytest
 
-from lazyrt.runtime.detokenizer import IncrementalDetokenizer
-from lazyrt.runtime.messages import GenerateReq, StepItem, StepMsg, TokenBatch, TokenOut, decode, encode
+from lazyrt.runtime.ipc.messages import GenerateReq, StepItem, StepMsg, TokenBatch, TokenOut, decode, encode
+from lazyrt.runtime.tokenizer.detokenizer import IncrementalDetokenizer
 from lazyrt.sampling_params import SamplingParams
 
 

@@ -47,7 +47,7 @@ def test_dense_pages_flag_by_mode(mode, dense, tiny_model_dir):
 
 
 def test_dense_pages_unit_cases():
-    from lazyrt.runtime.step_inputs import StepInputs
+    from lazyrt.runtime.worker.step_inputs import StepInputs
 
     def inputs(pos_base, valid_len, indptr):
         return StepInputs(kv_indptr=indptr, pos_base=pos_base, valid_len=valid_len)
@@ -84,8 +84,8 @@ def _flatten_ref(plan, page_size):
 
 
 def _random_plan(rng, rids, page_size, decode):
-    from lazyrt.runtime.request import Request, Segment
-    from lazyrt.runtime.scheduler import ForwardItem, StepPlan
+    from lazyrt.runtime.scheduler.plan import ForwardItem, StepPlan
+    from lazyrt.runtime.scheduler.request import Request, Segment
 
     plan = StepPlan()
     for rid in rids:
@@ -105,7 +105,7 @@ def _random_plan(rng, rids, page_size, decode):
 
 
 def test_from_plan_matches_python_reference():
-    from lazyrt.runtime.step_inputs import StepInputs
+    from lazyrt.runtime.worker.step_inputs import StepInputs
 
     rng = random.Random()
     for _ in range(30):
@@ -123,9 +123,9 @@ def test_from_plan_matches_python_reference():
 def test_step_wire_sends_segments_once_and_tracks_growth():
     """Decode items after a request's first carry no segments; the worker's kept copy grows with
     target_tokens, and the rebuilt plans flatten exactly like the scheduler's."""
-    from lazyrt.runtime.messages import decode, encode
-    from lazyrt.runtime.step_inputs import StepInputs
-    from lazyrt.runtime.step_wire import StepDecoder, StepEncoder
+    from lazyrt.runtime.ipc.messages import decode, encode
+    from lazyrt.runtime.scheduler.step_wire import StepDecoder, StepEncoder
+    from lazyrt.runtime.worker.step_inputs import StepInputs
 
     rng = random.Random()
     ps = 4
@@ -155,14 +155,14 @@ def test_step_wire_sends_segments_once_and_tracks_growth():
 
 
 def _plan_of(items):
-    from lazyrt.runtime.scheduler import StepPlan
+    from lazyrt.runtime.scheduler.plan import StepPlan
 
     return StepPlan(items=list(items))
 
 
 def test_step_decoder_rejects_unknown_request():
-    from lazyrt.runtime.messages import StepItem, StepMsg
-    from lazyrt.runtime.step_wire import StepDecoder
+    from lazyrt.runtime.ipc.messages import StepItem, StepMsg
+    from lazyrt.runtime.scheduler.step_wire import StepDecoder
 
     with pytest.raises(ValueError, match="without segments"):
         StepDecoder().decode(StepMsg([StepItem([1], 5, None, 0, rid=7, target_tokens=3)]))
@@ -171,9 +171,9 @@ def test_step_decoder_rejects_unknown_request():
 def test_growing_segments_update_their_cached_tables():
     """A run that grows step by step (decode), sometimes by several tokens or onto new pages, and
     one whose pages are replaced: the cached tables always equal a fresh flattening."""
-    from lazyrt.runtime.request import Request, Segment
-    from lazyrt.runtime.scheduler import ForwardItem, StepPlan
-    from lazyrt.runtime.step_inputs import StepInputs
+    from lazyrt.runtime.scheduler.plan import ForwardItem, StepPlan
+    from lazyrt.runtime.scheduler.request import Request, Segment
+    from lazyrt.runtime.worker.step_inputs import StepInputs
 
     rng = random.Random()
     ps = rng.choice([1, 4, 16])

@@ -1,3 +1,13 @@
+"""KV memory and what is cached in it; no tensors move here except inside PagePool.
+
+- page_pool.py: PagePool: the KV pages of all layers (FlashInfer NHD layout) and their allocator.
+- chunk_table.py: ChunkTable: document chunks' KV by content hash, position-free, ref-counted.
+- radix_cache.py: RadixCache: page-granular prefix cache for plain prompts and prefix mode.
+- eviction.py: the chunk eviction policies (lru, lfu, gdsf).
+
+May import: nothing from lazyrt (the scheduler and the worker build on it).
+"""
+
 from lazyrt.cache.chunk_table import Chunk, ChunkTable, ChunkTableStats
 from lazyrt.cache.eviction import EVICTION_POLICIES, EvictionPolicy, make_policy
 from lazyrt.cache.page_pool import OutOfPages, PagePool

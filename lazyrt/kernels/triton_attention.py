@@ -18,7 +18,7 @@ Same contract as `attention_ref.lazy_attention_ref`. One kernel serves decode an
   them, launched with programmatic dependent launch on sm_90+ (MERGE_PDL: 24.4 vs 25.0 us at batch 1,
   no change at 4). With one split the kernel writes the output directly (no merge launch).
 
-(Tried on the H100 and removed, docs/benchmarks.md: a merge fused into the split kernel and lazy
+(Tried on the H100 and removed; git history of docs/benchmarks.md: a merge fused into the split kernel, lazy
 rescale: slower; warp specialization of the unmasked loop: no compile on triton 3.6; the page-table
 scan for decode: within noise.)
 
@@ -35,7 +35,7 @@ bf16, 5 x 2,048 + 128 keys a request, distinct pages per request (benchmarks/ker
   (torch SDPA on contiguous, unrotated K/V: 124 / 86 us: extend has headroom, decode was the goal).
   prefill of the 128-token question, b1 / 4 / 16 / 64: 111 / 341 / 1197 / 4701 us = 0.78 / 1.94 /
   1.69 / 1.49x FlashInfer paged prefill without RoPE (was 146 / 492 / 1940 / 7715 us when the K/V
-  loads sat under a causal-skip branch and were not pipelined). benchmarks/sweep_kernels.py.
+  loads sat under a causal-skip branch and were not pipelined). benchmarks/experiments/sweep_kernels.py.
 Host cost of one eager call is ~110 us (Triton's Python launch path): capture decode in CUDA graphs.
 
 Tunables (swept on that H100; retune per GPU):
@@ -74,7 +74,7 @@ DECODE_STAGES = 2
 # key blocks). Needs a power-of-two page size that divides or is a multiple of the key block; other
 # shapes use the gather. ROT_LOWP: 1 = rotate 16-bit keys in packed 16-bit math, 2 = the angle
 # combination too (gather: same as 1); fp32 math for fp32 KV.
-# H100, RAG shape, b 1/4/16/64 (docs/benchmarks.md "Rotation cost (session 3)"), decode us:
+# H100, RAG shape, b 1/4/16/64, decode us (2026-11-22; git history of docs/benchmarks.md):
 #   gather fp32 23.9 / 71.5 / 244 / 916; gather 16-bit 23.4 / 68.6 / 236 / 899;
 #   angle 16-bit (1, 2) 21.1 / 71.3 / 244 / 917; angle fp32 22.4 / 75.4 / 256 / 1272; angle 2: 2-3x
 #   slower; no rotation 20.4 / 68.3 / 238 / 880; rel. err vs the fp32 reference 2.8e-3 (fp32 math),

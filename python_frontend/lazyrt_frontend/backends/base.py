@@ -14,7 +14,7 @@ class ProgramPrompt:
     """What gen/select send: the conversation so far, its docs and the user turn they belong to.
 
     The last message is the assistant turn being written (continued, not closed). Both backends turn
-    this into the same RagPrompt with lazyrt.runtime.rag_template.build_program_prompt, so each doc
+    this into the same RagPrompt with lazyrt.runtime.tokenizer.rag_template.build_program_prompt, so each doc
     is a position-agnostic chunk conditioned only on the text before its user turn.
     """
 

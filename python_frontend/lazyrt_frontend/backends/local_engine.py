@@ -6,8 +6,8 @@ Requests from many threads (run_batch) go through one EngineLoop thread, so they
 from __future__ import annotations
 
 from lazyrt import Engine, SamplingParams
-from lazyrt.runtime.engine_loop import EngineLoop
-from lazyrt.runtime.rag_template import build_program_prompt
+from lazyrt.runtime.engine.engine_loop import EngineLoop
+from lazyrt.runtime.tokenizer.rag_template import build_program_prompt
 from lazyrt_frontend.backends.base import ProgramPrompt, TextCallback
 
 

@@ -13,9 +13,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from lazyrt.runtime.detokenizer import IncrementalDetokenizer
-from lazyrt.runtime.ipc import PARENT_CHECK_MS, IpcPaths, child_setup, poll, recv, send, socket
-from lazyrt.runtime.messages import (
+from lazyrt.runtime.ipc.messages import (
     AbortReq,
     ControlReq,
     ControlResp,
@@ -26,7 +24,9 @@ from lazyrt.runtime.messages import (
     TokenBatch,
     WorkerReady,
 )
-from lazyrt.runtime.tokenizer import InvalidRequest, RequestTokenizer
+from lazyrt.runtime.ipc.sockets import PARENT_CHECK_MS, IpcPaths, child_setup, poll, recv, send, socket
+from lazyrt.runtime.tokenizer.detokenizer import IncrementalDetokenizer
+from lazyrt.runtime.tokenizer.request_tokenizer import InvalidRequest, RequestTokenizer
 
 logger = logging.getLogger("lazyrt.tokenizer")
 

@@ -16,9 +16,7 @@ import zmq
 
 from lazyrt.cache.page_pool import PagePool
 from lazyrt.config import EngineConfig
-from lazyrt.runtime.engine_core import EngineCore, NoProgress
-from lazyrt.runtime.ipc import PARENT_CHECK_MS, IpcPaths, ParentWatch, child_setup, poll, recv, send, socket
-from lazyrt.runtime.messages import (
+from lazyrt.runtime.ipc.messages import (
     AbortReq,
     ControlReq,
     ControlResp,
@@ -29,8 +27,19 @@ from lazyrt.runtime.messages import (
     TokenizedReq,
     WorkerReady,
 )
-from lazyrt.runtime.request import Request
-from lazyrt.runtime.scheduler import RequestTooLarge, Scheduler
+from lazyrt.runtime.ipc.sockets import (
+    PARENT_CHECK_MS,
+    IpcPaths,
+    ParentWatch,
+    child_setup,
+    poll,
+    recv,
+    send,
+    socket,
+)
+from lazyrt.runtime.scheduler.engine_core import EngineCore, NoProgress
+from lazyrt.runtime.scheduler.request import Request
+from lazyrt.runtime.scheduler.scheduler import RequestTooLarge, Scheduler
 
 logger = logging.getLogger("lazyrt.scheduler")
 

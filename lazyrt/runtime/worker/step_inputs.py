@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from lazyrt.runtime.request import Segment
-from lazyrt.runtime.scheduler import StepPlan
+from lazyrt.runtime.scheduler.plan import StepPlan
+from lazyrt.runtime.scheduler.request import Segment
 
 _I32 = np.int32
 _I64 = np.int64

@@ -7,10 +7,10 @@ import multiprocessing as mp
 import shutil
 
 from lazyrt.config import EngineConfig
-from lazyrt.runtime.ipc import IpcPaths
-from lazyrt.runtime.scheduler_process import run_scheduler_process
-from lazyrt.runtime.tokenizer_process import run_tokenizer_process
-from lazyrt.runtime.worker_process import run_worker_process
+from lazyrt.runtime.ipc.sockets import IpcPaths
+from lazyrt.runtime.scheduler.process import run_scheduler_process
+from lazyrt.runtime.tokenizer.process import run_tokenizer_process
+from lazyrt.runtime.worker.process import run_worker_process
 
 logger = logging.getLogger("lazyrt")
 

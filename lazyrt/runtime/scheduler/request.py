@@ -48,7 +48,7 @@ class Request:
     copied_pages: list[int] = field(default_factory=list)  # block mode: per-use copies of doc pages
     # pending block copies: (chunk pages to copy, destination pages, position delta to re-rotate by)
     copies: list[tuple[list[int], list[int], int]] = field(default_factory=list)
-    # Selective recompute (runtime/recompute.py): the page indices of each doc it recomputes (chosen
+    # Selective recompute (runtime/scheduler/recompute.py): the page indices of each doc it recomputes (chosen
     # once), the pages it owns for them, and the runs still to compute: (index of the run's Segment
     # in `segments`, offset of the first token left in the run, tokens left). They are prefilled in
     # context before (or in the step of) the suffix.

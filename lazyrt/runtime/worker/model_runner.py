@@ -10,8 +10,8 @@ from lazyrt.kernels.backend import make_backend
 from lazyrt.kernels.metadata import AttentionMetadata
 from lazyrt.kernels.rope import RopeCache
 from lazyrt.models.llama import LlamaModel
-from lazyrt.runtime.scheduler import PageCopy, StepPlan
-from lazyrt.runtime.step_inputs import StepInputs
+from lazyrt.runtime.scheduler.plan import PageCopy, StepPlan
+from lazyrt.runtime.worker.step_inputs import StepInputs
 
 
 class ModelRunner:
@@ -33,7 +33,7 @@ class ModelRunner:
 
     def enable_cuda_graphs(self, max_batch: int, max_context: int) -> None:
         """Capture decode graphs for batch sizes up to max_batch (CUDA only)."""
-        from lazyrt.runtime.cuda_graph import DecodeGraphs
+        from lazyrt.runtime.worker.cuda_graph import DecodeGraphs
 
         ps = self.pool.page_size
         # one entry per page plus slack for segments ending in a partly filled page (chunk tails)

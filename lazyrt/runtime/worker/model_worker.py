@@ -12,12 +12,12 @@ from lazyrt.cache.page_pool import PagePool
 from lazyrt.config import EngineConfig
 from lazyrt.models.llama import LlamaModel
 from lazyrt.models.loader import load_model
-from lazyrt.runtime.messages import StepMsg, StepResult, WorkerReady
-from lazyrt.runtime.model_runner import ModelRunner
-from lazyrt.runtime.sampler import sample_tokens
-from lazyrt.runtime.scheduler import StepPlan
-from lazyrt.runtime.step_inputs import StepInputs
-from lazyrt.runtime.step_wire import StepDecoder
+from lazyrt.runtime.ipc.messages import StepMsg, StepResult, WorkerReady
+from lazyrt.runtime.scheduler.plan import StepPlan
+from lazyrt.runtime.scheduler.step_wire import StepDecoder
+from lazyrt.runtime.worker.model_runner import ModelRunner
+from lazyrt.runtime.worker.sampler import sample_tokens
+from lazyrt.runtime.worker.step_inputs import StepInputs
 from lazyrt.sampling_params import SamplingParams
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

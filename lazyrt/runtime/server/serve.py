@@ -16,10 +16,10 @@ from dataclasses import dataclass
 import uvicorn
 
 from lazyrt.config import EngineConfig
-from lazyrt.runtime.http_app import ServerState, create_app
-from lazyrt.runtime.messages import ErrorOut, GenerateReq
-from lazyrt.runtime.pipeline_client import PipelineClient
-from lazyrt.runtime.processes import ProcessGroup
+from lazyrt.runtime.ipc.messages import ErrorOut, GenerateReq
+from lazyrt.runtime.server.app import ServerState, create_app
+from lazyrt.runtime.server.pipeline_client import PipelineClient
+from lazyrt.runtime.server.processes import ProcessGroup
 from lazyrt.sampling_params import SamplingParams
 
 logger = logging.getLogger("lazyrt")

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from lazyrt.kernels.metadata import AttentionMetadata
-from lazyrt.runtime.step_inputs import StepInputs
+from lazyrt.runtime.worker.step_inputs import StepInputs
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128)
 

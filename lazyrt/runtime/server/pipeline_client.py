@@ -11,8 +11,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from lazyrt.runtime.ipc import IpcPaths, socket
-from lazyrt.runtime.messages import (
+from lazyrt.runtime.ipc.messages import (
     AbortReq,
     ControlReq,
     ControlResp,
@@ -23,6 +22,7 @@ from lazyrt.runtime.messages import (
     decode,
     encode,
 )
+from lazyrt.runtime.ipc.sockets import IpcPaths, socket
 
 logger = logging.getLogger("lazyrt.http")
 

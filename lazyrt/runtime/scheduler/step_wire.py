@@ -9,9 +9,9 @@ ForwardItem from the segments it kept. Finished rids (StepMsg.release) are dropp
 
 from __future__ import annotations
 
-from lazyrt.runtime.messages import StepItem, StepMsg
-from lazyrt.runtime.request import Request, Segment
-from lazyrt.runtime.scheduler import ForwardItem, PageCopy, StepPlan
+from lazyrt.runtime.ipc.messages import StepItem, StepMsg
+from lazyrt.runtime.scheduler.plan import ForwardItem, PageCopy, StepPlan
+from lazyrt.runtime.scheduler.request import Request, Segment
 
 
 class StepEncoder:

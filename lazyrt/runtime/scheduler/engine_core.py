@@ -9,10 +9,10 @@ from __future__ import annotations
 import time
 from typing import Protocol
 
-from lazyrt.runtime.messages import StepMsg, StepResult, TokenOut
-from lazyrt.runtime.request import Request
-from lazyrt.runtime.scheduler import Scheduler
-from lazyrt.runtime.step_wire import StepEncoder
+from lazyrt.runtime.ipc.messages import StepMsg, StepResult, TokenOut
+from lazyrt.runtime.scheduler.request import Request
+from lazyrt.runtime.scheduler.scheduler import Scheduler
+from lazyrt.runtime.scheduler.step_wire import StepEncoder
 
 
 class WorkerLink(Protocol):

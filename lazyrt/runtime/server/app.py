@@ -18,7 +18,10 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from lazyrt.runtime.api_protocol import (
+from lazyrt.runtime.ipc.messages import ErrorOut, TextOut
+from lazyrt.runtime.server.metrics import ServerMetrics
+from lazyrt.runtime.server.pipeline_client import PipelineClient
+from lazyrt.runtime.server.protocol import (
     ApiError,
     Parsed,
     parse_chat,
@@ -26,9 +29,6 @@ from lazyrt.runtime.api_protocol import (
     parse_generate,
     parse_score,
 )
-from lazyrt.runtime.messages import ErrorOut, TextOut
-from lazyrt.runtime.metrics import ServerMetrics
-from lazyrt.runtime.pipeline_client import PipelineClient
 
 logger = logging.getLogger("lazyrt.http")
 MAX_BODY_BYTES = 8 << 20

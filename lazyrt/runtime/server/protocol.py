@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from lazyrt.runtime.messages import GenerateReq
+from lazyrt.runtime.ipc.messages import GenerateReq
 from lazyrt.sampling_params import SamplingParams
 
 ROLES = ("system", "user", "assistant")

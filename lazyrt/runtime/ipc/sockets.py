@@ -12,7 +12,7 @@ from typing import Any
 
 import zmq
 
-from lazyrt.runtime.messages import decode, encode
+from lazyrt.runtime.ipc.messages import decode, encode
 
 # Poll timeout for children: how quickly a child notices its parent died.
 PARENT_CHECK_MS = 1000

@@ -10,13 +10,13 @@ from typing import Any
 
 from lazyrt.config import EngineConfig
 from lazyrt.prompt import RagPrompt
-from lazyrt.runtime.detokenizer import IncrementalDetokenizer
-from lazyrt.runtime.doc_token_cache import DocTokenCache
-from lazyrt.runtime.engine_core import EngineCore
-from lazyrt.runtime.model_worker import ModelWorker
-from lazyrt.runtime.rag_template import build_rag_prompt
-from lazyrt.runtime.request import Request, RequestState
-from lazyrt.runtime.scheduler import Scheduler
+from lazyrt.runtime.scheduler.engine_core import EngineCore
+from lazyrt.runtime.scheduler.request import Request, RequestState
+from lazyrt.runtime.scheduler.scheduler import Scheduler
+from lazyrt.runtime.tokenizer.detokenizer import IncrementalDetokenizer
+from lazyrt.runtime.tokenizer.doc_token_cache import DocTokenCache
+from lazyrt.runtime.tokenizer.rag_template import build_rag_prompt
+from lazyrt.runtime.worker.model_worker import ModelWorker
 from lazyrt.sampling_params import SamplingParams
 
 PromptLike = str | Sequence[int] | RagPrompt

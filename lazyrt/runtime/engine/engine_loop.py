@@ -14,9 +14,9 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from lazyrt.engine import Engine, PromptLike
-from lazyrt.runtime.detokenizer import IncrementalDetokenizer
-from lazyrt.runtime.request import Request, RequestState
+from lazyrt.runtime.engine.engine import Engine, PromptLike
+from lazyrt.runtime.scheduler.request import Request, RequestState
+from lazyrt.runtime.tokenizer.detokenizer import IncrementalDetokenizer
 from lazyrt.sampling_params import SamplingParams
 
 TextCallback = Callable[[str], None]

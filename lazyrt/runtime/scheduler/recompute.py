@@ -23,7 +23,8 @@ from __future__ import annotations
 import math
 from collections import Counter
 
-RECOMPUTE_POLICIES = ("head", "tail", "question")
+from lazyrt.config import RECOMPUTE_POLICIES
+
 # A question token found in more than this share of the prompt's doc pages carries no weight.
 COMMON_PAGE_SHARE = 0.5
 
@@ -106,33 +107,3 @@ def page_runs(n_tokens: int, page_size: int, selected: list[int]) -> list[tuple[
         else:
             runs.append((i in chosen, lo, n))
     return runs
-
-
-def check_recompute_options(
-    policy: str, pages: int, ratio: float, head_pages: int = 0
-) -> tuple[str, int, float]:
-    """Validates the options; returns (policy, pages per doc, ratio) with the legacy
-    recompute_head_pages=N folded in as (head, N, 0). Raises ValueError naming the bad option."""
-    for name, v in (("recompute_head_pages", head_pages), ("recompute_pages", pages)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise ValueError(
-                f"{name}={v!r}: must be an integer >= 0 (pages of each document after the first "
-                "recomputed in context; 0 = off)"
-            )
-    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= ratio <= 1.0:
-        raise ValueError(
-            f"recompute_ratio={ratio!r}: must be a number in [0, 1] (share of the pages of the documents "
-            "after the first recomputed in context; 0 = off)"
-        )
-    if policy not in RECOMPUTE_POLICIES:
-        raise ValueError(f"recompute_policy={policy!r}: must be one of {', '.join(RECOMPUTE_POLICIES)}")
-    if pages and ratio:
-        raise ValueError("recompute_pages and recompute_ratio: set one budget, not both")
-    if head_pages:
-        if pages or ratio or policy != "head":
-            raise ValueError(
-                "recompute_head_pages is the head policy's page budget: use it alone, or use "
-                "recompute_policy with recompute_pages / recompute_ratio"
-            )
-        return "head", head_pages, 0.0
-    return policy, pages, float(ratio)

@@ -7,9 +7,9 @@ depend on its neighbours). Errors name the request field at fault.
 from __future__ import annotations
 
 from lazyrt.prompt import RagPrompt
-from lazyrt.runtime.doc_token_cache import DocTokenCache
-from lazyrt.runtime.messages import GenerateReq, TokenizedReq
-from lazyrt.runtime.rag_template import (
+from lazyrt.runtime.ipc.messages import GenerateReq, TokenizedReq
+from lazyrt.runtime.tokenizer.doc_token_cache import DocTokenCache
+from lazyrt.runtime.tokenizer.rag_template import (
     DOC_SEPARATOR,
     build_program_prompt,
     build_rag_chat_prompt,

@@ -7,14 +7,14 @@ import logging
 import zmq
 
 from lazyrt.config import EngineConfig
-from lazyrt.runtime.ipc import PARENT_CHECK_MS, IpcPaths, child_setup, poll, recv, send, socket
+from lazyrt.runtime.ipc.sockets import PARENT_CHECK_MS, IpcPaths, child_setup, poll, recv, send, socket
 
 logger = logging.getLogger("lazyrt.worker")
 
 
 def run_worker_process(cfg: EngineConfig, ipc: IpcPaths, log_level: str) -> None:
     watch = child_setup("worker", log_level)
-    from lazyrt.runtime.model_worker import ModelWorker  # heavy import after setup
+    from lazyrt.runtime.worker.model_worker import ModelWorker  # heavy import after setup
 
     ctx = zmq.Context()
     inbox = socket(ctx, zmq.PULL, ipc.worker_in, bind=True)

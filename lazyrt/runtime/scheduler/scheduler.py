@@ -1,7 +1,7 @@
 """Scheduler: admits requests when their pages fit, resolves chunks, and plans each forward step.
 
 A step mixes chunk prefills (a document's KV, computed once), prefills of request-owned tokens
-(question suffix or uncached prompt, plus recomputed document pages: runtime/recompute.py) and
+(question suffix or uncached prompt, plus recomputed document pages: recompute.py) and
 decodes. Pages a request may still need (its suffix and max_new_tokens, recomputed pages, block
 copies) are reserved at admission, so a running request never waits for memory and a full pool only
 makes new requests wait.
@@ -11,56 +11,14 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from lazyrt.cache.chunk_table import Chunk, ChunkTable
 from lazyrt.cache.page_pool import PagePool
 from lazyrt.cache.radix_cache import RadixCache
-from lazyrt.runtime.recompute import check_recompute_options, page_runs, select_pages
-from lazyrt.runtime.request import Request, RequestState, Segment
-
-if TYPE_CHECKING:
-    from lazyrt.config import EngineConfig
-
-CACHE_MODES = ("lazy", "block", "prefix", "none")
-
-
-@dataclass
-class _ChunkJob:
-    chunk: Chunk
-    cond: Chunk | None  # the prefix chunk it is conditioned on
-
-
-@dataclass
-class ForwardItem:
-    """New tokens of one sequence: they go into `target` and attend to `segments`."""
-
-    token_ids: list[int]
-    start_pos: int
-    segments: list[Segment]
-    target: Segment
-    request: Request | None = None  # sample a token for it from the last position
-    job: _ChunkJob | None = None  # a chunk prefill: mark the chunk ready when the step is done
-
-
-@dataclass
-class PageCopy:
-    """Block mode: copy a chunk's pages and re-rotate their keys by `delta` positions."""
-
-    src: list[int]
-    dst: list[int]
-    delta: int
-
-
-@dataclass
-class StepPlan:
-    items: list[ForwardItem] = field(default_factory=list)
-    copies: list[PageCopy] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(i.token_ids) for i in self.items)
+from lazyrt.config import CACHE_MODES, EngineConfig, check_recompute_options
+from lazyrt.runtime.scheduler.plan import ChunkJob, ForwardItem, PageCopy, StepPlan
+from lazyrt.runtime.scheduler.recompute import page_runs, select_pages
+from lazyrt.runtime.scheduler.request import Request, RequestState, Segment
 
 
 class RequestTooLarge(ValueError):
@@ -96,7 +54,7 @@ class Scheduler:
         )
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.jobs: list[_ChunkJob] = []
+        self.jobs: list[ChunkJob] = []
 
     # ---- intake -------------------------------------------------------------------------------
 
@@ -128,7 +86,7 @@ class Scheduler:
 
     def recompute_selection(self, req: Request) -> list[list[int]]:
         """Indices of each doc's pages the request recomputes in context (its own pages); the rest
-        is served from the chunk. Chosen once per request (runtime/recompute.py)."""
+        is served from the chunk. Chosen once per request (recompute.py)."""
         if req.recompute_sel is None:
             if not (self.recompute_pages or self.recompute_ratio):
                 req.recompute_sel = [[] for _ in req.docs]
@@ -245,7 +203,7 @@ class Scheduler:
         prefix_chunk = found[((), prefix)] if prefix else None
         for (cond, _), c in found.items():
             if not c.ready and all(j.chunk is not c for j in self.jobs):
-                job = _ChunkJob(c, prefix_chunk if cond else None)
+                job = ChunkJob(c, prefix_chunk if cond else None)
                 for x in (job.chunk, job.cond):
                     if x is not None:
                         self.chunks.acquire(x)
@@ -376,7 +334,7 @@ class Scheduler:
         req.own.num_tokens += 1
         return ForwardItem([req.output_ids[-1]], pos, req.segments, req.own, request=req)
 
-    def _chunk_item(self, job: _ChunkJob) -> ForwardItem:
+    def _chunk_item(self, job: ChunkJob) -> ForwardItem:
         c = job.chunk
         start = len(job.cond.tokens) if job.cond else 0
         own = Segment(c.pages, start, c.num_tokens)

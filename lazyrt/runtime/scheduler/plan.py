@@ -1,0 +1,52 @@
+"""The step plan: what the scheduler asks the model worker to run in one forward step.
+
+A StepPlan is the contract between the scheduler (which builds it) and the model worker (which runs
+it): token ids and the KV segments each item attends to, plus block mode's page copies. It crosses
+the process boundary as a StepMsg (step_wire.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lazyrt.cache.chunk_table import Chunk
+from lazyrt.runtime.scheduler.request import Request, Segment
+
+
+@dataclass
+class ChunkJob:
+    """A chunk whose KV the step computes."""
+
+    chunk: Chunk
+    cond: Chunk | None  # the prefix chunk it is conditioned on
+
+
+@dataclass
+class ForwardItem:
+    """New tokens of one sequence: they go into `target` and attend to `segments`."""
+
+    token_ids: list[int]
+    start_pos: int
+    segments: list[Segment]
+    target: Segment
+    request: Request | None = None  # sample a token for it from the last position
+    job: ChunkJob | None = None  # a chunk prefill: mark the chunk ready when the step is done
+
+
+@dataclass
+class PageCopy:
+    """Block mode: copy a chunk's pages and re-rotate their keys by `delta` positions."""
+
+    src: list[int]
+    dst: list[int]
+    delta: int
+
+
+@dataclass
+class StepPlan:
+    items: list[ForwardItem] = field(default_factory=list)
+    copies: list[PageCopy] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(i.token_ids) for i in self.items)

@@ -1,0 +1,16 @@
+"""The HTTP process, first stage of a served request, and the process manager.
+
+- serve.py: `serve()`, run by `python -m lazyrt.launch`: starts the processes, runs uvicorn, checks
+  health, stops everything on a signal or a child's death.
+- processes.py: ProcessGroup, the tokenizer, scheduler and model worker processes.
+- app.py: the FastAPI routes (/generate, /score, /v1/*, /health, /metrics, /cache_stats, ...).
+- protocol.py: request bodies -> GenerateReq, with 4xx errors naming the field.
+- pipeline_client.py: sends GenerateReqs to the tokenizer process, routes TextOuts back per request.
+- metrics.py: Prometheus metrics in the server's own registry.
+
+The top of the process tree: it may start every process, but it never touches the model or the
+caches itself (the scheduler and worker run elsewhere).
+
+May import: lazyrt.config, lazyrt.sampling_params, lazyrt.runtime.ipc, and the process entry
+points lazyrt.runtime.tokenizer, lazyrt.runtime.scheduler, lazyrt.runtime.worker.
+"""

@@ -1,0 +1,11 @@
+"""The tokenizer process: text in, token ids out; sampled tokens in, text out.
+
+- process.py: the process loop (TokenizerLoop): GenerateReq -> TokenizedReq towards the scheduler,
+  TokenBatch -> TextBatch towards HTTP; finishes a request when a stop string appears.
+- request_tokenizer.py: RequestTokenizer (validation, limits, errors that name the field).
+- rag_template.py: chat templates with documents (the prompt as prefix, documents, question).
+- doc_token_cache.py: a popular document's text is tokenized once.
+- detokenizer.py: incremental detokenization (whole characters only, stop strings held back).
+
+May import: lazyrt.prompt, lazyrt.sampling_params, lazyrt.runtime.ipc
+"""

@@ -1,0 +1,12 @@
+"""The model worker process: the only owner of the device, the weights and the KV page tensors.
+
+- process.py: the process loop: one StepMsg in, one StepResult (sampled tokens) out.
+- model_worker.py: ModelWorker: loads the model, sizes the KV pool, executes a step, samples.
+- model_runner.py: ModelRunner: a StepPlan -> attention metadata -> forward -> logits.
+- step_inputs.py: a StepPlan flattened to host int arrays (token ids, page tables, store slots).
+- cuda_graph.py: decode steps replayed from CUDA graphs.
+- sampler.py: greedy / temperature / top-k / top-p, seeded per request.
+
+May import: lazyrt.cache, lazyrt.config, lazyrt.kernels, lazyrt.models, lazyrt.sampling_params,
+lazyrt.runtime.ipc, lazyrt.runtime.scheduler (the plan types and the StepMsg decoder only)
+"""
