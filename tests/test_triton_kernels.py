@@ -118,9 +118,19 @@ def small_blocks(monkeypatch):
     monkeypatch.setattr(ta, "EXTEND_ROWS", 16)
 
 
+def random_entry_logits(meta: AttentionMetadata) -> None:
+    """Random per-entry logit scales (temperatures 0.5-2) and log masses, some entries left at 1 / 0."""
+    n = meta.kv_indices.numel()
+    on = torch.rand(n) < 0.7
+    meta.entry_logit_scale = torch.where(on, torch.empty(n).uniform_(0.5, 2.0), torch.ones(n))
+    meta.entry_log_mass = torch.where(on, torch.empty(n).uniform_(-1.5, 1.5), torch.zeros(n))
+
+
 def check_attention(q_lens, group, kv_heads, head_dim, page_size, dtype, rotate, llama3=False,
-                    num_splits=None, rotary_dim=None, **batch):
+                    num_splits=None, rotary_dim=None, entry_logits=False, **batch):
     kv, meta = make_batch(q_lens, page_size, kv_heads, head_dim, dtype, rotate, **batch)
+    if entry_logits:
+        random_entry_logits(meta)
     rope = make_rope(head_dim, llama3, rotary_dim)
     q = torch.randn(sum(q_lens), kv_heads * group, head_dim).to(dtype)
     scale = head_dim**-0.5
@@ -184,6 +194,88 @@ def test_extend(request, group, head_dim, page_size, dtype, rotate, llama3, num_
         request.getfixturevalue("small_blocks")
     q_lens = [random.randint(2, 23), 1, random.randint(17, 40)]
     check_attention(q_lens, group, 1, head_dim, page_size, dtype, rotate, llama3, num_splits)
+
+
+@pytest.mark.parametrize(
+    "q_lens,group,head_dim,page_size,dtype,num_splits,full_pages",
+    [
+        ([1, 1, 1], 4, 64, 8, torch.float32, 3, False),  # decode, split + merge
+        ([1, 1], 8, 64, 16, torch.float16, 1, True),  # decode, whole pages
+        ([9, 1, 23], 4, 64, 8, torch.float32, None, False),  # extend, masked blocks
+        ([40, 1], 2, 64, 8, torch.float16, 3, True),  # extend, unmasked blocks and splits
+    ],
+)
+def test_entry_logits(small_blocks, q_lens, group, head_dim, page_size, dtype, num_splits, full_pages):
+    # Per-entry logit scale and log mass (APE-style document attention) in every code path of the kernel
+    check_attention(q_lens, group, 2, head_dim, page_size, dtype, True, num_splits=num_splits, docs=4,
+                    shuffle=not full_pages, full_pages=full_pages, entry_logits=True)
+
+
+@pytest.mark.parametrize("q_lens", [[1, 1], [7, 12]])
+def test_entry_logits_neutral_is_bit_identical(small_blocks, q_lens):
+    # scale 1 and log mass 0 on every entry = no transform, bit for bit (kernel and reference)
+    kv, meta = make_batch(q_lens, 8, 2, 64, torch.float32, True, docs=3)
+    rope = make_rope(64)
+    q = torch.randn(sum(q_lens), 8, 64)
+    plain_ref = lazy_attention_ref(q, kv, meta, rope, 0.125)
+    plain = ta.lazy_attention_triton(q, kv, meta, rope, 0.125)
+    n = meta.kv_indices.numel()
+    meta.entry_logit_scale, meta.entry_log_mass = torch.ones(n), torch.zeros(n)
+    assert torch.equal(lazy_attention_ref(q, kv, meta, rope, 0.125), plain_ref)
+    assert torch.equal(ta.lazy_attention_triton(q, kv, meta, rope, 0.125), plain)
+
+
+def test_entry_logits_reference_is_a_merge_of_two_attentions():
+    # Independent formulation: attention over the "document" entries at temperature T, and over the
+    # rest at 1, merged by log-sum-exp with the documents' mass scaled by S, on materialized keys.
+    page_size, kv_heads, group, d = 8, 2, 2, 32
+    kv, meta = make_batch([5, 1], page_size, kv_heads, d, torch.float32, True, docs=3)
+    rope = make_rope(d)
+    sm = d**-0.5
+    q = torch.randn(6, kv_heads * group, d)
+    n = meta.kv_indices.numel()
+    is_doc = torch.rand(n) < 0.6
+    temp, mass_scale = 0.7, 1.8
+    meta.entry_logit_scale = torch.where(is_doc, torch.full((n,), 1 / temp), torch.ones(n))
+    meta.entry_log_mass = torch.where(is_doc, torch.full((n,), float(torch.tensor(mass_scale).log())),
+                                      torch.zeros(n))
+    out = lazy_attention_ref(q, kv, meta, rope, sm)
+    qo, kvp = meta.qo_indptr.tolist(), meta.kv_indptr.tolist()
+    for b in range(meta.batch_size):
+        parts = []  # (log-sum-exp [H, Q], output [Q, H, D]) of the doc keys and of the others
+        for want_doc, t, s in ((True, temp, mass_scale), (False, 1.0, 1.0)):
+            keys, vals, kpos = [], [], []
+            for e in range(kvp[b], kvp[b + 1]):
+                if bool(is_doc[e]) != want_doc:
+                    continue
+                vl, base, page = int(meta.valid_len[e]), int(meta.pos_base[e]), int(meta.kv_indices[e])
+                pos = torch.arange(base, base + vl)
+                keys.append(apply_rope_ref(kv[page, 0, :vl].float(), pos, rope))  # materialized rotation
+                vals.append(kv[page, 1, :vl].float())
+                kpos.append(pos)
+            qb = q[qo[b] : qo[b + 1]]
+            if not keys:
+                parts.append((torch.full((qb.shape[1], qb.shape[0]), float("-inf")), torch.zeros_like(qb)))
+                continue
+            k = torch.cat(keys).repeat_interleave(group, dim=1)
+            v = torch.cat(vals).repeat_interleave(group, dim=1)
+            logits = torch.einsum("qhd,khd->hqk", qb, k) * sm / t
+            visible = torch.cat(kpos)[None, :] <= meta.positions[qo[b] : qo[b + 1]][:, None]
+            logits = logits.masked_fill(~visible[None], float("-inf"))
+            lse = torch.logsumexp(logits, dim=-1) + torch.tensor(s).log()  # [H, Q]
+            o = torch.einsum("hqk,khd->qhd", torch.softmax(logits, dim=-1).nan_to_num(), v)
+            parts.append((lse, o))
+        (lse_d, o_d), (lse_o, o_o) = parts
+        w = torch.softmax(torch.stack([lse_d, lse_o]), dim=0).transpose(1, 2)[..., None]  # [2, Q, H, 1]
+        expect = w[0] * o_d + w[1] * o_o
+        torch.testing.assert_close(out[qo[b] : qo[b + 1]], expect, rtol=1e-5, atol=1e-5)
+
+
+def test_entry_logits_need_both_fields():
+    kv, meta = make_batch([1], 8, 1, 32, torch.float32, True)
+    meta.entry_logit_scale = torch.ones(meta.kv_indices.numel())
+    with pytest.raises(ValueError, match="entry_log_mass"):
+        lazy_attention_ref(torch.randn(1, 1, 32), kv, meta, make_rope(32), 0.1)
 
 
 def test_extend_causal_block_edge(small_blocks):

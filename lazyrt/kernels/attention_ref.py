@@ -28,6 +28,17 @@ def gather_keys_values(
     return pages[:, 0][valid], pages[:, 1][valid], pos
 
 
+def per_key(
+    scale: torch.Tensor, mass: torch.Tensor, valid_len: torch.Tensor, e0: int, e1: int, page_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Entries e0..e1's logit scale and log mass repeated for each valid slot, in gather order."""
+    n = valid_len[e0:e1].long().clamp(0, page_size)
+    return (
+        torch.repeat_interleave(scale[e0:e1].float(), n),
+        torch.repeat_interleave(mass[e0:e1].float(), n),
+    )
+
+
 def lazy_attention_ref(
     q: torch.Tensor,
     kv: torch.Tensor,
@@ -38,12 +49,14 @@ def lazy_attention_ref(
     """Attention of new tokens q [T, q_heads, head_dim] (already rotated) over paged K/V.
 
     With meta.rotate_keys, each key is rotated by pos_base + slot here, at attention time; otherwise
-    keys are taken as stored (already rotated). Computes in fp32, returns q's dtype.
+    keys are taken as stored (already rotated). With meta.entry_logit_scale / entry_log_mass, each
+    key's logit is scaled and shifted by its entry's values. Computes in fp32, returns q's dtype.
     """
     out = torch.empty_like(q)
     q_heads, kv_heads = q.shape[1], kv.shape[3]
     group = q_heads // kv_heads
     qo, kvp = meta.qo_indptr.tolist(), meta.kv_indptr.tolist()
+    entry_logits = meta.has_entry_logits
     for b in range(meta.batch_size):
         e0, e1 = kvp[b], kvp[b + 1]
         k, v, kpos = gather_keys_values(
@@ -56,6 +69,11 @@ def lazy_attention_ref(
         k = k.float().repeat_interleave(group, dim=1)
         v = v.float().repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", qb, k) * sm_scale
+        if entry_logits:
+            scale, mass = per_key(
+                meta.entry_logit_scale, meta.entry_log_mass, meta.valid_len, e0, e1, kv.shape[2]
+            )
+            scores = scores * scale + mass
         visible = kpos[None, :] <= qpos[:, None]
         scores = scores.masked_fill(~visible[None], float("-inf"))
         probs = torch.softmax(scores, dim=-1)

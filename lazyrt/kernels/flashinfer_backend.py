@@ -38,7 +38,10 @@ class FlashInferPrefillBackend:
         self._planned: AttentionMetadata | None = None
 
     def handles(self, meta: AttentionMetadata) -> bool:
-        return meta.dense_pages and not meta.rotate_keys and meta.max_q_len > 1
+        # no per-entry logit transform in FlashInfer's kernels: those steps go to Triton
+        return (
+            meta.dense_pages and not meta.rotate_keys and meta.max_q_len > 1 and not meta.has_entry_logits
+        )
 
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata

@@ -31,6 +31,18 @@ class AttentionMetadata:
     # Every sequence's table is pages 0.. of its positions, all full but the last: the layout
     # plain paged attention (FlashInfer) understands.
     dense_pages: bool = False
+    # Per-entry transform of the attention logits (None = off; both set or neither): a key of entry e
+    # scores logit * entry_logit_scale[e] + entry_log_mass[e], where logit = sm_scale * q.k. So
+    # 1 / entry_logit_scale is a temperature on the entry's keys and exp(entry_log_mass) a factor on
+    # the attention mass they receive (APE-style document attention; scale 1 and mass 0 change nothing).
+    entry_logit_scale: torch.Tensor | None = None  # [E] float32
+    entry_log_mass: torch.Tensor | None = None  # [E] float32
+
+    @property
+    def has_entry_logits(self) -> bool:
+        if (self.entry_logit_scale is None) != (self.entry_log_mass is None):
+            raise ValueError("entry_logit_scale and entry_log_mass: set both or neither")
+        return self.entry_logit_scale is not None
 
     @property
     def batch_size(self) -> int:

@@ -260,6 +260,7 @@ def _rotated_halves_angle(
 def _attend_block(
     blk, m_i, l_i, acc, q1, q2, q3, qpos, cs_slot, ss_slot,
     kv_ptr, kv_indices_ptr, pos_base_ptr, valid_len_ptr, cos_ptr, sin_ptr,
+    logit_scale_ptr, log_mass_ptr,
     e_begin, e_lo, e_hi, kvh, sm_scale_log2,
     stride_kp, stride_kk, stride_ks, stride_kh, stride_cos,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -267,6 +268,7 @@ def _attend_block(
     HEAD_DIM: tl.constexpr, HEAD_P: tl.constexpr,
     ROTATE: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr,
     ROT_LOWP: tl.constexpr, ANGLE: tl.constexpr, NP: tl.constexpr, SP: tl.constexpr, HOIST: tl.constexpr,
+    ENTRY_LOGITS: tl.constexpr,
 ):
     """One key block into the online softmax. MASKED=False: the caller guarantees every key of the
     block is a valid slot of an entry in range and visible to every query row (no load/score masks)."""
@@ -337,6 +339,15 @@ def _attend_block(
         k3 = tl.load(kv_ptr + k_off[:, None] + 2 * HALF + cr[None, :],
                      mask=tok_ok[:, None] & cr_ok[None, :], other=0.0)
         s = tl.dot(q3, tl.trans(k3), s, input_precision=DOT_PREC)
+    if ENTRY_LOGITS:
+        # per-entry logit * scale + log_mass, kept in s's unscaled units (the mass divided by sm_scale)
+        if MASKED:
+            e_scale = tl.load(logit_scale_ptr + e_begin + ent, mask=ent_ok, other=1.0)
+            e_mass = tl.load(log_mass_ptr + e_begin + ent, mask=ent_ok, other=0.0)
+        else:
+            e_scale = tl.load(logit_scale_ptr + e_begin + ent)
+            e_mass = tl.load(log_mass_ptr + e_begin + ent)
+        s = s * e_scale[None, :] + (e_mass * (1.4426950408889634 / sm_scale_log2))[None, :]
     # s stays unscaled: m_i is in scaled log2 units and p = exp2(s * scale - m) is one FMA + exp2.
     if MASKED:
         visible = tok_ok[None, :] & (kpos[None, :] <= qpos[:, None])
@@ -360,7 +371,7 @@ def _attend_block(
 def _lazy_attn_kernel(
     q_ptr, kv_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     qo_indptr_ptr, positions_ptr, kv_indptr_ptr, kv_indices_ptr, pos_base_ptr, valid_len_ptr,
-    cos_ptr, sin_ptr,
+    cos_ptr, sin_ptr, logit_scale_ptr, log_mass_ptr,
     sm_scale_log2, q_blocks, num_splits, num_q_heads,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kp, stride_kk, stride_ks, stride_kh, stride_cos,
@@ -371,6 +382,7 @@ def _lazy_attn_kernel(
     ROTATE: tl.constexpr, SCAN: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
     ROT_LOWP: tl.constexpr, PDL: tl.constexpr,
     ANGLE: tl.constexpr, NP: tl.constexpr, SP: tl.constexpr, HOIST: tl.constexpr,
+    ENTRY_LOGITS: tl.constexpr,
 ):
     if PDL:
         gdc_launch_dependents()  # the merge may launch now; it waits for this grid's results
@@ -459,19 +471,21 @@ def _lazy_attn_kernel(
         m_i, l_i, acc = _attend_block(
             blk, m_i, l_i, acc, q1, q2, q3, qpos, cs_slot, ss_slot,
             kv_ptr, kv_indices_ptr, pos_base_ptr, valid_len_ptr, cos_ptr, sin_ptr,
+            logit_scale_ptr, log_mass_ptr,
             e_begin, e_lo, e_hi, kvh, sm_scale_log2,
             stride_kp, stride_kk, stride_ks, stride_kh, stride_cos,
             PAGE_SIZE, BLOCK_N, HALF, HALF_P, REST, REST_P, HEAD_DIM, HEAD_P, ROTATE, False, DOT_PREC,
-            ROT_LOWP, ANGLE, NP, SP, HOIST,
+            ROT_LOWP, ANGLE, NP, SP, HOIST, ENTRY_LOGITS,
         )
     for blk in range(n_clean, n_blocks):
         m_i, l_i, acc = _attend_block(
             blk, m_i, l_i, acc, q1, q2, q3, qpos, cs_slot, ss_slot,
             kv_ptr, kv_indices_ptr, pos_base_ptr, valid_len_ptr, cos_ptr, sin_ptr,
+            logit_scale_ptr, log_mass_ptr,
             e_begin, e_lo, e_hi, kvh, sm_scale_log2,
             stride_kp, stride_kk, stride_ks, stride_kh, stride_cos,
             PAGE_SIZE, BLOCK_N, HALF, HALF_P, REST, REST_P, HEAD_DIM, HEAD_P, ROTATE, True, DOT_PREC,
-            ROT_LOWP, ANGLE, NP, SP, HOIST,
+            ROT_LOWP, ANGLE, NP, SP, HOIST, ENTRY_LOGITS,
         )
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
@@ -530,7 +544,8 @@ def lazy_attention_triton(
     only size the grid and the splits; a CUDA graph can be captured per bucket), and max_q_len == 1
     selects the decode path, so it must hold. num_splits forces the split-KV count (tests, tuning);
     by default it is picked from the grid size and context length.
-    A query that sees no key gets zeros (the reference gives NaN).
+    A query that sees no key gets zeros (the reference gives NaN). meta.entry_logit_scale /
+    entry_log_mass (optional) scale and shift each entry's logits, as in the reference.
     """
     T, num_q_heads, head_dim = q.shape
     out = torch.empty((T, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
@@ -593,11 +608,17 @@ def lazy_attention_triton(
         part_out = part_lse = out  # unused
     pdl = split and MERGE_PDL and _pdl_ok(q.device)
     entry_align = block_n // page_size if block_n % page_size == 0 else 1
+    entry_logits = meta.has_entry_logits
+    if entry_logits:
+        logit_scale = meta.entry_logit_scale.to(torch.float32).contiguous()
+        log_mass = meta.entry_log_mass.to(torch.float32).contiguous()
+    else:
+        logit_scale = log_mass = meta.pos_base  # unused
 
     _lazy_attn_kernel[(B * q_blocks, num_kv_heads, num_splits)](
         q, kv, out, part_out, part_lse,
         meta.qo_indptr, meta.positions, meta.kv_indptr, meta.kv_indices, meta.pos_base, meta.valid_len,
-        cos, sin,
+        cos, sin, logit_scale, log_mass,
         float(sm_scale) * _LOG2E, q_blocks, num_splits, num_q_heads,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), cos.stride(0),
@@ -608,7 +629,7 @@ def lazy_attention_triton(
         HEAD_DIM=head_dim, HEAD_P=head_p,
         ROTATE=rotate, SCAN=0 if decode else EXTEND_SCAN, SPLIT=split, ROT_LOWP=rot_lowp, PDL=pdl,
         ANGLE=bool(angle), NP=n_parts, SP=part_slots, HOIST=angle == 1 and part_slots == page_size,
-        DOT_PREC="ieee" if kv.dtype == torch.float32 else "tf32",
+        DOT_PREC="ieee" if kv.dtype == torch.float32 else "tf32", ENTRY_LOGITS=entry_logits,
         num_warps=warps, num_stages=stages,
     )
     if split:
