@@ -83,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=-1)
     g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--doc-attention-temperature", type=float, default=None,
+                   help="lazy/block: temperature on the question's logits over document tokens (1 = off)")
+    g.add_argument("--doc-attention-scale", type=float, default=None,
+                   help="lazy/block: factor on the attention mass documents receive (1 = off)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--stop-after", type=int, default=None, help=argparse.SUPPRESS)  # test hook: interrupt
     return p
@@ -165,6 +169,9 @@ def main(argv: list[str] | None = None) -> int:
         "top_k": args.top_k,
         "seed": args.seed,
     }
+    for name in ("doc_attention_temperature", "doc_attention_scale"):
+        if getattr(args, name) is not None:
+            defaults[name] = getattr(args, name)
     try:
         from lazyrt.sampling_params import SamplingParams
 

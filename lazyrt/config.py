@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lazyrt.cache.eviction import EVICTION_POLICIES
+from lazyrt.sampling_params import positive_number
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 CACHE_MODES = ("lazy", "block", "prefix", "none")
@@ -41,6 +42,12 @@ class EngineConfig:
     recompute_ratio: float = 0.0
     # Legacy sink fix: = recompute_policy="head", recompute_pages=N; 0 = off.
     recompute_head_pages: int = 0
+    # Document attention (lazy/block only; APE-style, docs/quality.md): for the tokens after the
+    # documents (question, generated tokens, recomputed pages), logits on document tokens are divided
+    # by this temperature and the attention mass on them is multiplied by this scale. 1 and 1 = plain
+    # block attention. A request's sampling params may override both.
+    doc_attention_temperature: float = 1.0
+    doc_attention_scale: float = 1.0
     seed: int = 0
 
     def validate(self) -> None:
@@ -68,6 +75,7 @@ class EngineConfig:
         check_recompute_options(
             self.recompute_policy, self.recompute_pages, self.recompute_ratio, self.recompute_head_pages
         )
+        check_doc_attention(self.cache_mode, self.doc_attention_temperature, self.doc_attention_scale)
 
 
 def check_recompute_options(
@@ -98,3 +106,16 @@ def check_recompute_options(
             )
         return "head", head_pages, 0.0
     return policy, pages, float(ratio)
+
+
+def check_doc_attention(cache_mode: str, temperature: float, scale: float, where: str = "") -> None:
+    """Validates the document attention temperature and scale (ValueError naming the option); values
+    other than 1 need a mode with document chunks (lazy, block)."""
+    for name, v in (("doc_attention_temperature", temperature), ("doc_attention_scale", scale)):
+        if not positive_number(v):
+            raise ValueError(f"{where}{name}={v!r}: must be a finite number > 0 (1 = off)")
+        if v != 1 and cache_mode not in ("lazy", "block"):
+            raise ValueError(
+                f"{where}{name}={v!r}: needs cache_mode lazy or block (documents attended as chunks); "
+                f"cache_mode is {cache_mode!r}"
+            )

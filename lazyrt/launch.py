@@ -100,6 +100,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.recompute_ratio,
         help="selective recompute budget: share (0-1) of the pages of the documents after the first; 0 = off",
     )
+    p.add_argument(
+        "--doc-attention-temperature",
+        type=float,
+        default=d.doc_attention_temperature,
+        help="lazy/block: the question's and generated tokens' logits on document tokens are divided by "
+        "this (APE-style; < 1 sharpens); 1 = plain block attention; per request: sampling_params",
+    )
+    p.add_argument(
+        "--doc-attention-scale",
+        type=float,
+        default=d.doc_attention_scale,
+        help="lazy/block: the attention mass on document tokens is multiplied by this; 1 = off; "
+        "per request: sampling_params",
+    )
     p.add_argument("--seed", type=int, default=d.seed, help="seed for dummy weights")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (except /health)")
     p.add_argument("--served-model-name", default=None, help="model name in the API; default from --model")
@@ -130,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
         recompute_policy=args.recompute_policy,
         recompute_pages=args.recompute_pages,
         recompute_ratio=args.recompute_ratio,
+        doc_attention_temperature=args.doc_attention_temperature,
+        doc_attention_scale=args.doc_attention_scale,
         seed=args.seed,
     )
     try:

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+
+def positive_number(v: object) -> bool:
+    return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) and v > 0
 
 
 @dataclass
@@ -14,6 +19,11 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
     ignore_eos: bool = False
+    # Document attention (lazy/block, APE-style; None = the engine's setting): the question's and the
+    # generated tokens' logits on document tokens are divided by doc_attention_temperature and the
+    # attention mass the documents receive is multiplied by doc_attention_scale.
+    doc_attention_temperature: float | None = None
+    doc_attention_scale: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -37,6 +47,10 @@ class SamplingParams:
             raise bad("stop", "must be a list of non-empty strings")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise bad("seed", "must be an integer or None")
+        for name in ("doc_attention_temperature", "doc_attention_scale"):
+            v = getattr(self, name)
+            if v is not None and not positive_number(v):
+                raise bad(name, "must be a finite number > 0, or None for the engine's setting")
 
     @classmethod
     def from_dict(cls, d: dict | None) -> SamplingParams:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -228,3 +230,64 @@ def assert_no_leaked_pages(engine) -> None:
     s = engine.cache_stats()
     assert s["held_pages"] == 0
     assert s["free_pages"] + s["chunk_pages"] + s["radix_pages"] == s["total_pages"]
+
+
+def doc_attention_layout(prefix, docs, suffix, temperature: float, scale: float):
+    """rag_layout plus the document attention transform as [N, N] matrices: rows of the suffix (the
+    question and generated tokens) scale their logits on document tokens by 1 / temperature and add
+    log(scale); every other pair is left alone (logit * 1 + 0)."""
+    ids, pos, mask = rag_layout(prefix, docs, suffix)
+    n, P = len(ids), len(prefix)
+    is_doc = torch.zeros(n, dtype=torch.bool)
+    at = P
+    for d in docs:
+        is_doc[at + P : at + P + len(d)] = True  # after the doc's private prefix copy
+        at += P + len(d)
+    is_suffix_row = torch.zeros(n, dtype=torch.bool)
+    is_suffix_row[at:] = True
+    pair = is_suffix_row[:, None] & is_doc[None, :]
+    logit_scale = torch.where(pair, 1.0 / temperature, 1.0)
+    log_mass = torch.where(pair, math.log(scale), 0.0)
+    return ids, pos, mask, logit_scale, log_mass
+
+
+def _pairwise_attention(logit_scale, log_mass):
+    """An HF attention function: softmax(scaling * q.k * logit_scale + log_mass) under the mask."""
+
+    def attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        groups = query.shape[1] // key.shape[1]
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+        sm = scaling if scaling is not None else query.shape[-1] ** -0.5
+        scores = (query @ key.transpose(-1, -2)) * sm
+        q_len, k_len = scores.shape[-2:]
+        scores = scores * logit_scale[-q_len:, :k_len] + log_mass[-q_len:, :k_len]
+        if attention_mask is not None:
+            if attention_mask.dtype == torch.bool:
+                scores = scores.masked_fill(~attention_mask, float("-inf"))
+            else:
+                scores = scores + attention_mask
+        out = torch.softmax(scores.float(), dim=-1).to(value.dtype) @ value
+        return out.transpose(1, 2).contiguous(), None
+
+    return attend
+
+
+@torch.inference_mode()
+def hf_doc_attention_logits(model, prefix, docs, suffix, temperature: float, scale: float) -> torch.Tensor:
+    """Logits [len(suffix), vocab] of the suffix positions under block semantics with the document
+    attention transform, by one full forward with an explicit mask (no lazyrt code)."""
+    from transformers import AttentionInterface
+
+    ids, pos, mask, logit_scale, log_mass = doc_attention_layout(prefix, docs, suffix, temperature, scale)
+    name = "lazyrt_test_pairwise"
+    AttentionInterface.register(name, _pairwise_attention(logit_scale, log_mass))
+    old = model.config._attn_implementation
+    model.config._attn_implementation = name
+    try:
+        logits = model(
+            torch.tensor([ids]), attention_mask=mask[None, None], position_ids=torch.tensor([pos])
+        ).logits
+    finally:
+        model.config._attn_implementation = old
+    return logits[0, -len(suffix) :]

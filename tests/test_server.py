@@ -163,6 +163,23 @@ def test_generate_endpoint_matches_engine_and_stop_strings(server, engine):
     _no_leaks(server)
 
 
+def test_document_attention_per_request_equals_engine(server, oai, engine):
+    # doc_attention_* in sampling_params (and as OpenAI extra body fields) reach the worker through
+    # every process: the same tokens as Engine.rag with the same SamplingParams, streamed or not.
+    extra = {"doc_attention_temperature": 0.5, "doc_attention_scale": 2.0}
+    sp = SamplingParams(max_tokens=12, **extra)
+    want = engine.rag(DOCS, "Where is Quenta?", sampling_params=sp)
+    body = {"text": "Where is Quenta?", "docs": DOCS, "sampling_params": {"max_tokens": 12, **extra}}
+    r = httpx.post(server.url + "/generate", json=body, timeout=60).json()
+    assert r["token_ids"] == want["token_ids"] and r["text"] == want["text"]
+    resp = oai.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "Where is Quenta?"}],
+        max_tokens=12, temperature=0, extra_body={"documents": DOCS, **extra},
+    )  # fmt: skip
+    assert resp.choices[0].message.content == want["text"]
+    _no_leaks(server)
+
+
 def test_chunk_reuse_across_requests_in_stats_and_metrics(server, oai):
     assert httpx.post(server.url + "/flush_cache", timeout=30).status_code == 200
     before = _stats(server)

@@ -88,7 +88,7 @@ class TokenizedReq:
 @message
 @dataclass(slots=True)
 class StepItem:
-    """One sequence's new tokens; segments are [pages, start_pos, num_tokens] in position order.
+    """One sequence's new tokens; segments are [pages, start_pos, num_tokens, is_doc] in position order.
 
     A request's segments and sampling params travel with its first item only; later decode items
     have segments=None and the worker reuses what it kept, with the target run `target_tokens` long.
@@ -102,6 +102,7 @@ class StepItem:
     sampling: SamplingParams | None = None
     target_tokens: int = 0  # with segments=None: the target run's length including the new token
     score_len: int = 0  # report logprobs of this item's last score_len tokens (a scoring prefill)
+    doc_logits: list[float] | None = None  # [logit scale, log mass] on document keys; None = plain
 
 
 @message

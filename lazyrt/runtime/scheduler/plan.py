@@ -31,6 +31,9 @@ class ForwardItem:
     target: Segment
     request: Request | None = None  # sample a token for it from the last position
     job: ChunkJob | None = None  # a chunk prefill: mark the chunk ready when the step is done
+    # Document attention of this item's queries: (logit scale, log mass) on keys of document
+    # segments (= 1 / temperature, log scale); None = plain attention.
+    doc_logits: tuple[float, float] | None = None
 
 
 @dataclass

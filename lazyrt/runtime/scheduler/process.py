@@ -39,7 +39,7 @@ from lazyrt.runtime.ipc.sockets import (
 )
 from lazyrt.runtime.scheduler.engine_core import EngineCore, NoProgress
 from lazyrt.runtime.scheduler.request import Request
-from lazyrt.runtime.scheduler.scheduler import RequestTooLarge, Scheduler
+from lazyrt.runtime.scheduler.scheduler import RequestRejected, Scheduler
 
 logger = logging.getLogger("lazyrt.scheduler")
 
@@ -112,8 +112,8 @@ class SchedulerLoop:
             req.max_new_tokens = msg.max_new_tokens
             try:
                 self.core.add(req)
-            except RequestTooLarge as e:
-                send(self.to_detok, ErrorOut(msg.rid, str(e), "max_tokens"))
+            except RequestRejected as e:
+                send(self.to_detok, ErrorOut(msg.rid, str(e), e.param))
         elif isinstance(msg, AbortReq):
             self.core.abort(msg.rid, msg.reason)
         elif isinstance(msg, ControlReq):

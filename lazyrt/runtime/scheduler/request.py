@@ -17,6 +17,7 @@ class Segment:
     pages: list[int]
     start_pos: int
     num_tokens: int
+    is_doc: bool = False  # a document's tokens (chunk pages, their block copies, recomputed pages)
     # (key, arrays) of its page table, built by step_inputs.segment_table; valid while key holds
     table: tuple | None = field(default=None, repr=False, compare=False)
 
@@ -72,6 +73,8 @@ class Request:
     # before them) in `score_logprobs`, from the prefill step that computes them.
     score_len: int = 0
     score_logprobs: list[float] | None = None
+    # Document attention of its own tokens: (logit scale, log mass) on document keys; None = plain.
+    doc_logits: tuple[float, float] | None = None
 
     @property
     def is_rag(self) -> bool:

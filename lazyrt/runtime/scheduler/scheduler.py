@@ -9,20 +9,32 @@ makes new requests wait.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 
 from lazyrt.cache.chunk_table import Chunk, ChunkTable
 from lazyrt.cache.page_pool import PagePool
 from lazyrt.cache.radix_cache import RadixCache
-from lazyrt.config import CACHE_MODES, EngineConfig, check_recompute_options
+from lazyrt.config import CACHE_MODES, EngineConfig, check_doc_attention, check_recompute_options
 from lazyrt.runtime.scheduler.plan import ChunkJob, ForwardItem, PageCopy, StepPlan
 from lazyrt.runtime.scheduler.recompute import page_runs, select_pages
 from lazyrt.runtime.scheduler.request import Request, RequestState, Segment
 
 
-class RequestTooLarge(ValueError):
-    pass
+class RequestRejected(ValueError):
+    """A request the scheduler cannot take; `param` names the request field at fault."""
+
+    param = "sampling_params"
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        if param is not None:
+            self.param = param
+
+
+class RequestTooLarge(RequestRejected):
+    param = "max_tokens"
 
 
 class Scheduler:
@@ -38,6 +50,8 @@ class Scheduler:
         recompute_policy: str = "head",
         recompute_pages: int = 0,
         recompute_ratio: float = 0.0,
+        doc_attention_temperature: float = 1.0,
+        doc_attention_scale: float = 1.0,
     ):
         if cache_mode not in CACHE_MODES:
             raise ValueError(f"cache_mode={cache_mode!r}: must be one of {', '.join(CACHE_MODES)}")
@@ -52,6 +66,8 @@ class Scheduler:
         self.recompute_policy, self.recompute_pages, self.recompute_ratio = check_recompute_options(
             recompute_policy, recompute_pages, recompute_ratio, recompute_head_pages
         )
+        check_doc_attention(cache_mode, doc_attention_temperature, doc_attention_scale)
+        self.doc_attention = (float(doc_attention_temperature), float(doc_attention_scale))
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.jobs: list[ChunkJob] = []
@@ -71,6 +87,8 @@ class Scheduler:
             recompute_policy=cfg.recompute_policy,
             recompute_pages=cfg.recompute_pages,
             recompute_ratio=cfg.recompute_ratio,
+            doc_attention_temperature=cfg.doc_attention_temperature,
+            doc_attention_scale=cfg.doc_attention_scale,
         )
 
     def pages_for(self, n_tokens: int) -> int:
@@ -126,7 +144,22 @@ class Scheduler:
 
     def add(self, req: Request) -> None:
         self.check_fits(req)
+        req.doc_logits = self.doc_logits_for(req)
         self.waiting.append(req)
+
+    def doc_logits_for(self, req: Request) -> tuple[float, float] | None:
+        """(logit scale, log mass) on document keys for the request's own tokens, None if neutral.
+        Raises RequestRejected when the request asks for document attention the mode cannot give."""
+        p = req.params
+        temp = self.doc_attention[0] if p.doc_attention_temperature is None else p.doc_attention_temperature
+        scale = self.doc_attention[1] if p.doc_attention_scale is None else p.doc_attention_scale
+        try:
+            check_doc_attention(self.cache_mode, temp, scale, where="sampling_params.")
+        except ValueError as e:
+            raise RequestRejected(str(e), str(e).split("=", 1)[0]) from None
+        if temp == 1 and scale == 1:
+            return None
+        return (1.0 / temp, math.log(scale))
 
     @property
     def has_work(self) -> bool:
@@ -222,18 +255,18 @@ class Scheduler:
             # never written) and request-owned pages recomputed in context with the suffix.
             for recompute, lo, n in page_runs(len(d), self.page_size, sel):
                 if recompute:
-                    seg = Segment(self.pool.alloc(self.pages_for(n)), pos + lo, n)
+                    seg = Segment(self.pool.alloc(self.pages_for(n)), pos + lo, n, is_doc=True)
                     req.recomputed_pages += seg.pages
                     req.pending_recompute.append((len(req.segments), 0, list(d[lo : lo + n])))
                 else:
                     req.cached_tokens += n if hit else 0
                     src = c.pages[lo // self.page_size : lo // self.page_size + self.pages_for(n)]
                     if self.cache_mode == "block":
-                        seg = Segment(self.pool.alloc(len(src)), pos + lo, n)
+                        seg = Segment(self.pool.alloc(len(src)), pos + lo, n, is_doc=True)
                         req.copied_pages += seg.pages
                         req.copies.append((src, seg.pages, pos - len(prefix)))
                     else:
-                        seg = Segment(src, pos + lo, n)
+                        seg = Segment(src, pos + lo, n, is_doc=True)
                 req.segments.append(seg)
             pos += len(d)
         if prefix and existed[((), prefix)]:
@@ -307,7 +340,11 @@ class Scheduler:
         items = []
         for idx, lo, tokens in req.pending_recompute:
             seg = req.segments[idx]
-            items.append(ForwardItem(tokens, seg.start_pos + lo, req.segments[: idx + 1], seg))
+            items.append(
+                ForwardItem(
+                    tokens, seg.start_pos + lo, req.segments[: idx + 1], seg, doc_logits=req.doc_logits
+                )
+            )
         req.pending_recompute = []
         return items
 
@@ -320,8 +357,16 @@ class Scheduler:
             idx, lo, tokens = req.pending_recompute[0]
             n = min(len(tokens), budget - taken)
             seg = req.segments[idx]
-            view = Segment(seg.pages, seg.start_pos, lo + n)
-            plan.items.append(ForwardItem(tokens[:n], seg.start_pos + lo, req.segments[:idx] + [view], view))
+            view = Segment(seg.pages, seg.start_pos, lo + n, is_doc=seg.is_doc)
+            plan.items.append(
+                ForwardItem(
+                    tokens[:n],
+                    seg.start_pos + lo,
+                    req.segments[:idx] + [view],
+                    view,
+                    doc_logits=req.doc_logits,
+                )
+            )
             if n == len(tokens):
                 req.pending_recompute.pop(0)
             else:
@@ -332,7 +377,9 @@ class Scheduler:
     def _decode_item(self, req: Request) -> ForwardItem:
         pos = req.own.start_pos + req.own.num_tokens
         req.own.num_tokens += 1
-        return ForwardItem([req.output_ids[-1]], pos, req.segments, req.own, request=req)
+        return ForwardItem(
+            [req.output_ids[-1]], pos, req.segments, req.own, request=req, doc_logits=req.doc_logits
+        )
 
     def _chunk_item(self, job: ChunkJob) -> ForwardItem:
         c = job.chunk
@@ -355,7 +402,9 @@ class Scheduler:
         if last:
             req.state = RequestState.DECODE  # its first token is sampled from this step
         pos = req.own.start_pos + done
-        return ForwardItem(tokens, pos, req.segments, req.own, request=req if last else None)
+        return ForwardItem(
+            tokens, pos, req.segments, req.own, request=req if last else None, doc_logits=req.doc_logits
+        )
 
     # ---- results ------------------------------------------------------------------------------
     def on_step_done(self, plan: StepPlan) -> None:

@@ -2,9 +2,9 @@
 
 A request's page table is hundreds of pages (5 documents x 2,048 tokens = 640 pages) and does not
 change after admission except for its own run growing by one token a step. So both ends keep state:
-StepEncoder sends a request's segments and sampling params once, with its first item; its decode
-items then carry only the new token and the target run's length, and StepDecoder rebuilds the
-ForwardItem from the segments it kept. Finished rids (StepMsg.release) are dropped on both sides.
+StepEncoder sends a request's segments, sampling params and document attention once, with its first
+item; its decode items then carry only the new token and the target run's length, and StepDecoder
+rebuilds the ForwardItem from what it kept. Finished rids (StepMsg.release) are dropped on both sides.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ class StepEncoder:
         if target is None:
             segs.append(it.target)
             target = len(segs) - 1
+        doc_logits = list(it.doc_logits) if it.doc_logits is not None else None
         if req is not None and len(it.token_ids) == 1 and req.rid in self._sent:
             return StepItem(
                 list(it.token_ids),
@@ -48,12 +49,13 @@ class StepEncoder:
         return StepItem(
             token_ids=list(it.token_ids),
             start_pos=it.start_pos,
-            segments=[[list(s.pages), s.start_pos, s.num_tokens] for s in segs],
+            segments=[[list(s.pages), s.start_pos, s.num_tokens, s.is_doc] for s in segs],
             target=target,
             rid=req.rid if req is not None else -1,
             sampling=req.params if req is not None else None,
             # only the prefill item (no output yet) holds the scored prompt tokens
             score_len=req.score_len if req is not None and not req.output_ids else 0,
+            doc_logits=doc_logits,
         )
 
 
@@ -61,8 +63,8 @@ class StepDecoder:
     """Worker side: rebuilds StepPlans; items to sample from get a stub Request (rid and params)."""
 
     def __init__(self) -> None:
-        # rid -> (segments, the stub Request its items sample for)
-        self._known: dict[int, tuple[list[Segment], Request]] = {}
+        # rid -> (segments, the stub Request its items sample for, its document attention)
+        self._known: dict[int, tuple[list[Segment], Request, tuple | None]] = {}
 
     def __len__(self) -> int:
         return len(self._known)
@@ -75,16 +77,25 @@ class StepDecoder:
             if it.segments is None:
                 if it.rid not in self._known:
                     raise ValueError(f"step item for request {it.rid} without segments, and none kept")
-                segs, req = self._known[it.rid]
+                segs, req, doc_logits = self._known[it.rid]
                 segs[it.target].num_tokens = it.target_tokens
             else:
-                segs = [Segment(list(p), s, n) for p, s, n in it.segments]
+                segs = [Segment(list(p), s, n, bool(d)) for p, s, n, d in it.segments]
+                doc_logits = tuple(it.doc_logits) if it.doc_logits is not None else None
                 req = None
                 if it.rid >= 0:
                     req = Request(it.rid, it.sampling, score_len=it.score_len)
-                    self._known[it.rid] = (segs, Request(it.rid, it.sampling))  # decodes score nothing
+                    # decodes score nothing
+                    self._known[it.rid] = (segs, Request(it.rid, it.sampling), doc_logits)
             plan.items.append(
-                ForwardItem(list(it.token_ids), it.start_pos, segs, segs[it.target], request=req)
+                ForwardItem(
+                    list(it.token_ids),
+                    it.start_pos,
+                    segs,
+                    segs[it.target],
+                    request=req,
+                    doc_logits=doc_logits,
+                )
             )
         plan.copies = [PageCopy(list(s), list(d), delta) for s, d, delta in msg.copies]
         return plan

@@ -7,6 +7,7 @@ stream), POST /v1/completions and POST /v1/chat/completions (OpenAI, plus `docum
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,7 +116,14 @@ def _sampling(src: dict, prefix: str, default_max_tokens: int, default_temperatu
     if seed is not None and not _is_int(seed):
         raise bad(p("seed"), f"must be an integer, got {seed!r}")
     ignore_eos = _bool(src, "ignore_eos") if "ignore_eos" in src else False
+    doc_attention = {}
+    for name in ("doc_attention_temperature", "doc_attention_scale"):
+        v = src.get(name)
+        if v is not None and not (_is_num(v) and math.isfinite(v) and v > 0):
+            raise bad(p(name), f"must be a finite number > 0, got {v!r}")
+        doc_attention[name] = None if v is None else float(v)
     return SamplingParams(
+        **doc_attention,
         max_tokens=max_tokens,
         temperature=float(temperature),
         top_p=float(top_p),

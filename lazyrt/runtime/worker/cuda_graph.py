@@ -72,7 +72,13 @@ class DecodeGraphs:
         return graph, out
 
     def fits(self, s: StepInputs) -> bool:
-        return s.is_decode and len(s.input_ids) <= self.sizes[-1] and s.max_kv_entries <= self.max_entries
+        # steps with document attention (per-entry logit transforms) run eager: no buffers for them
+        return (
+            s.is_decode
+            and s.entry_logit_scale is None
+            and len(s.input_ids) <= self.sizes[-1]
+            and s.max_kv_entries <= self.max_entries
+        )
 
     @torch.inference_mode()
     def run(self, s: StepInputs) -> torch.Tensor:

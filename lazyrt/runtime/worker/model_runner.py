@@ -61,6 +61,9 @@ class ModelRunner:
             # only prefill steps of non-lazy modes can go to FlashInfer: skip the scan otherwise
             dense_pages=not self.rotate_keys and s.max_q_len > 1 and s.dense_pages(self.pool.page_size),
         )
+        if s.entry_logit_scale is not None:
+            meta.entry_logit_scale = t(s.entry_logit_scale, torch.float32)
+            meta.entry_log_mass = t(s.entry_log_mass, torch.float32)
         return t(s.input_ids, torch.long), meta
 
     def copy_pages(self, copies: list[PageCopy]) -> None:

@@ -34,6 +34,9 @@ class StepInputs:
     pos_base: np.ndarray = field(default_factory=_empty)
     valid_len: np.ndarray = field(default_factory=_empty)
     sample_rows: list[int] = field(default_factory=list)  # last token of each item with a request
+    # Per-entry (logit scale, log mass) when some item has document attention; None = plain.
+    entry_logit_scale: np.ndarray | None = None
+    entry_log_mass: np.ndarray | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -71,6 +74,9 @@ class StepInputs:
     def from_plan(cls, plan: StepPlan, page_size: int) -> StepInputs:
         ids, positions, store_pages, store_slots = [], [], [], []
         q_lens, kv_lens, tables = [], [], []
+        # (entries, logit scale, log mass) per segment of an item with document attention, else None
+        entry_logits: list[tuple[int, float, float]] = []
+        any_doc_logits = False
         for item in plan.items:
             n = len(item.token_ids)
             ids.append(item.token_ids)
@@ -91,6 +97,11 @@ class StepInputs:
                 t = segment_table(seg, page_size)
                 tables.append(t)
                 entries += len(t[0])
+                if item.doc_logits is not None and seg.is_doc:
+                    any_doc_logits = True
+                    entry_logits.append((len(t[0]), *item.doc_logits))
+                else:
+                    entry_logits.append((len(t[0]), 1.0, 0.0))
             kv_lens.append(entries)
         s = cls()
         if not plan.items:
@@ -105,6 +116,10 @@ class StepInputs:
             s.kv_indices = np.concatenate([t[0] for t in tables])
             s.pos_base = np.concatenate([t[1] for t in tables])
             s.valid_len = np.concatenate([t[2] for t in tables])
+        if any_doc_logits:
+            counts = np.fromiter((n for n, _, _ in entry_logits), dtype=_I64)
+            s.entry_logit_scale = np.repeat(np.array([x[1] for x in entry_logits], dtype=np.float32), counts)
+            s.entry_log_mass = np.repeat(np.array([x[2] for x in entry_logits], dtype=np.float32), counts)
         s.sample_rows = [
             int(s.qo_indptr[i + 1]) - 1 for i, it in enumerate(plan.items) if it.request is not None
         ]
