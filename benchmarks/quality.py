@@ -9,7 +9,9 @@ Selective recompute (engine options recompute_policy + recompute_pages / recompu
 lazyrt/runtime/scheduler/recompute.py): `MODE+POLICY<N>` recomputes N pages per doc after the first,
 `MODE+POLICY<P>%` P% of those docs' pages, in the request's context; POLICY is head | tail | question.
 `lazy+head2` = the sink fix (first 2 pages of each doc after the first); `lazy+question10%` = the
-10% of pages that best match the question's rarer tokens.
+10% of pages that best match the question's rarer tokens. A `/apeT,S` suffix adds document attention
+(temperature T and scale S on the question's attention to the documents): `lazy/ape0.7,1.5`,
+`lazy+tail2/ape0.7,1.5`.
 
     python benchmarks/quality.py --questions 200 --modes none block lazy --out docs/data/quality.json
     python benchmarks/quality.py --questions 200 --modes none lazy lazy+head1 lazy+head2 \
@@ -42,9 +44,20 @@ BASE_MODES = ("none", "prefix", "block", "lazy")
 _RECOMPUTE_MODE = re.compile(r"^(lazy|block)\+(head|tail|question)(\d+(?:\.\d+)?)(%?)$")
 
 
+_DOC_ATTENTION = re.compile(r"^(.*)/ape(\d+(?:\.\d+)?),(\d+(?:\.\d+)?)$")
+
+
 def parse_mode(mode: str) -> tuple[str, dict]:
     """'lazy' -> ('lazy', {}); 'lazy+head2' -> ('lazy', {policy head, 2 pages per doc});
-    'lazy+question10%' -> ('lazy', {policy question, ratio 0.1}): cache mode and engine options."""
+    'lazy+question10%' -> ('lazy', {policy question, ratio 0.1}): cache mode and engine options.
+    A '/apeT,S' suffix adds document attention: temperature T, scale S (e.g. lazy/ape0.7,1.5)."""
+    m = _DOC_ATTENTION.match(mode)
+    if m is not None:
+        cache_mode, opts = parse_mode(m.group(1))
+        temp, scale = float(m.group(2)), float(m.group(3))
+        if cache_mode not in ("lazy", "block") or temp <= 0 or scale <= 0:
+            raise argparse.ArgumentTypeError(f"mode {mode!r}: /apeT,S needs lazy or block and T, S > 0")
+        return cache_mode, {**opts, "doc_attention_temperature": temp, "doc_attention_scale": scale}
     if mode in BASE_MODES:
         return mode, {}
     m = _RECOMPUTE_MODE.match(mode)

@@ -62,3 +62,16 @@ def test_checker_accepts_answer_and_rejects_distractor():
     assert is_correct("It has 4,512 employees.", "4512")
     assert not is_correct("It is 14120 metres long.", "4120")  # whole words only
     assert not is_correct("I do not know.", "1873")
+
+
+def test_quality_modes_parse_document_attention():
+    from quality import parse_mode
+
+    assert parse_mode("lazy/ape0.7,1.5") == ("lazy", {"doc_attention_temperature": 0.7,
+                                                      "doc_attention_scale": 1.5})
+    mode, opts = parse_mode("block+tail2/ape1,2")
+    assert mode == "block" and opts == {"recompute_policy": "tail", "recompute_pages": 2,
+                                        "doc_attention_temperature": 1.0, "doc_attention_scale": 2.0}
+    for bad in ("none/ape0.5,1", "lazy/ape0,1", "lazy/ape0.5"):
+        with pytest.raises(Exception, match="mode"):
+            parse_mode(bad)
