@@ -92,3 +92,29 @@ def test_block_copies_fused_kernel_matches_reference():
         del engine
         torch.cuda.empty_cache()
     assert outs[0] == outs[1]
+
+
+
+def test_doc_attention_triton_matches_reference_in_engine():
+    """Document attention on CUDA: the Triton kernel's per-entry logits give the torch reference
+    attention's greedy tokens inside the engine (decode steps leave the CUDA graphs for eager), and
+    lazy = block (dummy SmolLM2 shape, fp32)."""
+    from lazyrt.kernels.attention_ref import lazy_attention_ref
+
+    rng = random.Random()
+    docs = [[rng.randrange(1000, 40000) for _ in range(rng.randint(20, 90))] for _ in range(6)]
+    prompts = [RagPrompt(list(range(1000, 1010)), rng.sample(docs, 3), question(rng)) for _ in range(8)]
+    sp = SamplingParams(max_tokens=12, ignore_eos=True, doc_attention_temperature=0.7,
+                        doc_attention_scale=1.6)  # fmt: skip
+    outs = {}
+    for mode in ("lazy", "block"):
+        for reference in (False, True):
+            engine = Engine("smollm2-135m", load_format="dummy", device="cuda", dtype="float32",
+                            cache_mode=mode, kv_cache_tokens=32768)  # fmt: skip
+            if reference:
+                backend = getattr(engine.runner.backend, "fallback", engine.runner.backend)
+                backend._attend = lambda q, kv, meta, rope, sm, **_: lazy_attention_ref(q, kv, meta, rope, sm)
+            outs[mode, reference] = [o["token_ids"] for o in engine.generate(prompts, sp)]
+            del engine
+            torch.cuda.empty_cache()
+    assert outs["lazy", False] == outs["lazy", True] == outs["block", False] == outs["block", True]

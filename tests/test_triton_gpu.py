@@ -118,6 +118,23 @@ def test_decode_bf16(batch, num_splits, rotate):
     assert rel_err(out, ref) <= 1e-2
 
 
+@pytest.mark.parametrize(
+    "q_lens,num_splits", [([1] * 4, None), ([1] * 3, 7), ([1, 77, 513], None), ([129], 3)]
+)
+def test_entry_logits_bf16(q_lens, num_splits):
+    # per-entry logit scale / log mass (document attention): decode and extend paths, splits
+    kv, meta = rag_batch(q_lens, docs=4, doc_len=600, rotate_keys=True)
+    n = meta.kv_indices.numel()
+    on = torch.rand(n, device=DEV) < 0.7
+    meta.entry_logit_scale = torch.where(on, torch.empty(n, device=DEV).uniform_(0.5, 2.0), 1.0)
+    meta.entry_log_mass = torch.where(on, torch.empty(n, device=DEV).uniform_(-1.5, 1.5), 0.0)
+    rope = make_rope()
+    q = torch.randn(sum(q_lens), Q_HEADS, HEAD_DIM, device=DEV, dtype=BF16)
+    ref = lazy_attention_ref(q, kv, meta, rope, HEAD_DIM**-0.5)
+    out = lazy_attention_triton(q, kv, meta, rope, HEAD_DIM**-0.5, num_splits=num_splits)
+    assert rel_err(out, ref) <= 1e-2
+
+
 @pytest.mark.parametrize("rotate", [True, False])
 @pytest.mark.parametrize("q_lens,num_splits", [([300], None), ([1, 77, 513], None), ([129, 64], 3)])
 def test_extend_bf16(q_lens, num_splits, rotate):
