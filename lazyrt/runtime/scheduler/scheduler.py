@@ -150,13 +150,16 @@ class Scheduler:
     def doc_logits_for(self, req: Request) -> tuple[float, float] | None:
         """(logit scale, log mass) on document keys for the request's own tokens, None if neutral.
         Raises RequestRejected when the request asks for document attention the mode cannot give."""
-        p = req.params
+        p = req.params  # SamplingParams validated the values themselves
         temp = self.doc_attention[0] if p.doc_attention_temperature is None else p.doc_attention_temperature
         scale = self.doc_attention[1] if p.doc_attention_scale is None else p.doc_attention_scale
-        try:
-            check_doc_attention(self.cache_mode, temp, scale, where="sampling_params.")
-        except ValueError as e:
-            raise RequestRejected(str(e), str(e).split("=", 1)[0]) from None
+        for name, v in (("doc_attention_temperature", temp), ("doc_attention_scale", scale)):
+            if v != 1 and not self.uses_chunks:
+                raise RequestRejected(
+                    f"sampling_params.{name}={v!r}: needs cache_mode lazy or block (documents attended "
+                    f"as chunks); this server runs cache_mode {self.cache_mode!r}",
+                    f"sampling_params.{name}",
+                )
         if temp == 1 and scale == 1:
             return None
         return (1.0 / temp, math.log(scale))

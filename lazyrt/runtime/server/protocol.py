@@ -7,12 +7,11 @@ stream), POST /v1/completions and POST /v1/chat/completions (OpenAI, plus `docum
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any
 
 from lazyrt.runtime.ipc.messages import GenerateReq
-from lazyrt.sampling_params import SamplingParams
+from lazyrt.sampling_params import SamplingParams, positive_number
 
 ROLES = ("system", "user", "assistant")
 # OpenAI fields we cannot honour: reject a non-default value rather than silently ignore it.
@@ -119,7 +118,7 @@ def _sampling(src: dict, prefix: str, default_max_tokens: int, default_temperatu
     doc_attention = {}
     for name in ("doc_attention_temperature", "doc_attention_scale"):
         v = src.get(name)
-        if v is not None and not (_is_num(v) and math.isfinite(v) and v > 0):
+        if v is not None and not positive_number(v):
             raise bad(p(name), f"must be a finite number > 0, got {v!r}")
         doc_attention[name] = None if v is None else float(v)
     return SamplingParams(

@@ -74,9 +74,9 @@ class StepInputs:
     def from_plan(cls, plan: StepPlan, page_size: int) -> StepInputs:
         ids, positions, store_pages, store_slots = [], [], [], []
         q_lens, kv_lens, tables = [], [], []
-        # (entries, logit scale, log mass) per segment of an item with document attention, else None
+        # with document attention in the step: (entries, logit scale, log mass) of every segment
+        doc_logits = any(item.doc_logits is not None for item in plan.items)
         entry_logits: list[tuple[int, float, float]] = []
-        any_doc_logits = False
         for item in plan.items:
             n = len(item.token_ids)
             ids.append(item.token_ids)
@@ -97,11 +97,9 @@ class StepInputs:
                 t = segment_table(seg, page_size)
                 tables.append(t)
                 entries += len(t[0])
-                if item.doc_logits is not None and seg.is_doc:
-                    any_doc_logits = True
-                    entry_logits.append((len(t[0]), *item.doc_logits))
-                else:
-                    entry_logits.append((len(t[0]), 1.0, 0.0))
+                if doc_logits:
+                    on = item.doc_logits is not None and seg.is_doc
+                    entry_logits.append((len(t[0]), *(item.doc_logits if on else (1.0, 0.0))))
             kv_lens.append(entries)
         s = cls()
         if not plan.items:
@@ -116,7 +114,7 @@ class StepInputs:
             s.kv_indices = np.concatenate([t[0] for t in tables])
             s.pos_base = np.concatenate([t[1] for t in tables])
             s.valid_len = np.concatenate([t[2] for t in tables])
-        if any_doc_logits:
+        if doc_logits:
             counts = np.fromiter((n for n, _, _ in entry_logits), dtype=_I64)
             s.entry_logit_scale = np.repeat(np.array([x[1] for x in entry_logits], dtype=np.float32), counts)
             s.entry_log_mass = np.repeat(np.array([x[2] for x in entry_logits], dtype=np.float32), counts)
