@@ -108,14 +108,14 @@ def check_recompute_options(
     return policy, pages, float(ratio)
 
 
-def check_doc_attention(cache_mode: str, temperature: float, scale: float, where: str = "") -> None:
+def check_doc_attention(cache_mode: str, temperature: float, scale: float) -> None:
     """Validates the document attention temperature and scale (ValueError naming the option); values
     other than 1 need a mode with document chunks (lazy, block)."""
     for name, v in (("doc_attention_temperature", temperature), ("doc_attention_scale", scale)):
         if not positive_number(v):
-            raise ValueError(f"{where}{name}={v!r}: must be a finite number > 0 (1 = off)")
+            raise ValueError(f"{name}={v!r}: must be a finite number > 0 (1 = off)")
         if v != 1 and cache_mode not in ("lazy", "block"):
             raise ValueError(
-                f"{where}{name}={v!r}: needs cache_mode lazy or block (documents attended as chunks); "
+                f"{name}={v!r}: needs cache_mode lazy or block (documents attended as chunks); "
                 f"cache_mode is {cache_mode!r}"
             )
