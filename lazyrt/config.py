@@ -10,7 +10,7 @@ from lazyrt.sampling_params import positive_number
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 CACHE_MODES = ("lazy", "block", "prefix", "none")
 # Selective recompute policies (lazyrt/runtime/scheduler/recompute.py picks the pages)
-RECOMPUTE_POLICIES = ("head", "tail", "question")
+RECOMPUTE_POLICIES = ("head", "tail", "question", "deviation")
 
 
 @dataclass
@@ -35,7 +35,8 @@ class EngineConfig:
     cuda_graph_max_batch: int = 64  # decode steps up to this batch replay CUDA graphs; 0 = off
     # Selective recompute (lazy/block only; runtime/scheduler/recompute.py): pages of the documents after the
     # first recomputed in the request's context (own pages; the rest shared from the chunk).
-    # Which pages: head | tail | question (IDF-weighted question-token overlap).
+    # Which pages: head | tail | question (IDF-weighted question-token overlap) | deviation (the
+    # pages whose layer-1 KV moves most when computed in context, CacheBlend-style; one probe step).
     recompute_policy: str = "head"
     # Budget, one of: pages per document after the first, or a share of those documents' pages.
     recompute_pages: int = 0

@@ -72,9 +72,8 @@ class LlamaModel:
     def dtype(self) -> torch.dtype:
         return self.lm_head.dtype
 
-    def _attention(
-        self, i: int, x: torch.Tensor, meta: AttentionMetadata, rope: RopeCache, backend: AttentionBackend
-    ) -> torch.Tensor:
+    def _qkv(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer i's q, k, v [T, heads, head_dim] of the normed input x, before RoPE."""
         c, w, p = self.config, self.w, f"model.layers.{i}.self_attn."
         n = x.shape[0]
         nq, nkv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
@@ -91,6 +90,14 @@ class LlamaModel:
         if c.qk_norm:
             q = rms_norm(q, w[p + "q_norm.weight"], c.rms_norm_eps)
             k = rms_norm(k, w[p + "k_norm.weight"], c.rms_norm_eps)
+        return q, k, v
+
+    def _attention(
+        self, i: int, x: torch.Tensor, meta: AttentionMetadata, rope: RopeCache, backend: AttentionBackend
+    ) -> torch.Tensor:
+        c, w, p = self.config, self.w, f"model.layers.{i}.self_attn."
+        n = x.shape[0]
+        q, k, v = self._qkv(i, x)
         q = self.ops.rope(q, meta.positions, rope)
         o = backend.forward(i, q, k, v, meta)  # k goes in unrotated: the backend decides when to rotate
         return F.linear(o.reshape(n, c.num_heads * c.head_dim), w[p + "o_proj.weight"])
@@ -111,6 +118,31 @@ class LlamaModel:
             nxt = "model.norm.weight" if last else f"model.layers.{i + 1}.input_layernorm.weight"
             x, h = ops.add_rms_norm(self._mlp(i, x), h, w[nxt], c.rms_norm_eps)
         return x
+
+    @torch.inference_mode()
+    def layer_kv(
+        self,
+        input_ids: torch.Tensor,
+        meta: AttentionMetadata,
+        rope: RopeCache,
+        backend: AttentionBackend,
+        layer: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K (unrotated) and V [T, kv_heads, head_dim] at `layer` for the step's tokens: the layers
+        before it run as in forward (their K/V stored where meta says), the rest not at all."""
+        c, w, ops = self.config, self.w, self.ops
+        if not 0 <= layer < c.num_layers:
+            raise ValueError(f"layer={layer}: the model has {c.num_layers} layers")
+        h = F.embedding(input_ids, w["model.embed_tokens.weight"])
+        x = ops.rms_norm(h, w["model.layers.0.input_layernorm.weight"], c.rms_norm_eps)
+        for i in range(layer):
+            p = f"model.layers.{i}."
+            a = self._attention(i, x, meta, rope, backend)
+            x, h = ops.add_rms_norm(a, h, w[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
+            nxt = f"model.layers.{i + 1}.input_layernorm.weight"
+            x, h = ops.add_rms_norm(self._mlp(i, x), h, w[nxt], c.rms_norm_eps)
+        _, k, v = self._qkv(layer, x)
+        return k, v
 
     def _mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
         w, p = self.w, f"model.layers.{i}.mlp."

@@ -227,6 +227,7 @@ class Engine:
                 "cached_tokens": req.cached_tokens,
                 "chunk_hits": req.chunk_hits,
                 "chunk_misses": req.chunk_misses,
+                "recomputed_tokens": req.recomputed_tokens,
                 "ttft_s": (req.first_token_time or req.arrival) - req.arrival,
                 "e2e_s": time.perf_counter() - req.arrival,
                 "finish_reason": "stop" if detok.stopped else req.finish_reason,

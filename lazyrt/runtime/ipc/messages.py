@@ -111,6 +111,7 @@ class StepMsg:
     items: list[StepItem]
     copies: list[list] = field(default_factory=list)  # [src pages, dst pages, delta] (block mode)
     release: list[int] = field(default_factory=list)  # finished rids: drop their sampling state
+    probes: list[StepItem] = field(default_factory=list)  # deviation probes (segments always sent)
 
 
 @message
@@ -118,6 +119,7 @@ class StepMsg:
 class StepResult:
     tokens: list[int]  # one per item with rid >= 0, in order
     scores: dict | None = None  # rid -> logprobs of its scored tokens (items with score_len > 0)
+    probe_scores: list[list[float]] | None = None  # per probe: each page's K/V deviation
 
 
 @message

@@ -52,12 +52,12 @@ class EngineCore:
 
     def step(self) -> list[TokenOut]:
         plan = self.scheduler.schedule()
-        if not plan.items:
+        if not plan.items and not plan.probes:
             raise NoProgress("scheduler made no progress (no runnable work)")
         msg = self._encoder.encode(plan, self._release)
         self._release = []
         result = self.worker.execute(msg)
-        self.scheduler.on_step_done(plan)
+        self.scheduler.on_step_done(plan, result.probe_scores)
         sampled = [it.request for it in plan.items if it.request is not None]
         for rid, logprobs in (result.scores or {}).items():
             if int(rid) in self.requests:
@@ -123,6 +123,7 @@ def request_meta(req: Request) -> dict:
         "cached_tokens": req.cached_tokens,
         "chunk_hits": req.chunk_hits,
         "chunk_misses": req.chunk_misses,
+        "recomputed_tokens": req.recomputed_tokens,
     }
     if req.score_logprobs is not None:
         meta["continuation_logprobs"] = req.score_logprobs

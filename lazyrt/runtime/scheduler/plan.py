@@ -49,6 +49,10 @@ class PageCopy:
 class StepPlan:
     items: list[ForwardItem] = field(default_factory=list)
     copies: list[PageCopy] = field(default_factory=list)
+    # Deviation recompute probes (recompute.py): documents run in context through the first layers,
+    # writing no KV; the worker returns each one's per-page K/V deviation. Run after the items.
+    probes: list[ForwardItem] = field(default_factory=list)
+    probe_for: list[tuple[Request, int]] = field(default_factory=list)  # scheduler side: (request, doc)
 
     @property
     def num_tokens(self) -> int:

@@ -11,6 +11,12 @@ Policies (`recompute_policy`):
 - `question`: pages that contain the question's tokens, each token weighted by its inverse page
   frequency within this prompt (a token in few pages counts more; one in more than half the pages
   counts nothing); the top-scoring pages up to the budget. No extra forward pass.
+- `deviation` (CacheBlend-style): the pages whose KV moves most when computed in context. A probe
+  step runs each document after the first through layers 0..PROBE_LAYER-1 in the request's context
+  (layer 0's K/V do not depend on context: keys are stored unrotated, so the cached pages already
+  hold them) and scores each page by the mean squared distance between its in-context K/V at
+  PROBE_LAYER and the chunk's; the top-scoring pages over all those documents, up to the budget.
+  Costs one extra step and about PROBE_LAYER layers' worth of forward over the later documents.
 
 Budget: `pages` per document after the first (head: exactly that many of each; tail/question:
 that many times the number of such documents, picked over all of them), or `ratio`, a fraction of
@@ -27,6 +33,9 @@ from lazyrt.config import RECOMPUTE_POLICIES
 
 # A question token found in more than this share of the prompt's doc pages carries no weight.
 COMMON_PAGE_SHARE = 0.5
+# The deviation policy compares K/V at this layer (CacheBlend: the first layer whose K/V depend on
+# the context; deeper layers deviate more but cost a deeper probe).
+PROBE_LAYER = 1
 
 
 def num_pages(n_tokens: int, page_size: int) -> int:
@@ -64,9 +73,12 @@ def select_pages(
     page_size: int,
     pages: int = 0,
     ratio: float = 0.0,
+    page_scores: list[list[float]] | None = None,
 ) -> list[list[int]]:
     """Sorted indices of the pages of each document to recompute (the first document's list is
-    always empty). `question` is the request's tokens after the documents (question + template)."""
+    always empty). `question` is the request's tokens after the documents (question + template).
+    `page_scores`: the deviation policy's probe result, one score per page of each document (the
+    first document's list is ignored)."""
     if policy not in RECOMPUTE_POLICIES:
         raise ValueError(f"recompute_policy={policy!r}: must be one of {', '.join(RECOMPUTE_POLICIES)}")
     sel: list[list[int]] = [[] for _ in docs]
@@ -83,6 +95,12 @@ def select_pages(
     cands = [(j, i) for j in range(1, len(docs)) for i in range(n_pages[j])]
     if policy == "tail":
         chosen = cands[len(cands) - budget :]
+    elif policy == "deviation":
+        if page_scores is None or [len(s) for s in page_scores[1:]] != n_pages[1:]:
+            raise ValueError("the deviation policy needs one probe score per page of each document")
+        # Largest deviation first; ties go to the page nearer the question.
+        ranked = sorted(range(len(cands)), key=lambda r: (-page_scores[cands[r][0]][cands[r][1]], -r))
+        chosen = [cands[r] for r in ranked[:budget]]
     else:
         scores = question_page_scores(docs, question, page_size)
         # Best score first; ties go to the page nearer the question. Pages without any weighted

@@ -25,6 +25,7 @@ class Segment:
 class RequestState(enum.Enum):
     WAITING = "waiting"  # not admitted: no pages held
     CHUNKS = "chunks"  # admitted, waiting for its chunks' KV
+    PROBE = "probe"  # deviation recompute: waiting for the probe step that picks its pages
     PREFILL = "prefill"  # its own tokens (suffix / uncached prompt) are next
     DECODE = "decode"
     FINISHED = "finished"
@@ -56,6 +57,11 @@ class Request:
     recompute_sel: list[list[int]] | None = None
     recomputed_pages: list[int] = field(default_factory=list)
     pending_recompute: list[tuple[int, int, list[int]]] = field(default_factory=list)
+    recomputed_tokens: int = 0
+    # Deviation policy, until its probe step picks the pages: each doc's one segment (an index into
+    # `segments`), whether it hit the cache, and the pages reserved for the recompute (lazy mode).
+    probe_docs: list[tuple[int, bool]] | None = None
+    recompute_reserve: list[int] = field(default_factory=list)
     radix_node: object | None = None
     radix_pages: list[int] = field(default_factory=list)
     # accounting for `meta`

@@ -18,7 +18,7 @@ from lazyrt.cache.page_pool import PagePool
 from lazyrt.cache.radix_cache import RadixCache
 from lazyrt.config import CACHE_MODES, EngineConfig, check_doc_attention, check_recompute_options
 from lazyrt.runtime.scheduler.plan import ChunkJob, ForwardItem, PageCopy, StepPlan
-from lazyrt.runtime.scheduler.recompute import page_runs, select_pages
+from lazyrt.runtime.scheduler.recompute import page_budget, page_runs, select_pages
 from lazyrt.runtime.scheduler.request import Request, RequestState, Segment
 
 
@@ -104,9 +104,12 @@ class Scheduler:
 
     def recompute_selection(self, req: Request) -> list[list[int]]:
         """Indices of each doc's pages the request recomputes in context (its own pages); the rest
-        is served from the chunk. Chosen once per request (recompute.py)."""
+        is served from the chunk. Chosen once per request (recompute.py); the deviation policy
+        chooses after its probe step (_apply_probe), from the K/V the probe measured."""
         if req.recompute_sel is None:
-            if not (self.recompute_pages or self.recompute_ratio):
+            if self._probe_budget(req):
+                raise ValueError("the deviation policy picks a request's pages in its probe step")
+            if not (self.recompute_pages or self.recompute_ratio) or self.recompute_policy == "deviation":
                 req.recompute_sel = [[] for _ in req.docs]
             else:
                 req.recompute_sel = select_pages(
@@ -125,10 +128,18 @@ class Scheduler:
     def _per_use_pages(self, req: Request) -> int:
         """Pages a RAG request owns besides its suffix: recomputed pages, and in block mode the
         re-rotated copies of the rest of each doc."""
-        sel = self.recompute_selection(req)
         if self.cache_mode == "block":
             return sum(self.pages_for(len(d)) for d in req.docs)
-        return sum(len(s) for s in sel)
+        if self._probe_budget(req):  # reserved now, picked by the probe
+            return self._probe_budget(req)
+        return sum(len(s) for s in self.recompute_selection(req))
+
+    def _probe_budget(self, req: Request) -> int:
+        """Pages the deviation policy will recompute for the request (0: no probe needed)."""
+        if self.recompute_policy != "deviation":
+            return 0
+        lens = [len(d) for d in req.docs]
+        return page_budget(lens, self.page_size, self.recompute_pages, self.recompute_ratio)
 
     @property
     def uses_chunks(self) -> bool:
@@ -245,13 +256,18 @@ class Scheduler:
                         self.chunks.acquire(x)
                 self.jobs.append(job)
         req.chunks = list(found.values())
+        probe = self._probe_budget(req)
+        # Deviation policy: each doc as one segment until the probe step has picked the pages.
+        sels = [[] for _ in req.docs] if probe else self.recompute_selection(req)
+        probe_docs = []
         pos = 0
         if prefix:
             req.segments.append(Segment(prefix_chunk.pages, 0, len(prefix)))
             pos = len(prefix)
-        for d, sel in zip(req.docs, self.recompute_selection(req)):
+        for d, sel in zip(req.docs, sels):
             c = found[(prefix, tuple(d))]
             hit = existed[(prefix, tuple(d))]  # computed, or being computed for another request
+            probe_docs.append((len(req.segments), hit))
             req.chunk_hits += int(hit)
             req.chunk_misses += int(not hit)
             # Page-granular copy-on-write: the doc is alternating runs of the chunk's pages (shared,
@@ -260,6 +276,7 @@ class Scheduler:
                 if recompute:
                     seg = Segment(self.pool.alloc(self.pages_for(n)), pos + lo, n, is_doc=True)
                     req.recomputed_pages += seg.pages
+                    req.recomputed_tokens += n
                     req.pending_recompute.append((len(req.segments), 0, list(d[lo : lo + n])))
                 else:
                     req.cached_tokens += n if hit else 0
@@ -274,6 +291,11 @@ class Scheduler:
             pos += len(d)
         if prefix and existed[((), prefix)]:
             req.cached_tokens += len(prefix)
+        if probe:
+            req.probe_docs = probe_docs
+            if self.cache_mode == "lazy":  # block recomputes into its own copies of the doc pages
+                req.recompute_reserve = self.pool.alloc(probe)
+                req.recomputed_pages += req.recompute_reserve
         req.own = Segment(self.pool.alloc(own_pages), pos, 0)
         req.segments.append(req.own)
         req.state = RequestState.CHUNKS
@@ -301,7 +323,13 @@ class Scheduler:
                 for src, dst, delta in req.copies:
                     plan.copies.append(PageCopy(src, dst, delta))
                 req.copies = []
-                req.state = RequestState.PREFILL
+                if req.probe_docs is not None:
+                    # Not counted against the step budget: PROBE_LAYER layers of these tokens
+                    # cost a small share of a full forward.
+                    self._plan_probes(req, plan)
+                    req.state = RequestState.PROBE
+                else:
+                    req.state = RequestState.PREFILL
             if req.state is RequestState.PREFILL:
                 budget -= self._plan_prefill(req, plan, budget)
         return plan
@@ -333,6 +361,53 @@ class Scheduler:
         plan.items += self._recompute_items(req)
         plan.items.append(self._own_prefill_item(req, own, take))
         return heads + take
+
+    def _plan_probes(self, req: Request, plan: StepPlan) -> None:
+        """Deviation policy: each doc after the first at its real positions, attending to all the
+        request has before it and causally to itself (its cached segment: the worker writes
+        nothing), so its K/V at PROBE_LAYER are the in-context ones (recompute.py)."""
+        for j in range(1, len(req.docs)):
+            idx = req.probe_docs[j][0]
+            seg = req.segments[idx]
+            segs = req.segments[: idx + 1]
+            plan.probes.append(
+                ForwardItem(list(req.docs[j]), seg.start_pos, segs, seg, doc_logits=req.doc_logits)
+            )
+            plan.probe_for.append((req, j))
+
+    def _apply_probe(self, req: Request, scores: list[list[float]]) -> None:
+        """Picks the pages from the probe's per-page deviations and splits each doc into runs: shared
+        chunk pages and recomputed runs (lazy: in the reserved pages; block: over its own copies)."""
+        sel = select_pages(
+            "deviation", req.docs, req.suffix, self.page_size, self.recompute_pages, self.recompute_ratio,
+            page_scores=scores,
+        )
+        req.recompute_sel = sel
+        doc_at = {idx: j for j, (idx, _) in enumerate(req.probe_docs)}
+        reserve = req.recompute_reserve
+        segments: list[Segment] = []
+        for i, seg in enumerate(req.segments):
+            j = doc_at.get(i)
+            if j is None or not sel[j]:
+                segments.append(seg)
+                continue
+            d, hit = req.docs[j], req.probe_docs[j][1]
+            for recompute, lo, n in page_runs(len(d), self.page_size, sel[j]):
+                pages = seg.pages[lo // self.page_size : lo // self.page_size + self.pages_for(n)]
+                if recompute:
+                    if self.cache_mode == "lazy":
+                        pages, reserve = reserve[: len(pages)], reserve[len(pages) :]
+                    req.pending_recompute.append((len(segments), 0, list(d[lo : lo + n])))
+                    req.recomputed_tokens += n
+                    req.cached_tokens -= n if hit else 0
+                segments.append(Segment(pages, seg.start_pos + lo, n, is_doc=True))
+        if reserve:  # fewer pages picked than reserved
+            unused = set(reserve)
+            req.recomputed_pages = [p for p in req.recomputed_pages if p not in unused]
+            self.pool.free(reserve)
+        req.segments = segments
+        req.probe_docs, req.recompute_reserve = None, []
+        req.state = RequestState.PREFILL
 
     def _recompute_items(self, req: Request) -> list[ForwardItem]:
         """Recomputed runs of doc pages, in context: a run at its real positions attends to
@@ -410,7 +485,18 @@ class Scheduler:
         )
 
     # ---- results ------------------------------------------------------------------------------
-    def on_step_done(self, plan: StepPlan) -> None:
+    def on_step_done(self, plan: StepPlan, probe_scores: list[list[float]] | None = None) -> None:
+        """Marks computed chunks ready; applies the deviation probes' per-page scores (one list
+        per plan.probes item, in order)."""
+        if plan.probes:
+            if probe_scores is None or len(probe_scores) != len(plan.probes):
+                raise RuntimeError("the worker returned no deviation scores for the step's probes")
+            by_req: dict[int, tuple[Request, list[list[float]]]] = {}
+            for (req, j), scores in zip(plan.probe_for, probe_scores):
+                by_req.setdefault(req.rid, (req, [[] for _ in req.docs]))[1][j] = list(scores)
+            for req, scores in by_req.values():
+                if req.state is RequestState.PROBE:  # not aborted meanwhile
+                    self._apply_probe(req, scores)
         for item in plan.items:
             if item.job is not None:
                 job = item.job
@@ -446,6 +532,7 @@ class Scheduler:
                 self.pool.free(own)
         req.chunks, req.copied_pages, req.own, req.segments = [], [], None, []
         req.recomputed_pages, req.pending_recompute, req.copies = [], [], []
+        req.probe_docs, req.recompute_reserve = None, []
         req.finish_reason = reason
         req.state = RequestState.FINISHED
 

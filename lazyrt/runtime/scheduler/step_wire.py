@@ -25,7 +25,8 @@ class StepEncoder:
             self._sent.discard(rid)
         items = [self._item(it) for it in plan.items]
         copies = [[list(c.src), list(c.dst), c.delta] for c in plan.copies]
-        return StepMsg(items, copies, list(release))
+        probes = [self._item(it) for it in plan.probes]  # no request: segments always sent
+        return StepMsg(items, copies, list(release), probes)
 
     def _item(self, it: ForwardItem) -> StepItem:
         req = it.request
@@ -73,6 +74,11 @@ class StepDecoder:
         for rid in msg.release:
             self._known.pop(rid, None)
         plan = StepPlan()
+        for it in msg.probes:
+            segs = [Segment(list(p), s, n, bool(d)) for p, s, n, d in it.segments]
+            doc_logits = tuple(it.doc_logits) if it.doc_logits is not None else None
+            item = ForwardItem(list(it.token_ids), it.start_pos, segs, segs[it.target], doc_logits=doc_logits)
+            plan.probes.append(item)
         for it in msg.items:
             if it.segments is None:
                 if it.rid not in self._known:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from lazyrt.cache.page_pool import PagePool
@@ -10,7 +11,8 @@ from lazyrt.kernels.backend import make_backend
 from lazyrt.kernels.metadata import AttentionMetadata
 from lazyrt.kernels.rope import RopeCache
 from lazyrt.models.llama import LlamaModel
-from lazyrt.runtime.scheduler.plan import PageCopy, StepPlan
+from lazyrt.runtime.scheduler.plan import ForwardItem, PageCopy, StepPlan
+from lazyrt.runtime.scheduler.recompute import PROBE_LAYER
 from lazyrt.runtime.worker.step_inputs import StepInputs
 
 
@@ -94,3 +96,40 @@ class ModelRunner:
         if not s.sample_rows:
             return None
         return self.model.logits(hidden[torch.tensor(s.sample_rows, device=self.device)])
+
+    @torch.inference_mode()
+    def probe_deviation(self, items: list[ForwardItem], layer: int = PROBE_LAYER) -> list[list[float]]:
+        """Deviation recompute probes (scheduler/recompute.py): each item is a document's tokens in
+        its request's context, its target the document's cached pages. Runs the layers before
+        `layer` (layer 0's K/V are context-free, so the cached pages already hold the in-context
+        ones), writes nothing, and returns per page of each target the mean over its tokens of
+        |K_ctx - K_cached|^2 + |V_ctx - V_cached|^2 at `layer`."""
+        if not items:
+            return []
+        if not self.pool.scratch_pages:
+            raise ValueError("deviation probes need a PagePool built with scratch_pages=1")
+        ps = self.pool.page_size
+        s = StepInputs.from_plan(StepPlan(items=items), ps)
+        pages, slots = s.store_pages, s.store_slots
+        # The targets are shared chunk pages: every store goes to the scratch page instead.
+        s.store_pages = np.full_like(pages, self.pool.scratch_pages[0])
+        s.store_slots = np.arange(len(slots), dtype=slots.dtype) % ps
+        input_ids, meta = self.build_metadata(s)
+        k, v = self.model.layer_kv(input_ids, meta, self.rope, self.backend, layer)
+        if not self.rotate_keys:  # non-lazy modes store keys rotated at their positions
+            k = self.model.ops.rope(k.contiguous(), meta.positions, self.rope)
+        kv = self.pool.kv[layer]
+        pages_t = torch.as_tensor(pages, device=self.device)
+        slots_t = torch.as_tensor(slots, device=self.device)
+        dev = (k.float() - kv[pages_t, 0, slots_t].float()).square().sum((1, 2))
+        dev += (v.float() - kv[pages_t, 1, slots_t].float()).square().sum((1, 2))
+        dev = dev.cpu().numpy()
+        out = []
+        for i, it in enumerate(items):
+            lo, hi = int(s.qo_indptr[i]), int(s.qo_indptr[i + 1])
+            page = (s.positions[lo:hi] - it.target.start_pos) // ps
+            n = -(-it.target.num_tokens // ps)
+            total = np.bincount(page, weights=dev[lo:hi], minlength=n)
+            count = np.maximum(np.bincount(page, minlength=n), 1)
+            out.append((total / count).tolist())
+        return out

@@ -105,12 +105,13 @@ class ModelWorker:
             logits, scores = self._execute_scoring(plan)
         else:
             logits = self.runner.execute(plan)
+        probe_scores = self.runner.probe_deviation(plan.probes) if plan.probes else None
         rows = [it.request for it in plan.items if it.request is not None]
         for req in rows:
             if req.rid not in self._generators:
                 self._generators[req.rid] = _generator(req.params)
         tokens = sample_tokens(logits, [r.params for r in rows], [self._generators[r.rid] for r in rows])
-        return StepResult(tokens, scores)
+        return StepResult(tokens, scores, probe_scores)
 
     @torch.inference_mode()
     def _execute_scoring(self, plan: StepPlan) -> tuple[torch.Tensor, dict[int, list[float]]]:
