@@ -7,25 +7,34 @@ reused across questions. `none` (full causal attention, nothing reused) is the q
 `block` by materializing re-rotated copies, `lazy` by rotating keys in the kernel.
 Selective recompute (engine options recompute_policy + recompute_pages / recompute_ratio,
 lazyrt/runtime/scheduler/recompute.py): `MODE+POLICY<N>` recomputes N pages per doc after the first,
-`MODE+POLICY<P>%` P% of those docs' pages, in the request's context; POLICY is head | tail | question.
-`lazy+head2` = the sink fix (first 2 pages of each doc after the first); `lazy+question10%` = the
-10% of pages that best match the question's rarer tokens. A `/apeT,S` suffix adds document attention
-(temperature T and scale S on the question's attention to the documents): `lazy/ape0.7,1.5`,
-`lazy+tail2/ape0.7,1.5`.
+`MODE+POLICY<P>%` P% of those docs' pages, in the request's context; POLICY is head | tail |
+question | deviation. `lazy+head2` = the sink fix (first 2 pages of each doc after the first);
+`lazy+question10%` = the 10% of pages that best match the question's rarer tokens;
+`lazy+deviation10%`, `lazy+deviation2` = the engine's deviation policy (10% of those pages, 2 pages
+per doc). A `/apeT,S` suffix adds document attention (temperature T and scale S on the question's
+attention to the documents): `lazy/ape0.7,1.5`, `lazy+tail2/ape0.7,1.5`.
 
     python benchmarks/quality.py --questions 200 --modes none block lazy --out docs/data/quality.json
     python benchmarks/quality.py --questions 200 --modes none lazy lazy+head1 lazy+head2 \
         --max-tokens 32 --out docs/data/quality_heads.json
+    python benchmarks/quality.py --set multihop --modes none lazy lazy+deviation10% --out mh.json
     python benchmarks/quality.py --merge a.json b.json --out all.json   # runs split over processes
 
-Reports accuracy per mode, greedy-token agreement of lazy with block and with none, answer-level
-agreement, chunk hit ratio and timing. Data: benchmarks/quality_data.py (fixed seed, no downloads).
+Question sets (--set, benchmarks/quality_data.py): `single` (one fact of one entity, same-kind
+distractors), `multihop` (two documents linked by a town), `distractor` (single facts next to
+documents of other kinds with the same name).
+
+Reports accuracy per mode (with a 95% Wilson interval), greedy-token agreement of lazy with block
+and with none, answer-level agreement, chunk hit ratio and timing, and accuracy per question kind
+(kind.fact; source.town>kind.fact for multihop chains).
+Data: benchmarks/quality_data.py (fixed seed, no downloads).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import re
 import sys
@@ -35,13 +44,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from quality_data import is_correct, make_dataset  # noqa: E402
+from quality_data import QUESTION_SETS, is_correct, make_dataset  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from lazyrt import Engine, SamplingParams  # noqa: E402
 
 BASE_MODES = ("none", "prefix", "block", "lazy")
-_RECOMPUTE_MODE = re.compile(r"^(lazy|block)\+(head|tail|question)(\d+(?:\.\d+)?)(%?)$")
+_RECOMPUTE_MODE = re.compile(r"^(lazy|block)\+(head|tail|question|deviation)(\d+(?:\.\d+)?)(%?)$")
 
 
 _DOC_ATTENTION = re.compile(r"^(.*)/ape(\d+(?:\.\d+)?),(\d+(?:\.\d+)?)$")
@@ -66,9 +75,9 @@ def parse_mode(mode: str) -> tuple[str, dict]:
         ok = float(m.group(3)) <= 100
     if not ok:
         raise argparse.ArgumentTypeError(
-            f"mode {mode!r}: one of {', '.join(BASE_MODES)}, or (lazy|block)+(head|tail|question)N "
+            f"mode {mode!r}: one of {', '.join(BASE_MODES)}, or (lazy|block)+(head|tail|question|deviation)N "
             "(N >= 1 pages per doc after the first recomputed in context) or ...P% (P% of those "
-            "docs' pages), e.g. lazy+head2, lazy+question10%"
+            "docs' pages), e.g. lazy+head2, lazy+question10%, lazy+deviation10%"
         )
     opts = {"recompute_policy": m.group(2)}
     if m.group(4):
@@ -106,7 +115,7 @@ def run_mode(mode: str, questions, args) -> dict:
             outs.extend(engine.rag_batch(items))
             bar.update(len(chunk))
     wall = time.perf_counter() - t0
-    cost = recompute_cost(engine, questions, args.system, sp)
+    cost = recompute_cost(engine, questions, outs, args.system, sp)
     ttft = ttft_probe(engine, questions[: args.ttft_questions], args.system)
     hits = sum(o["meta"]["chunk_hits"] for o in outs)
     misses = sum(o["meta"]["chunk_misses"] for o in outs)
@@ -132,23 +141,32 @@ def run_mode(mode: str, questions, args) -> dict:
     }
 
 
-def recompute_cost(engine: Engine, questions, system, sp: SamplingParams) -> dict:
+def recompute_cost(engine: Engine, questions, outs, system, sp: SamplingParams) -> dict:
     """What the mode recomputes, independent of chunk hits: recomputed doc tokens as a share of the
     tokens of the docs after the first and of the prompt, and the prompt share a request serves from
-    cached chunks when every chunk hits (prefix + docs - recomputed)."""
+    cached chunks when every chunk hits (prefix + docs - recomputed). lazy/block: the count each
+    output reports (meta recomputed_tokens); an engine without it: the scheduler's plan (head_lens)."""
     recomputed = later = prompt = docs = 0
-    for q in questions:
+    sources = set()
+    for q, o in zip(questions, outs):
         req = engine._make_request(engine.rag_prompt(q.docs, q.question, system), sp)
         if engine.config.cache_mode in ("lazy", "block"):
-            recomputed += sum(engine.scheduler.head_lens(req))
+            if "recomputed_tokens" in o["meta"]:
+                recomputed += o["meta"]["recomputed_tokens"]
+                sources.add("meta")
+            else:
+                recomputed += sum(engine.scheduler.head_lens(req))
+                sources.add("head_lens")
         else:  # none / prefix: every prompt token is computed in context
             recomputed += sum(len(d) for d in req.docs[1:])
+            sources.add("prompt")
         later += sum(len(d) for d in req.docs[1:])
         docs += len(req.prefix) + sum(len(d) for d in req.docs)
         prompt += req.prompt_len
     full_hit = 0.0 if engine.config.cache_mode in ("none", "prefix") else (docs - recomputed) / prompt
     return {
         "recomputed_doc_tokens": recomputed,
+        "recomputed_source": "+".join(sorted(sources)),
         "recomputed_share_of_later_docs": recomputed / later if later else 0.0,
         "recomputed_share_of_prompt": recomputed / prompt if prompt else 0.0,
         "cached_share_at_full_hit": full_hit,
@@ -196,10 +214,28 @@ def agreement(a: dict, b: dict) -> dict:
     }
 
 
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson score interval of a proportion k/n (z=1.96: 95%)."""
+    if n == 0:
+        return 0.0, 1.0
+    p = k / n
+    denom = 1 + z * z / n
+    center = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return max(0.0, center - half), min(1.0, center + half)
+
+
+def accuracy_cell(correct: list) -> str:
+    """'43.5% (87/200, 36.8-50.4)': accuracy, count, 95% Wilson interval in percent."""
+    k, n = sum(correct), len(correct)
+    lo, hi = wilson(k, n)
+    return f"{k / n if n else 0.0:.1%} ({k}/{n}, {lo * 100:.1f}-{hi * 100:.1f})"
+
+
 def markdown(results: dict[str, dict], agreements: list[dict], by_kind: dict) -> str:
     ref = results.get("none")
     lines = [
-        "| mode | accuracy | vs none | recomputed (of docs after the 1st) | cached prompt tokens "
+        "| mode | accuracy (95% CI) | vs none | recomputed (of docs after the 1st) | cached prompt tokens "
         "(this run / all hits) | chunk hit ratio | q/s | TTFT p50, 1 req, cached (ms) |",
         "|---|---|---|---|---|---|---|---|",
     ]
@@ -209,7 +245,7 @@ def markdown(results: dict[str, dict], agreements: list[dict], by_kind: dict) ->
         full = r.get("cached_share_at_full_hit")
         ttft = r.get("probe_ttft_p50_s")
         lines.append(
-            f"| {m} | {r['accuracy']:.1%} ({sum(r['correct'])}/{len(r['correct'])}) | {rel} | "
+            f"| {m} | {accuracy_cell(r['correct'])} | {rel} | "
             f"{'-' if rec is None else f'{rec:.1%}'} | {r['cached_token_ratio']:.1%} / "
             f"{'-' if full is None else f'{full:.1%}'} | {r['chunk_hit_ratio']:.1%} | "
             f"{r['questions_per_s']:.2f} | {'-' if ttft is None else f'{ttft * 1e3:.1f}'} |"
@@ -233,9 +269,14 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--questions", type=int, default=200)
     p.add_argument("--modes", nargs="+", default=["none", "block", "lazy"], type=_mode_arg,
-                   help="none | prefix | block | lazy | lazy+headN | block+headN (sink fix: the "
-                   "engine's recompute_head_pages=N)")
+                   help="none | prefix | block | lazy | (lazy|block)+POLICY<N> (N pages per doc after "
+                   "the first recomputed in context) | (lazy|block)+POLICY<P>%% (P%% of those pages), "
+                   "POLICY head | tail | question | deviation; a /apeT,S suffix adds document "
+                   "attention (e.g. lazy+head2, lazy+deviation10%%, lazy/ape0.7,1.5)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--set", dest="question_set", choices=QUESTION_SETS, default="single",
+                   help="question set: single (one fact, same-kind distractors), multihop (two "
+                   "documents linked by a town), distractor (namesakes of other kinds in the docs)")
     p.add_argument("--filler-sentences", type=int, default=0,
                    help="long documents: the facts at a random place among this many filler sentences")
     p.add_argument("--max-tokens", type=int, default=16)
@@ -257,9 +298,11 @@ def main(argv=None) -> int:
 
     if args.merge:
         loaded = [json.loads(Path(f).read_text()) for f in args.merge]
-        for k in ("questions", "seed", "filler_sentences", "max_tokens", "system"):
-            setattr(args, k, loaded[0]["args"][k])
-            if any(x["args"][k] != loaded[0]["args"][k] for x in loaded):
+        defaults = {"question_set": "single", "filler_sentences": 0}  # runs from before these options
+        for k in ("questions", "seed", "question_set", "filler_sentences", "max_tokens", "system"):
+            vals = [{**defaults, **x["args"]}[k] for x in loaded]
+            setattr(args, k, vals[0])
+            if any(v != vals[0] for v in vals):
                 raise SystemExit(f"--merge: the runs differ in {k}")
         results = {m: r for x in loaded for m, r in x["results"].items()}
         order = [m for x in loaded for m in x["args"]["modes"] if m in results]  # a .partial: what finished
@@ -267,10 +310,12 @@ def main(argv=None) -> int:
             m for m in order if m not in ("none", "block", "lazy")
         ]
         results = {m: results[m] for m in args.modes}
-        questions = make_dataset(args.questions, args.seed, filler_sentences=args.filler_sentences)
+        questions = make_dataset(args.questions, args.seed, filler_sentences=args.filler_sentences,
+                                 question_set=args.question_set)
         return report(results, questions, args, argv)
 
-    questions = make_dataset(args.questions, args.seed, filler_sentences=args.filler_sentences)
+    questions = make_dataset(args.questions, args.seed, filler_sentences=args.filler_sentences,
+                             question_set=args.question_set)
     results = {}
     for m in args.modes:
         results[m] = run_mode(m, questions, args)
@@ -299,7 +344,7 @@ def report(results: dict[str, dict], questions, args, argv) -> int:
             agreements.append(agreement(results[x], results[y]))
     by_kind: dict[str, dict] = {}
     for i, q in enumerate(questions):
-        row = by_kind.setdefault(f"{q.kind}.{q.fact}", {"n": 0, **{m: 0.0 for m in results}})
+        row = by_kind.setdefault(q.key, {"n": 0, **{m: 0.0 for m in results}})
         row["n"] += 1
         for m, r in results.items():
             row[m] += r["correct"][i]
@@ -320,8 +365,9 @@ def report(results: dict[str, dict], questions, args, argv) -> int:
             "agreements": agreements,
             "by_kind": by_kind,
             "questions": [
-                {"qid": q.qid, "question": q.question, "answer": q.answer, "answer_doc": q.answer_doc,
-                 "docs": q.docs, **{f"{m}_text": results[m]["texts"][q.qid] for m in results}}
+                {"qid": q.qid, "qtype": q.qtype, "key": q.key, "question": q.question, "answer": q.answer,
+                 "answer_doc": q.answer_doc, "support_docs": q.support_docs, "docs": q.docs,
+                 **{f"{m}_text": results[m]["texts"][q.qid] for m in results}}
                 for q in questions
             ],
             "table": table,
