@@ -335,10 +335,12 @@ def _device_name(device: str) -> str:
 def report(results: dict[str, dict], questions, args, argv) -> int:
     agreements = []
     pairs = [("lazy", "block"), ("lazy", "none"), ("block", "none")]
-    for m in results:  # each sink-fix mode vs full attention and vs its own mode without the fix
-        base, recompute = parse_mode(m)
+    for m in results:  # each recompute / document-attention mode vs full attention, vs its cache
+        base, recompute = parse_mode(m)  # mode without the option, and lazy vs block with it
         if recompute:
             pairs += [(m, "none"), (m, base)]
+            if m.startswith("lazy") and "block" + m[4:] in results:
+                pairs.append((m, "block" + m[4:]))
     for x, y in pairs:
         if x in results and y in results:
             agreements.append(agreement(results[x], results[y]))

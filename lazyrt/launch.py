@@ -85,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=RECOMPUTE_POLICIES,
         help="selective recompute for lazy/block modes, which pages of the documents after the first "
         "are recomputed in the request's context: head = first pages of each, tail = last pages before "
-        "the question, question = pages holding the question's rarer tokens (IDF within the prompt); "
+        "the question, question = pages holding the question's rarer tokens (IDF within the prompt), "
+        "deviation = pages whose layer-1 KV moves most in context (one probe step; CacheBlend-style); "
         "budget from --recompute-pages or --recompute-ratio",
     )
     p.add_argument(

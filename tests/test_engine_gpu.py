@@ -118,3 +118,34 @@ def test_doc_attention_triton_matches_reference_in_engine():
             del engine
             torch.cuda.empty_cache()
     assert outs["lazy", False] == outs["lazy", True] == outs["block", False] == outs["block", True]
+
+
+def test_deviation_recompute_triton_matches_reference():
+    """Deviation recompute on CUDA (fp32): the probe's per-page scores and the greedy tokens with
+    the Triton kernels equal those with the torch reference attention, and lazy = block (dummy
+    SmolLM2 shape)."""
+    from lazyrt.kernels.attention_ref import lazy_attention_ref
+
+    rng = random.Random()
+    docs = [[rng.randrange(1000, 40000) for _ in range(rng.randint(30, 90))] for _ in range(6)]
+    prompts = [RagPrompt(list(range(1000, 1010)), rng.sample(docs, 3), question(rng)) for _ in range(6)]
+    sp = SamplingParams(max_tokens=10, ignore_eos=True)
+    kw = dict(load_format="dummy", device="cuda", dtype="float32", kv_cache_tokens=32768,
+              recompute_policy="deviation", recompute_ratio=0.25)  # fmt: skip
+    outs, scores = {}, {}
+    for mode, reference in (("lazy", False), ("lazy", True), ("block", False)):
+        engine = Engine("smollm2-135m", cache_mode=mode, **kw)
+        if reference:
+            backend = getattr(engine.runner.backend, "fallback", engine.runner.backend)
+            backend._attend = lambda q, kv, meta, rope, sm, **_: lazy_attention_ref(q, kv, meta, rope, sm)
+        calls = []
+        orig = engine.runner.probe_deviation
+        engine.runner.probe_deviation = lambda items, *a, f=orig, c=calls: c.append(f(items, *a)) or c[-1]
+        outs[mode, reference] = [o["token_ids"] for o in engine.generate(prompts, sp)]
+        scores[mode, reference] = torch.tensor([x for c in calls for page in c for x in page])
+        del engine
+        torch.cuda.empty_cache()
+    assert len(scores["lazy", False]) > 0
+    assert outs["lazy", False] == outs["lazy", True] == outs["block", False]
+    torch.testing.assert_close(scores["lazy", False], scores["lazy", True], rtol=1e-3, atol=1e-6)
+    torch.testing.assert_close(scores["block", False], scores["lazy", True], rtol=1e-3, atol=1e-6)
