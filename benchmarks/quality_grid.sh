@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Every quality mode on every question set, in parallel processes on one GPU; one merged report per
 # set (docs/quality.md). Usage: bash benchmarks/quality_grid.sh OUT_DIR [PARALLEL]
-# (env QUESTIONS=200, DEVICE=cuda, MODES / SETS to override the lists below, e.g. for a CPU check)
+# (env QUESTIONS=200, DEVICE=cuda, MODES / SETS to override the lists below, e.g. for a CPU check;
+#  PARTS=/tmp/quality_parts: per-job results, merged with any earlier jobs' results found there)
 # Each job: python benchmarks/quality.py --questions 200 --set SET --filler-sentences F
 #   --max-tokens 32 --device cuda --kv-cache-tokens 65536 --modes M1 M2 --out PART.json
 set -uo pipefail
-out="${1:?OUT_DIR}"; par="${2:-10}"; parts=/tmp/quality_parts; mkdir -p "$out" "$parts"
+out="${1:?OUT_DIR}"; par="${2:-10}"; parts="${PARTS:-/tmp/quality_parts}"; mkdir -p "$out" "$parts"
 here="$(cd "$(dirname "$0")" && pwd)"
 modes=(none lazy lazy+tail10% lazy+question10% lazy+deviation5% lazy+deviation10%
        lazy/ape0.5,1 lazy/ape0.7,1 lazy/ape0.85,1 lazy/ape1,0.5 lazy/ape1,2 lazy/ape0.7,0.5 lazy/ape0.7,2

@@ -575,6 +575,7 @@ def point_row(args, mode: str, pop: str, rate: float, res: dict, srv: Server, **
         "docs_per_request": args.docs_per_request,
         "output_tokens": args.output_tokens,
         "seed": args.seed,
+        "server_args": args.server_args,
         "model": args.model,
         "device": args.device,
         "device_name": args.device_name,
