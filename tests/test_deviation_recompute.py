@@ -142,8 +142,9 @@ def test_lazy_equals_block_and_full_budget_is_full_attention(tiny_model_dir):
 
 
 def test_tight_budget_and_abort_before_probe(tiny_model_dir):
-    """Under a KV budget that forces evictions and queueing, with chunked prefill, deviation
-    requests give the same tokens as a roomy engine and leak nothing; a request aborted before its
+    """Under a KV budget that forces evictions and queueing, with chunked prefill and probes split
+    over steps by the step token budget, deviation requests give the same tokens as a roomy engine
+    and leak nothing; a request aborted before its
     probe frees the pages reserved for its recompute."""
     path = tiny_model_dir("llama")
     rng = random.Random()
@@ -156,8 +157,21 @@ def test_tight_budget_and_abort_before_probe(tiny_model_dir):
     prompts = [RagPrompt(prefix, rng.sample(pool, rng.randint(1, 3)), _ids(rng, rng.randint(1, 20), vocab))
                for _ in range(16)]
     sp = SamplingParams(max_tokens=4)
+    probe_steps = []
+    schedule = tight.scheduler.schedule
+
+    def record():
+        plan = schedule()
+        if plan.probes:
+            probe_steps.append([len(p.token_ids) for p in plan.probes])
+        return plan
+
+    tight.scheduler.schedule = record
     want = [o["token_ids"] for o in roomy.generate(prompts, sp)]
     assert [o["token_ids"] for o in tight.generate(prompts, sp)] == want
+    # probes keep to the step budget (a doc alone may exceed it), and go over several steps
+    assert all(sum(n) <= 40 or len(n) == 1 for n in probe_steps)
+    assert len(probe_steps) > 1
     assert tight.cache_stats()["chunk_evictions"] > 0
     assert_no_leaked_pages(tight)
 

@@ -62,6 +62,8 @@ class Request:
     # `segments`), whether it hit the cache, and the pages reserved for the recompute (lazy mode).
     probe_docs: list[tuple[int, bool]] | None = None
     recompute_reserve: list[int] = field(default_factory=list)
+    probe_next: int = 1  # the next doc to probe (docs go in step-budget-sized groups)
+    probe_scores: list[list[float]] = field(default_factory=list)  # per doc, filled as probes return
     radix_node: object | None = None
     radix_pages: list[int] = field(default_factory=list)
     # accounting for `meta`

@@ -324,12 +324,12 @@ class Scheduler:
                     plan.copies.append(PageCopy(src, dst, delta))
                 req.copies = []
                 if req.probe_docs is not None:
-                    # Not counted against the step budget: PROBE_LAYER layers of these tokens
-                    # cost a small share of a full forward.
-                    self._plan_probes(req, plan)
+                    req.probe_scores = [[] for _ in req.docs]
                     req.state = RequestState.PROBE
                 else:
                     req.state = RequestState.PREFILL
+            if req.state is RequestState.PROBE:
+                budget -= self._plan_probes(req, plan, budget)
             if req.state is RequestState.PREFILL:
                 budget -= self._plan_prefill(req, plan, budget)
         return plan
@@ -362,11 +362,20 @@ class Scheduler:
         plan.items.append(self._own_prefill_item(req, own, take))
         return heads + take
 
-    def _plan_probes(self, req: Request, plan: StepPlan) -> None:
-        """Deviation policy: each doc after the first at its real positions, attending to all the
+    def _plan_probes(self, req: Request, plan: StepPlan, budget: int) -> int:
+        """Deviation policy: the next docs after the first that fit the step's token budget (one
+        at least in an otherwise empty step), each at its real positions, attending to all the
         request has before it and causally to itself (its cached segment: the worker writes
-        nothing), so its K/V at PROBE_LAYER are the in-context ones (recompute.py)."""
-        for j in range(1, len(req.docs)):
+        nothing), so its K/V at PROBE_LAYER are the in-context ones (recompute.py). Counted in
+        full against the budget: activations, not FLOPs, bound a step (a saturated server once
+        probed 40 requests' documents in one step and ran out of device memory)."""
+        taken = 0
+        while req.probe_next < len(req.docs):
+            j = req.probe_next
+            if len(req.docs[j]) > budget - taken and (taken or plan.items or plan.probes):
+                break
+            req.probe_next += 1
+            taken += len(req.docs[j])
             idx = req.probe_docs[j][0]
             seg = req.segments[idx]
             segs = req.segments[: idx + 1]
@@ -374,6 +383,7 @@ class Scheduler:
                 ForwardItem(list(req.docs[j]), seg.start_pos, segs, seg, doc_logits=req.doc_logits)
             )
             plan.probe_for.append((req, j))
+        return taken
 
     def _apply_probe(self, req: Request, scores: list[list[float]]) -> None:
         """Picks the pages from the probe's per-page deviations and splits each doc into runs: shared
@@ -406,7 +416,7 @@ class Scheduler:
             req.recomputed_pages = [p for p in req.recomputed_pages if p not in unused]
             self.pool.free(reserve)
         req.segments = segments
-        req.probe_docs, req.recompute_reserve = None, []
+        req.probe_docs, req.recompute_reserve, req.probe_scores = None, [], []
         req.state = RequestState.PREFILL
 
     def _recompute_items(self, req: Request) -> list[ForwardItem]:
@@ -491,12 +501,14 @@ class Scheduler:
         if plan.probes:
             if probe_scores is None or len(probe_scores) != len(plan.probes):
                 raise RuntimeError("the worker returned no deviation scores for the step's probes")
-            by_req: dict[int, tuple[Request, list[list[float]]]] = {}
+            done: dict[int, Request] = {}
             for (req, j), scores in zip(plan.probe_for, probe_scores):
-                by_req.setdefault(req.rid, (req, [[] for _ in req.docs]))[1][j] = list(scores)
-            for req, scores in by_req.values():
                 if req.state is RequestState.PROBE:  # not aborted meanwhile
-                    self._apply_probe(req, scores)
+                    req.probe_scores[j] = list(scores)
+                    done[req.rid] = req
+            for req in done.values():
+                if req.probe_next == len(req.docs):  # every doc probed: pick the pages
+                    self._apply_probe(req, req.probe_scores)
         for item in plan.items:
             if item.job is not None:
                 job = item.job
@@ -532,7 +544,7 @@ class Scheduler:
                 self.pool.free(own)
         req.chunks, req.copied_pages, req.own, req.segments = [], [], None, []
         req.recomputed_pages, req.pending_recompute, req.copies = [], [], []
-        req.probe_docs, req.recompute_reserve = None, []
+        req.probe_docs, req.recompute_reserve, req.probe_scores = None, [], []
         req.finish_reason = reason
         req.state = RequestState.FINISHED
 
