@@ -130,9 +130,8 @@ class Scheduler:
         re-rotated copies of the rest of each doc."""
         if self.cache_mode == "block":
             return sum(self.pages_for(len(d)) for d in req.docs)
-        if self._probe_budget(req):  # reserved now, picked by the probe
-            return self._probe_budget(req)
-        return sum(len(s) for s in self.recompute_selection(req))
+        reserved = self._probe_budget(req)  # deviation: reserved now, picked by the probe
+        return reserved or sum(len(s) for s in self.recompute_selection(req))
 
     def _probe_budget(self, req: Request) -> int:
         """Pages the deviation policy will recompute for the request (0: no probe needed)."""

@@ -75,8 +75,7 @@ class StepDecoder:
             self._known.pop(rid, None)
         plan = StepPlan()
         for it in msg.probes:
-            segs = [Segment(list(p), s, n, bool(d)) for p, s, n, d in it.segments]
-            doc_logits = tuple(it.doc_logits) if it.doc_logits is not None else None
+            segs, doc_logits = _segments(it), _doc_logits(it)
             item = ForwardItem(list(it.token_ids), it.start_pos, segs, segs[it.target], doc_logits=doc_logits)
             plan.probes.append(item)
         for it in msg.items:
@@ -86,8 +85,7 @@ class StepDecoder:
                 segs, req, doc_logits = self._known[it.rid]
                 segs[it.target].num_tokens = it.target_tokens
             else:
-                segs = [Segment(list(p), s, n, bool(d)) for p, s, n, d in it.segments]
-                doc_logits = tuple(it.doc_logits) if it.doc_logits is not None else None
+                segs, doc_logits = _segments(it), _doc_logits(it)
                 req = None
                 if it.rid >= 0:
                     req = Request(it.rid, it.sampling, score_len=it.score_len)
@@ -105,6 +103,14 @@ class StepDecoder:
             )
         plan.copies = [PageCopy(list(s), list(d), delta) for s, d, delta in msg.copies]
         return plan
+
+
+def _segments(it: StepItem) -> list[Segment]:
+    return [Segment(list(p), s, n, bool(d)) for p, s, n, d in it.segments]
+
+
+def _doc_logits(it: StepItem) -> tuple[float, float] | None:
+    return tuple(it.doc_logits) if it.doc_logits is not None else None
 
 
 def plan_to_msg(plan: StepPlan, release: list[int]) -> StepMsg:
