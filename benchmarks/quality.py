@@ -59,7 +59,13 @@ _DOC_ATTENTION = re.compile(r"^(.*)/ape(\d+(?:\.\d+)?),(\d+(?:\.\d+)?)$")
 def parse_mode(mode: str) -> tuple[str, dict]:
     """'lazy' -> ('lazy', {}); 'lazy+head2' -> ('lazy', {policy head, 2 pages per doc});
     'lazy+question10%' -> ('lazy', {policy question, ratio 0.1}): cache mode and engine options.
-    A '/apeT,S' suffix adds document attention: temperature T, scale S (e.g. lazy/ape0.7,1.5)."""
+    A '/apeT,S' suffix adds document attention: temperature T, scale S (e.g. lazy/ape0.7,1.5); a
+    '/par' suffix places every document right after the prefix (doc_positions="parallel")."""
+    if mode.endswith("/par"):
+        cache_mode, opts = parse_mode(mode[: -len("/par")])
+        if cache_mode not in ("lazy", "block") or "recompute_policy" in opts:
+            raise argparse.ArgumentTypeError(f"mode {mode!r}: /par needs lazy or block without recompute")
+        return cache_mode, {**opts, "doc_positions": "parallel"}
     m = _DOC_ATTENTION.match(mode)
     if m is not None:
         cache_mode, opts = parse_mode(m.group(1))

@@ -87,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="lazy/block: temperature on the question's logits over document tokens (1 = off)")
     g.add_argument("--doc-attention-scale", type=float, default=None,
                    help="lazy/block: factor on the attention mass documents receive (1 = off)")
+    g.add_argument("--doc-positions", choices=("sequential", "parallel"), default=None,
+                   help="lazy/block: documents one after another, or all right after the shared prefix")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--stop-after", type=int, default=None, help=argparse.SUPPRESS)  # test hook: interrupt
     return p
@@ -169,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         "top_k": args.top_k,
         "seed": args.seed,
     }
-    for name in ("doc_attention_temperature", "doc_attention_scale"):
+    for name in ("doc_attention_temperature", "doc_attention_scale", "doc_positions"):
         if getattr(args, name) is not None:
             defaults[name] = getattr(args, name)
     try:

@@ -11,6 +11,9 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 CACHE_MODES = ("lazy", "block", "prefix", "none")
 # Selective recompute policies (lazyrt/runtime/scheduler/recompute.py picks the pages)
 RECOMPUTE_POLICIES = ("head", "tail", "question", "deviation")
+# Where a RAG prompt's documents sit (lazy/block only): one after another, or all at the position
+# right after the shared prefix (APE's parallel encoding; the question follows the longest doc).
+DOC_POSITIONS = ("sequential", "parallel")
 
 
 @dataclass
@@ -49,6 +52,10 @@ class EngineConfig:
     # block attention. A request's sampling params may override both.
     doc_attention_temperature: float = 1.0
     doc_attention_scale: float = 1.0
+    # Document positions (lazy/block only): "sequential" = the prompt's own positions; "parallel" =
+    # every document starts right after the shared prefix and the question follows the longest one
+    # (APE-style parallel encoding; no selective recompute). A request's sampling params may override.
+    doc_positions: str = "sequential"
     seed: int = 0
 
     def validate(self) -> None:
@@ -77,6 +84,8 @@ class EngineConfig:
             self.recompute_policy, self.recompute_pages, self.recompute_ratio, self.recompute_head_pages
         )
         check_doc_attention(self.cache_mode, self.doc_attention_temperature, self.doc_attention_scale)
+        recompute = bool(self.recompute_pages or self.recompute_ratio or self.recompute_head_pages)
+        check_doc_positions(self.cache_mode, self.doc_positions, recompute)
 
 
 def check_recompute_options(
@@ -119,4 +128,23 @@ def check_doc_attention(cache_mode: str, temperature: float, scale: float) -> No
             raise ValueError(
                 f"{name}={v!r}: needs cache_mode lazy or block (documents attended as chunks); "
                 f"cache_mode is {cache_mode!r}"
+            )
+
+
+def check_doc_positions(cache_mode: str, doc_positions: str, recompute: bool) -> None:
+    """Validates doc_positions (ValueError naming the option): "parallel" needs document chunks
+    (lazy, block) and no selective recompute (a recomputed page would see the other documents only
+    up to its own position, which they share)."""
+    if doc_positions not in DOC_POSITIONS:
+        raise ValueError(f"doc_positions={doc_positions!r}: must be one of {', '.join(DOC_POSITIONS)}")
+    if doc_positions == "parallel":
+        if cache_mode not in ("lazy", "block"):
+            raise ValueError(
+                f"doc_positions='parallel': needs cache_mode lazy or block (documents attended as "
+                f"chunks); cache_mode is {cache_mode!r}"
+            )
+        if recompute:
+            raise ValueError(
+                "doc_positions='parallel' cannot be combined with selective recompute "
+                "(recompute_pages / recompute_ratio / recompute_head_pages): documents share positions"
             )

@@ -115,6 +115,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="lazy/block: the attention mass on document tokens is multiplied by this; 1 = off; "
         "per request: sampling_params",
     )
+    p.add_argument(
+        "--doc-positions",
+        choices=("sequential", "parallel"),
+        default=d.doc_positions,
+        help="lazy/block: 'parallel' places every document right after the shared prefix and the question "
+        "after the longest one (APE-style); not with selective recompute; per request: sampling_params",
+    )
     p.add_argument("--seed", type=int, default=d.seed, help="seed for dummy weights")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (except /health)")
     p.add_argument("--served-model-name", default=None, help="model name in the API; default from --model")
@@ -147,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         recompute_ratio=args.recompute_ratio,
         doc_attention_temperature=args.doc_attention_temperature,
         doc_attention_scale=args.doc_attention_scale,
+        doc_positions=args.doc_positions,
         seed=args.seed,
     )
     try:

@@ -24,6 +24,9 @@ class SamplingParams:
     # attention mass the documents receive is multiplied by doc_attention_scale.
     doc_attention_temperature: float | None = None
     doc_attention_scale: float | None = None
+    # Document positions (lazy/block; None = the engine's setting): "sequential" or "parallel" (every
+    # document right after the shared prefix, APE-style; EngineConfig.doc_positions).
+    doc_positions: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -51,6 +54,8 @@ class SamplingParams:
             v = getattr(self, name)
             if v is not None and not positive_number(v):
                 raise bad(name, "must be a finite number > 0, or None for the engine's setting")
+        if self.doc_positions not in (None, "sequential", "parallel"):
+            raise bad("doc_positions", "must be 'sequential', 'parallel', or None for the engine's setting")
 
     @classmethod
     def from_dict(cls, d: dict | None) -> SamplingParams:

@@ -18,12 +18,13 @@ def hf_greedy(model, prompt_ids: list[int], max_new: int, eos_ids: set[int]) -> 
     return out[0, len(prompt_ids) :].tolist()
 
 
-def rag_layout(prefix: list[int], docs: list[list[int]], suffix: list[int]):
+def rag_layout(prefix: list[int], docs: list[list[int]], suffix: list[int], parallel: bool = False):
     """Token ids, position ids and a boolean [N, N] mask (True = may attend) for RagPrompt semantics.
 
     Each doc sees its own private copy of the prefix, placed so the copy ends right where the doc
     starts (a doc sees the prefix as if it came right after it); the suffix sees the real prefix, every
     doc at its contiguous position, and itself. Copies are invisible to everything else.
+    parallel: every doc starts right after the prefix and the suffix right after the longest doc.
     """
     ids, pos, groups = [], [], []  # group: ("prefix",) | ("copy", i) | ("doc", i) | ("suffix",)
     P = len(prefix)
@@ -38,7 +39,9 @@ def rag_layout(prefix: list[int], docs: list[list[int]], suffix: list[int]):
         ids += d
         pos += list(range(start, start + len(d)))
         groups += [("doc", i)] * len(d)
-        start += len(d)
+        start += 0 if parallel else len(d)
+    if parallel:
+        start = P + max(map(len, docs), default=0)
     ids += suffix
     pos += list(range(start, start + len(suffix)))
     groups += [("suffix",)] * len(suffix)
@@ -232,11 +235,11 @@ def assert_no_leaked_pages(engine) -> None:
     assert s["free_pages"] + s["chunk_pages"] + s["radix_pages"] == s["total_pages"]
 
 
-def doc_attention_layout(prefix, docs, suffix, temperature: float, scale: float):
+def doc_attention_layout(prefix, docs, suffix, temperature: float, scale: float, parallel: bool = False):
     """rag_layout plus the document attention transform as [N, N] matrices: rows of the suffix (the
     question and generated tokens) scale their logits on document tokens by 1 / temperature and add
     log(scale); every other pair is left alone (logit * 1 + 0)."""
-    ids, pos, mask = rag_layout(prefix, docs, suffix)
+    ids, pos, mask = rag_layout(prefix, docs, suffix, parallel)
     n, P = len(ids), len(prefix)
     is_doc = torch.zeros(n, dtype=torch.bool)
     at = P
@@ -274,12 +277,17 @@ def _pairwise_attention(logit_scale, log_mass):
 
 
 @torch.inference_mode()
-def hf_doc_attention_logits(model, prefix, docs, suffix, temperature: float, scale: float) -> torch.Tensor:
+def hf_doc_attention_logits(
+    model, prefix, docs, suffix, temperature: float, scale: float, parallel: bool = False
+) -> torch.Tensor:
     """Logits [len(suffix), vocab] of the suffix positions under block semantics with the document
-    attention transform, by one full forward with an explicit mask (no lazyrt code)."""
+    attention transform (parallel: docs at shared positions, rag_layout), by one full forward with an
+    explicit mask (no lazyrt code)."""
     from transformers import AttentionInterface
 
-    ids, pos, mask, logit_scale, log_mass = doc_attention_layout(prefix, docs, suffix, temperature, scale)
+    ids, pos, mask, logit_scale, log_mass = doc_attention_layout(
+        prefix, docs, suffix, temperature, scale, parallel
+    )
     name = "lazyrt_test_pairwise"
     AttentionInterface.register(name, _pairwise_attention(logit_scale, log_mass))
     old = model.config._attn_implementation

@@ -72,7 +72,10 @@ def test_quality_modes_parse_document_attention():
     mode, opts = parse_mode("block+tail2/ape1,2")
     assert mode == "block" and opts == {"recompute_policy": "tail", "recompute_pages": 2,
                                         "doc_attention_temperature": 1.0, "doc_attention_scale": 2.0}
-    for bad in ("none/ape0.5,1", "lazy/ape0,1", "lazy/ape0.5"):
+    ape = {"doc_attention_temperature": 0.5, "doc_attention_scale": 1.0}
+    assert parse_mode("lazy/par/ape0.5,1") == ("lazy", {"doc_positions": "parallel", **ape})
+    assert parse_mode("block/ape0.5,1/par") == ("block", {**ape, "doc_positions": "parallel"})
+    for bad in ("none/ape0.5,1", "lazy/ape0,1", "lazy/ape0.5", "prefix/par", "lazy+tail10%/par"):
         with pytest.raises(Exception, match="mode"):
             parse_mode(bad)
 

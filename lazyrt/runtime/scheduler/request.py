@@ -83,6 +83,8 @@ class Request:
     score_logprobs: list[float] | None = None
     # Document attention of its own tokens: (logit scale, log mass) on document keys; None = plain.
     doc_logits: tuple[float, float] | None = None
+    # Documents all placed right after the prefix (doc_positions="parallel"), set by Scheduler.add.
+    parallel_docs: bool = False
 
     @property
     def is_rag(self) -> bool:

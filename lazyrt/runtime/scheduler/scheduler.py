@@ -16,7 +16,13 @@ from collections import deque
 from lazyrt.cache.chunk_table import Chunk, ChunkTable
 from lazyrt.cache.page_pool import PagePool
 from lazyrt.cache.radix_cache import RadixCache
-from lazyrt.config import CACHE_MODES, EngineConfig, check_doc_attention, check_recompute_options
+from lazyrt.config import (
+    CACHE_MODES,
+    EngineConfig,
+    check_doc_attention,
+    check_doc_positions,
+    check_recompute_options,
+)
 from lazyrt.runtime.scheduler.plan import ChunkJob, ForwardItem, PageCopy, StepPlan
 from lazyrt.runtime.scheduler.recompute import page_budget, page_runs, select_pages
 from lazyrt.runtime.scheduler.request import Request, RequestState, Segment
@@ -52,6 +58,7 @@ class Scheduler:
         recompute_ratio: float = 0.0,
         doc_attention_temperature: float = 1.0,
         doc_attention_scale: float = 1.0,
+        doc_positions: str = "sequential",
     ):
         if cache_mode not in CACHE_MODES:
             raise ValueError(f"cache_mode={cache_mode!r}: must be one of {', '.join(CACHE_MODES)}")
@@ -68,6 +75,8 @@ class Scheduler:
         )
         check_doc_attention(cache_mode, doc_attention_temperature, doc_attention_scale)
         self.doc_attention = (float(doc_attention_temperature), float(doc_attention_scale))
+        check_doc_positions(cache_mode, doc_positions, self.recomputes)
+        self.doc_positions = doc_positions
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.jobs: list[ChunkJob] = []
@@ -89,7 +98,13 @@ class Scheduler:
             recompute_ratio=cfg.recompute_ratio,
             doc_attention_temperature=cfg.doc_attention_temperature,
             doc_attention_scale=cfg.doc_attention_scale,
+            doc_positions=cfg.doc_positions,
         )
+
+    @property
+    def recomputes(self) -> bool:
+        """Selective recompute is on (some pages of the later docs are recomputed in context)."""
+        return bool(self.recompute_pages or self.recompute_ratio)
 
     def pages_for(self, n_tokens: int) -> int:
         return -(-n_tokens // self.page_size)
@@ -155,7 +170,19 @@ class Scheduler:
     def add(self, req: Request) -> None:
         self.check_fits(req)
         req.doc_logits = self.doc_logits_for(req)
+        req.parallel_docs = self.parallel_docs_for(req)
         self.waiting.append(req)
+
+    def parallel_docs_for(self, req: Request) -> bool:
+        """Whether the request's documents all start right after the prefix (doc_positions).
+        Raises RequestRejected when the request asks for a layout the server cannot give."""
+        mode = req.params.doc_positions or self.doc_positions
+        if req.params.doc_positions is not None:
+            try:
+                check_doc_positions(self.cache_mode, mode, self.recomputes)
+            except ValueError as e:
+                raise RequestRejected(f"sampling_params.{e}", "sampling_params.doc_positions") from None
+        return mode == "parallel"
 
     def doc_logits_for(self, req: Request) -> tuple[float, float] | None:
         """(logit scale, log mass) on document keys for the request's own tokens, None if neutral.
@@ -266,6 +293,8 @@ class Scheduler:
         for d, sel in zip(req.docs, sels):
             c = found[(prefix, tuple(d))]
             hit = existed[(prefix, tuple(d))]  # computed, or being computed for another request
+            if req.parallel_docs:
+                pos = len(prefix)  # every doc right after the prefix (APE's parallel encoding)
             probe_docs.append((len(req.segments), hit))
             req.chunk_hits += int(hit)
             req.chunk_misses += int(not hit)
@@ -288,6 +317,8 @@ class Scheduler:
                         seg = Segment(src, pos + lo, n, is_doc=True)
                 req.segments.append(seg)
             pos += len(d)
+        if req.parallel_docs:  # the question follows the longest doc
+            pos = len(prefix) + max(map(len, req.docs), default=0)
         if prefix and existed[((), prefix)]:
             req.cached_tokens += len(prefix)
         if probe:

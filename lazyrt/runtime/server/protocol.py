@@ -121,7 +121,11 @@ def _sampling(src: dict, prefix: str, default_max_tokens: int, default_temperatu
         if v is not None and not positive_number(v):
             raise bad(p(name), f"must be a finite number > 0, got {v!r}")
         doc_attention[name] = None if v is None else float(v)
+    doc_positions = src.get("doc_positions")
+    if doc_positions not in (None, "sequential", "parallel"):
+        raise bad(p("doc_positions"), f"must be 'sequential' or 'parallel', got {doc_positions!r}")
     return SamplingParams(
+        doc_positions=doc_positions,
         **doc_attention,
         max_tokens=max_tokens,
         temperature=float(temperature),
