@@ -97,8 +97,8 @@ def test_block_copies_fused_kernel_matches_reference():
 
 def test_doc_attention_triton_matches_reference_in_engine():
     """Document attention on CUDA: the Triton kernel's per-entry logits give the torch reference
-    attention's greedy tokens inside the engine (decode steps leave the CUDA graphs for eager), and
-    lazy = block (dummy SmolLM2 shape, fp32)."""
+    attention's greedy tokens inside the engine (decode steps replay the document-attention CUDA
+    graphs; the reference runs eager), and lazy = block (dummy SmolLM2 shape, fp32)."""
     from lazyrt.kernels.attention_ref import lazy_attention_ref
 
     rng = random.Random()
@@ -110,11 +110,14 @@ def test_doc_attention_triton_matches_reference_in_engine():
     for mode in ("lazy", "block"):
         for reference in (False, True):
             engine = Engine("smollm2-135m", load_format="dummy", device="cuda", dtype="float32",
-                            cache_mode=mode, kv_cache_tokens=32768)  # fmt: skip
+                            cache_mode=mode, kv_cache_tokens=32768,
+                            cuda_graph_max_batch=0 if reference else 64)  # fmt: skip
             if reference:
                 backend = getattr(engine.runner.backend, "fallback", engine.runner.backend)
                 backend._attend = lambda q, kv, meta, rope, sm, **_: lazy_attention_ref(q, kv, meta, rope, sm)
             outs[mode, reference] = [o["token_ids"] for o in engine.generate(prompts, sp)]
+            if not reference:
+                assert engine.runner.graphs.doc_graphs  # decode steps replayed graphs
             del engine
             torch.cuda.empty_cache()
     assert outs["lazy", False] == outs["lazy", True] == outs["block", False] == outs["block", True]
@@ -134,7 +137,7 @@ def test_deviation_recompute_triton_matches_reference():
               recompute_policy="deviation", recompute_ratio=0.25)  # fmt: skip
     outs, scores = {}, {}
     for mode, reference in (("lazy", False), ("lazy", True), ("block", False)):
-        engine = Engine("smollm2-135m", cache_mode=mode, **kw)
+        engine = Engine("smollm2-135m", cache_mode=mode, cuda_graph_max_batch=0 if reference else 64, **kw)
         if reference:
             backend = getattr(engine.runner.backend, "fallback", engine.runner.backend)
             backend._attend = lambda q, kv, meta, rope, sm, **_: lazy_attention_ref(q, kv, meta, rope, sm)
@@ -166,7 +169,8 @@ def test_parallel_doc_positions_triton_matches_reference():
     for mode in ("lazy", "block"):
         for reference in (False, True):
             engine = Engine("smollm2-135m", load_format="dummy", device="cuda", dtype="float32",
-                            cache_mode=mode, kv_cache_tokens=32768)  # fmt: skip
+                            cache_mode=mode, kv_cache_tokens=32768,
+                            cuda_graph_max_batch=0 if reference else 64)  # fmt: skip
             if reference:
                 backend = getattr(engine.runner.backend, "fallback", engine.runner.backend)
                 backend._attend = lambda q, kv, meta, rope, sm, **_: lazy_attention_ref(q, kv, meta, rope, sm)
@@ -174,3 +178,33 @@ def test_parallel_doc_positions_triton_matches_reference():
             del engine
             torch.cuda.empty_cache()
     assert outs["lazy", False] == outs["lazy", True] == outs["block", False] == outs["block", True]
+
+
+def test_doc_attention_decode_graphs_match_eager():
+    """Document attention in CUDA graphs: replayed decode steps give the eager steps' greedy tokens
+    (bf16, the serving dtype; batches of captured sizes, so both run the same shapes), for requests
+    with and without document attention mixed in one batch: graphs captured on first use by a
+    request's override, or up front when the engine is configured with document attention."""
+    rng = random.Random()
+    docs = [[rng.randrange(1000, 40000) for _ in range(rng.randint(20, 90))] for _ in range(6)]
+    prompts = [RagPrompt(list(range(1000, 1010)), rng.sample(docs, 3), question(rng)) for _ in range(8)]
+    doc = dict(doc_attention_scale=0.5, doc_attention_temperature=0.9)
+    sps = [SamplingParams(max_tokens=8, ignore_eos=True, **({} if i % 3 == 0 else doc)) for i in range(8)]
+    outs = {}
+    for configured in (False, True):
+        for graphs in (64, 0):
+            engine = Engine("smollm2-135m", load_format="dummy", device="cuda", dtype="bfloat16",
+                            kv_cache_tokens=32768, cuda_graph_max_batch=graphs,
+                            **(dict(doc_attention_scale=0.7) if configured else {}))  # fmt: skip
+            if graphs:
+                captured = engine.runner.graphs.doc_graphs
+                assert len(captured) == (len(engine.runner.graphs.sizes) if configured else 0)
+            outs[configured, graphs] = [o["token_ids"] for o in engine.generate(prompts, sps)]
+            outs[configured, graphs, 1] = [o["token_ids"] for o in engine.generate(prompts[:1], sps[1:2])]
+            if graphs:
+                assert len(engine.runner.graphs.doc_graphs) >= 2
+            del engine
+            torch.cuda.empty_cache()
+    for configured in (False, True):
+        assert outs[configured, 64] == outs[configured, 0]
+        assert outs[configured, 64, 1] == outs[configured, 0, 1]

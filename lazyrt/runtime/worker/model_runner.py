@@ -33,8 +33,9 @@ class ModelRunner:
 
             self._copy_rerotate = copy_rerotate_pages_triton
 
-    def enable_cuda_graphs(self, max_batch: int, max_context: int) -> None:
-        """Capture decode graphs for batch sizes up to max_batch (CUDA only)."""
+    def enable_cuda_graphs(self, max_batch: int, max_context: int, doc_attention: bool = False) -> None:
+        """Capture decode graphs for batch sizes up to max_batch (CUDA only); with doc_attention the
+        document-attention graphs too (else each is captured when a step first needs it)."""
         from lazyrt.runtime.worker.cuda_graph import DecodeGraphs
 
         ps = self.pool.page_size
@@ -42,7 +43,9 @@ class ModelRunner:
         max_entries = -(-max_context // ps) + 64
         if not self.pool.scratch_pages:
             raise ValueError("CUDA graphs need a PagePool built with scratch_pages=1")
-        self.graphs = DecodeGraphs(self, max_batch, max_entries, scratch_page=self.pool.scratch_pages[0])
+        self.graphs = DecodeGraphs(
+            self, max_batch, max_entries, scratch_page=self.pool.scratch_pages[0], doc_attention=doc_attention
+        )
 
     def build_metadata(self, s: StepInputs) -> tuple[torch.Tensor, AttentionMetadata]:
         def t(x, dtype: torch.dtype) -> torch.Tensor:

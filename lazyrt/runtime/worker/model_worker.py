@@ -63,8 +63,11 @@ class ModelWorker:
             self.model, self.pool, self.max_context, rotate_keys=cfg.cache_mode == "lazy"
         )
         if self.model.device.type == "cuda" and cfg.cuda_graph_max_batch > 0:
+            # A server configured with document attention uses it in every step: capture those graphs
+            # now, not on first use mid-traffic (a request's own override still captures on demand).
+            doc_attention = (cfg.doc_attention_temperature, cfg.doc_attention_scale) != (1, 1)
             self.runner.enable_cuda_graphs(
-                min(cfg.cuda_graph_max_batch, cfg.max_running_requests), self.max_context
+                min(cfg.cuda_graph_max_batch, cfg.max_running_requests), self.max_context, doc_attention
             )
         eos = set(c.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
