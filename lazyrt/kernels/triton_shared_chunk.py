@@ -1,0 +1,162 @@
+"""Triton shared-chunk attention (contract and math: shared_chunk.py, reference
+`shared_chunk_attention_ref`).
+
+Grid (segment, kv head, block of BLOCK_P pairs). A program's ROWS query rows are its pairs x the GQA
+group of its kv head; it rotates each row back by its pair's start (fp32, from the fp32 RoPE table:
+R(-S) = cos S, -sin S), then walks the segment's keys BLOCK_N at a time: each key tile is loaded and
+rotated by its local index j once for all rows, masked by `j < len` and `j <= position - start`,
+under an exp2 online softmax in fp32. Writes fp32 partial outputs and natural log-sum-exp per
+(pair, head) for `merge_partials`. Untuned: a first, readable version to measure against the
+per-request kernel (issue 14).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lazyrt.kernels.rope import RopeCache
+from lazyrt.kernels.shared_chunk import SharedChunkMeta
+
+MIN_DOT = 16  # tl.dot needs every dim >= 16: small head halves / row blocks are zero-padded to it
+_LOG2E = 1.4426950408889634
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+@triton.jit
+def _shared_chunk_kernel(
+    q_ptr, kv_ptr, pos_ptr, cos_ptr, sin_ptr,
+    chunk_kv_indptr_ptr, chunk_kv_indices_ptr, chunk_len_ptr, pair_indptr_ptr, pair_row_ptr, pair_start_ptr,
+    o_ptr, lse_ptr,
+    qk_scale,
+    stride_qt, stride_qh, stride_kp, stride_kkv, stride_ks, stride_kh, stride_cos,
+    stride_op, stride_oh, stride_lp,
+    GROUP: tl.constexpr, BLOCK_P: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr, REST: tl.constexpr,
+    REST_P: tl.constexpr, HEAD: tl.constexpr, HEAD_P: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    c = tl.program_id(0)
+    kvh = tl.program_id(1)
+    pb = tl.program_id(2)
+    p_lo = tl.load(pair_indptr_ptr + c)
+    p_hi = tl.load(pair_indptr_ptr + c + 1)
+    if p_lo + pb * BLOCK_P < p_hi:  # this segment has pairs for this block
+        dt = kv_ptr.dtype.element_ty
+        r = tl.arange(0, ROWS)
+        pair = p_lo + pb * BLOCK_P + r // GROUP
+        head = kvh * GROUP + r % GROUP
+        row_ok = (r < BLOCK_P * GROUP) & (pair < p_hi)
+        qrow = tl.load(pair_row_ptr + pair, mask=row_ok, other=0)
+        start = tl.load(pair_start_ptr + pair, mask=row_ok, other=0)
+        delta = tl.load(pos_ptr + qrow, mask=row_ok, other=0) - start  # keys j <= delta are visible
+
+        # Queries rotated back by their pair's start, softmax scale and log2(e) folded in.
+        ch = tl.arange(0, HALF_P)
+        ch_ok = ch < HALF
+        qm = row_ok[:, None] & ch_ok[None, :]
+        q_base = q_ptr + qrow.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh
+        q1 = tl.load(q_base + ch[None, :], mask=qm, other=0.0).to(tl.float32)
+        q2 = tl.load(q_base + HALF + ch[None, :], mask=qm, other=0.0).to(tl.float32)
+        c_off = start[:, None] * stride_cos + ch[None, :]
+        cs = tl.load(cos_ptr + c_off, mask=qm, other=0.0)
+        sn = tl.load(sin_ptr + c_off, mask=qm, other=0.0)
+        q1r = ((q1 * cs + q2 * sn) * qk_scale).to(dt)
+        q2r = ((q2 * cs - q1 * sn) * qk_scale).to(dt)
+        if REST > 0:
+            cr = tl.arange(0, REST_P)
+            q3m = row_ok[:, None] & (cr < REST)[None, :]
+            q3 = tl.load(q_base + 2 * HALF + cr[None, :], mask=q3m, other=0.0)
+            q3 = (q3.to(tl.float32) * qk_scale).to(dt)
+
+        e_lo = tl.load(chunk_kv_indptr_ptr + c)
+        n = tl.load(chunk_len_ptr + c)
+        dh = tl.arange(0, HEAD_P)
+        m_i = tl.full([ROWS], float("-inf"), tl.float32)
+        l_i = tl.zeros([ROWS], tl.float32)
+        acc = tl.zeros([ROWS, HEAD_P], tl.float32)
+        for blk in range(0, tl.cdiv(n, BLOCK_N)):
+            j = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+            j_ok = j < n
+            page = tl.load(chunk_kv_indices_ptr + e_lo + j // PAGE_SIZE, mask=j_ok, other=0)
+            k_off = page.to(tl.int64) * stride_kp + (j % PAGE_SIZE) * stride_ks + kvh * stride_kh
+            km = j_ok[:, None] & ch_ok[None, :]
+            k1 = tl.load(kv_ptr + k_off[:, None] + ch[None, :], mask=km, other=0.0).to(tl.float32)
+            k2 = tl.load(kv_ptr + k_off[:, None] + HALF + ch[None, :], mask=km, other=0.0).to(tl.float32)
+            j_off = j[:, None] * stride_cos + ch[None, :]
+            cj = tl.load(cos_ptr + j_off, mask=km, other=0.0)
+            sj = tl.load(sin_ptr + j_off, mask=km, other=0.0)
+            k1r = (k1 * cj - k2 * sj).to(dt)
+            k2r = (k2 * cj + k1 * sj).to(dt)
+            s = tl.dot(q1r, tl.trans(k1r), input_precision=DOT_PREC)
+            s = tl.dot(q2r, tl.trans(k2r), s, input_precision=DOT_PREC)
+            if REST > 0:
+                k3m = j_ok[:, None] & (cr < REST)[None, :]
+                k3 = tl.load(kv_ptr + k_off[:, None] + 2 * HALF + cr[None, :], mask=k3m, other=0.0)
+                s = tl.dot(q3, tl.trans(k3), s, input_precision=DOT_PREC)
+            visible = row_ok[:, None] & j_ok[None, :] & (j[None, :] <= delta[:, None])
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v_off = k_off + stride_kkv
+            vm = j_ok[:, None] & (dh < HEAD)[None, :]
+            v = tl.load(kv_ptr + v_off[:, None] + dh[None, :], mask=vm, other=0.0)
+            acc = tl.dot(p.to(dt), v, acc * alpha[:, None], input_precision=DOT_PREC)
+            m_i = m_new
+
+        seen = l_i > 0
+        out = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0)
+        lse2 = m_i + tl.log2(tl.where(seen, l_i, 1.0))  # log2-sum-exp
+        lse = tl.where(seen, lse2 * 0.6931471805599453, float("-inf"))  # natural: x ln 2
+        o_ptrs = o_ptr + pair.to(tl.int64)[:, None] * stride_op + head[:, None] * stride_oh + dh[None, :]
+        tl.store(o_ptrs, out, mask=row_ok[:, None] & (dh < HEAD)[None, :])
+        tl.store(lse_ptr + pair.to(tl.int64) * stride_lp + head, lse, mask=row_ok)
+
+
+def shared_chunk_attention_triton(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    positions: torch.Tensor,
+    meta: SharedChunkMeta,
+    rope: RopeCache,
+    sm_scale: float,
+    block_pairs: int | None = None,
+    block_n: int = 32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as shared_chunk.shared_chunk_attention_ref: (o [P, q_heads, D] fp32, natural
+    lse [P, q_heads] fp32). block_pairs: pairs per program (default: enough for 64 rows)."""
+    num_pages, _, page_size, kv_heads, head_dim = kv.shape
+    group = q.shape[1] // kv_heads
+    if q.shape[1] != group * kv_heads or q.shape[2] != head_dim:
+        raise ValueError(f"q {tuple(q.shape)} does not match kv heads {kv_heads} x head_dim {head_dim}")
+    P = meta.num_pairs
+    o = torch.empty(P, q.shape[1], head_dim, dtype=torch.float32, device=q.device)
+    lse = torch.empty(P, q.shape[1], dtype=torch.float32, device=q.device)
+    if P == 0:
+        return o, lse
+    half = rope.rotary_dim // 2
+    rest = head_dim - 2 * half
+    if block_pairs is None:
+        block_pairs = max(1, 64 // group)
+    block_pairs = min(block_pairs, _pow2(meta.max_pairs))
+    rows = max(MIN_DOT, _pow2(block_pairs * group))
+    grid = (meta.num_chunks, kv_heads, triton.cdiv(meta.max_pairs, block_pairs))
+    _shared_chunk_kernel[grid](
+        q, kv, positions, rope.cos, rope.sin,
+        meta.chunk_kv_indptr, meta.chunk_kv_indices, meta.chunk_len, meta.pair_indptr, meta.pair_row,
+        meta.pair_start, o, lse,
+        sm_scale * _LOG2E,
+        q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), rope.cos.stride(0),
+        o.stride(0), o.stride(1), lse.stride(0),
+        GROUP=group, BLOCK_P=block_pairs, ROWS=rows, BLOCK_N=max(MIN_DOT, block_n), PAGE_SIZE=page_size,
+        HALF=half, HALF_P=max(MIN_DOT, _pow2(half)), REST=rest, REST_P=max(MIN_DOT, _pow2(max(rest, 1))),
+        HEAD=head_dim, HEAD_P=max(MIN_DOT, _pow2(head_dim)),
+        DOT_PREC="ieee" if kv.dtype == torch.float32 else "tf32",
+    )  # fmt: skip
+    return o, lse
