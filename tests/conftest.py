@@ -97,4 +97,16 @@ def load_hf(path: str):
     return m
 
 
+def random_rag_ids(rng, vocab: int) -> tuple[list[int], list[list[int]], list[int]]:
+    """(prefix, 2-4 docs of 5-40 tokens, 5-token suffix) of random token ids."""
+    ids = lambda n: [rng.randrange(100, vocab) for _ in range(n)]  # noqa: E731
+    return ids(rng.randint(4, 20)), [ids(rng.randint(5, 40)) for _ in range(rng.randint(2, 4))], ids(5)
+
+
+def cpu_engine(path: str, mode: str, **kw):
+    from lazyrt import Engine
+
+    return Engine(path, device="cpu", cache_mode=mode, kv_cache_tokens=8192, **kw)
+
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

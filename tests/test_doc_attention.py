@@ -9,10 +9,12 @@ import random
 
 import pytest
 import torch
+from conftest import cpu_engine as _engine
 from conftest import load_hf
+from conftest import random_rag_ids as _prompt
 from hf_reference import hf_doc_attention_logits
 
-from lazyrt import Engine, RagPrompt, SamplingParams
+from lazyrt import RagPrompt, SamplingParams
 from lazyrt.config import EngineConfig
 from lazyrt.runtime.ipc.messages import decode, encode
 from lazyrt.runtime.scheduler.plan import ForwardItem, StepPlan
@@ -24,13 +26,6 @@ from lazyrt.runtime.worker.step_inputs import StepInputs
 TEMP, SCALE = 0.6, 1.7
 
 
-def _prompt(rng: random.Random, vocab: int) -> tuple[list[int], list[list[int]], list[int]]:
-    ids = lambda n: [rng.randrange(100, vocab) for _ in range(n)]  # noqa: E731
-    return ids(rng.randint(4, 20)), [ids(rng.randint(5, 40)) for _ in range(rng.randint(2, 4))], ids(5)
-
-
-def _engine(path: str, mode: str, **kw) -> Engine:
-    return Engine(path, device="cpu", cache_mode=mode, kv_cache_tokens=8192, **kw)
 
 
 def _hf_greedy(hf, prefix, docs, suffix, n: int, temp: float, scale: float) -> list[int]:

@@ -95,33 +95,47 @@ def test_block_copies_fused_kernel_matches_reference():
 
 
 
+def rag_prompts(rng: random.Random, n: int) -> list[RagPrompt]:
+    """n prompts of 3 documents each from a pool of 6 random-token documents (20-90 tokens)."""
+    docs = [[rng.randrange(1000, 40000) for _ in range(rng.randint(20, 90))] for _ in range(6)]
+    return [RagPrompt(list(range(1000, 1010)), rng.sample(docs, 3), question(rng)) for _ in range(n)]
+
+
+def engine_tokens(mode: str, reference: bool, prompts, sps, check=None, **kw) -> list[list[int]]:
+    """Greedy tokens of a dummy-SmolLM2 fp32 CUDA engine; reference: attention by the torch reference,
+    every step eager (no CUDA graphs). check(engine) runs after generating."""
+    from lazyrt.kernels.attention_ref import lazy_attention_ref
+
+    engine = Engine("smollm2-135m", load_format="dummy", device="cuda", dtype="float32", cache_mode=mode,
+                    kv_cache_tokens=32768, cuda_graph_max_batch=0 if reference else 64, **kw)  # fmt: skip
+    if reference:
+        backend = getattr(engine.runner.backend, "fallback", engine.runner.backend)
+        backend._attend = lambda q, kv, meta, rope, sm, **_: lazy_attention_ref(q, kv, meta, rope, sm)
+    tokens = [o["token_ids"] for o in engine.generate(prompts, sps)]
+    if check is not None:
+        check(engine)
+    del engine
+    torch.cuda.empty_cache()
+    return tokens
+
+
 def test_doc_attention_triton_matches_reference_in_engine():
     """Document attention on CUDA: the Triton kernel's per-entry logits give the torch reference
     attention's greedy tokens inside the engine (decode steps replay the document-attention CUDA
     graphs; the reference runs eager), and lazy = block (dummy SmolLM2 shape, fp32)."""
-    from lazyrt.kernels.attention_ref import lazy_attention_ref
-
-    rng = random.Random()
-    docs = [[rng.randrange(1000, 40000) for _ in range(rng.randint(20, 90))] for _ in range(6)]
-    prompts = [RagPrompt(list(range(1000, 1010)), rng.sample(docs, 3), question(rng)) for _ in range(8)]
+    prompts = rag_prompts(random.Random(), 8)
     sp = SamplingParams(max_tokens=12, ignore_eos=True, doc_attention_temperature=0.7,
                         doc_attention_scale=1.6)  # fmt: skip
-    outs = {}
-    for mode in ("lazy", "block"):
-        for reference in (False, True):
-            engine = Engine("smollm2-135m", load_format="dummy", device="cuda", dtype="float32",
-                            cache_mode=mode, kv_cache_tokens=32768,
-                            cuda_graph_max_batch=0 if reference else 64)  # fmt: skip
-            if reference:
-                backend = getattr(engine.runner.backend, "fallback", engine.runner.backend)
-                backend._attend = lambda q, kv, meta, rope, sm, **_: lazy_attention_ref(q, kv, meta, rope, sm)
-            outs[mode, reference] = [o["token_ids"] for o in engine.generate(prompts, sp)]
-            if not reference:
-                assert engine.runner.graphs.doc_graphs  # decode steps replayed graphs
-            del engine
-            torch.cuda.empty_cache()
-    assert outs["lazy", False] == outs["lazy", True] == outs["block", False] == outs["block", True]
 
+    def replayed_graphs(engine):
+        assert engine.runner.graphs.doc_graphs  # decode steps replayed graphs
+
+    outs = {
+        (mode, reference): engine_tokens(mode, reference, prompts, sp, None if reference else replayed_graphs)
+        for mode in ("lazy", "block")
+        for reference in (False, True)
+    }
+    assert outs["lazy", False] == outs["lazy", True] == outs["block", False] == outs["block", True]
 
 def test_deviation_recompute_triton_matches_reference():
     """Deviation recompute on CUDA (fp32): the probe's per-page scores and the greedy tokens with
@@ -158,36 +172,22 @@ def test_parallel_doc_positions_triton_matches_reference():
     """Parallel document positions on CUDA (fp32): the Triton kernels (decode in CUDA graphs) give the
     torch reference attention's greedy tokens, and lazy = block (block's prefill leaves FlashInfer's
     dense path: its docs' positions overlap); sequential requests in the same batch share the chunks."""
-    from lazyrt.kernels.attention_ref import lazy_attention_ref
-
-    rng = random.Random()
-    docs = [[rng.randrange(1000, 40000) for _ in range(rng.randint(20, 90))] for _ in range(6)]
-    prompts = [RagPrompt(list(range(1000, 1010)), rng.sample(docs, 3), question(rng)) for _ in range(8)]
+    prompts = rag_prompts(random.Random(), 8)
     sps = [SamplingParams(max_tokens=12, ignore_eos=True, doc_positions=("parallel", "sequential")[i % 2])
            for i in range(len(prompts))]  # fmt: skip
-    outs = {}
-    for mode in ("lazy", "block"):
-        for reference in (False, True):
-            engine = Engine("smollm2-135m", load_format="dummy", device="cuda", dtype="float32",
-                            cache_mode=mode, kv_cache_tokens=32768,
-                            cuda_graph_max_batch=0 if reference else 64)  # fmt: skip
-            if reference:
-                backend = getattr(engine.runner.backend, "fallback", engine.runner.backend)
-                backend._attend = lambda q, kv, meta, rope, sm, **_: lazy_attention_ref(q, kv, meta, rope, sm)
-            outs[mode, reference] = [o["token_ids"] for o in engine.generate(prompts, sps)]
-            del engine
-            torch.cuda.empty_cache()
+    outs = {
+        (mode, reference): engine_tokens(mode, reference, prompts, sps)
+        for mode in ("lazy", "block")
+        for reference in (False, True)
+    }
     assert outs["lazy", False] == outs["lazy", True] == outs["block", False] == outs["block", True]
-
 
 def test_doc_attention_decode_graphs_match_eager():
     """Document attention in CUDA graphs: replayed decode steps give the eager steps' greedy tokens
     (bf16, the serving dtype; batches of captured sizes, so both run the same shapes), for requests
     with and without document attention mixed in one batch: graphs captured on first use by a
     request's override, or up front when the engine is configured with document attention."""
-    rng = random.Random()
-    docs = [[rng.randrange(1000, 40000) for _ in range(rng.randint(20, 90))] for _ in range(6)]
-    prompts = [RagPrompt(list(range(1000, 1010)), rng.sample(docs, 3), question(rng)) for _ in range(8)]
+    prompts = rag_prompts(random.Random(), 8)
     doc = dict(doc_attention_scale=0.5, doc_attention_temperature=0.9)
     sps = [SamplingParams(max_tokens=8, ignore_eos=True, **({} if i % 3 == 0 else doc)) for i in range(8)]
     outs = {}
