@@ -539,8 +539,8 @@ def lazy_attention_triton(
 ) -> torch.Tensor:
     """Triton version of `lazy_attention_ref`: q [T, q_heads, head_dim] (rotated) over paged K/V.
 
-    max_q_len / max_kv_entries (longest new-token run / page table of a sequence) are computed with
-    a device sync when not given: pass them from the host-side step plan. Upper bounds are fine (they
+    max_q_len / max_kv_entries (longest new-token run / page table of a sequence) default to the
+    metadata's host-side values, and are computed with a device sync when neither is set. Upper bounds are fine (they
     only size the grid and the splits; a CUDA graph can be captured per bucket), and max_q_len == 1
     selects the decode path, so it must hold. num_splits forces the split-KV count (tests, tuning);
     by default it is picked from the grid size and context length.
@@ -556,6 +556,8 @@ def lazy_attention_triton(
     page_size, num_kv_heads = kv.shape[2], kv.shape[3]
     assert kv.shape[4] == head_dim and num_q_heads % num_kv_heads == 0
     group = num_q_heads // num_kv_heads
+    max_q_len = max_q_len or meta.max_q_len or None  # host-side maxima from the step plan, if set
+    max_kv_entries = max_kv_entries or meta.max_kv_entries or None
     if max_q_len is None:
         max_q_len = T if B == 1 else int((meta.qo_indptr[1:] - meta.qo_indptr[:-1]).max())
     if max_kv_entries is None:
