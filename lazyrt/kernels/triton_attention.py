@@ -540,10 +540,10 @@ def lazy_attention_triton(
     """Triton version of `lazy_attention_ref`: q [T, q_heads, head_dim] (rotated) over paged K/V.
 
     max_q_len / max_kv_entries (longest new-token run / page table of a sequence) default to the
-    metadata's host-side values, and are computed with a device sync when neither is set. Upper bounds are fine (they
-    only size the grid and the splits; a CUDA graph can be captured per bucket), and max_q_len == 1
-    selects the decode path, so it must hold. num_splits forces the split-KV count (tests, tuning);
-    by default it is picked from the grid size and context length.
+    metadata's host-side values, and are computed with a device sync when neither is set. Upper
+    bounds are fine (they only size the grid and the splits; a CUDA graph can be captured per
+    bucket), and max_q_len == 1 selects the decode path, so it must hold. num_splits forces the
+    split-KV count (tests, tuning); by default it is picked from the grid size and context length.
     A query that sees no key gets zeros (the reference gives NaN). meta.entry_logit_scale /
     entry_log_mass (optional) scale and shift each entry's logits, as in the reference.
     """
