@@ -77,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="local engine selective recompute (lazy/block; see python -m lazyrt.launch --help)")
     p.add_argument("--recompute-pages", type=int, default=None, help="recompute budget: pages per later doc")
     p.add_argument("--recompute-ratio", type=float, default=None, help="recompute budget: 0-1 of later docs")
+    p.add_argument("--shared-chunk-attention", action=argparse.BooleanOptionalAction, default=None,
+                   help="local engine, lazy: read each document a step's requests share once (default on)")
     g = p.add_argument_group("sampling defaults (a line's sampling_params override them)")
     g.add_argument("--max-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0)
@@ -147,6 +149,7 @@ def make_runner(args: argparse.Namespace):
     from lazyrt.runtime.engine.engine import Engine
 
     opts = ("kv_cache_tokens", "recompute_policy", "recompute_pages", "recompute_ratio")
+    opts += ("shared_chunk_attention",)
     kw = {k: getattr(args, k) for k in opts if getattr(args, k) is not None}
     engine = Engine(args.model, device=args.device, cache_mode=args.cache_mode, **kw)
     return LocalRunner(engine, args.concurrency or 32)

@@ -56,6 +56,9 @@ class EngineConfig:
     # every document starts right after the shared prefix and the question follows the longest one
     # (APE-style parallel encoding; no selective recompute). A request's sampling params may override.
     doc_positions: str = "sequential"
+    # lazy only: steps whose requests share documents read each shared run of pages once for all
+    # its queries (kernels/shared_chunk.py) instead of once per request; same outputs.
+    shared_chunk_attention: bool = True
     seed: int = 0
 
     def validate(self) -> None:

@@ -122,6 +122,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="lazy/block: 'parallel' places every document right after the shared prefix and the question "
         "after the longest one (APE-style); not with selective recompute; per request: sampling_params",
     )
+    p.add_argument(
+        "--shared-chunk-attention",
+        action=argparse.BooleanOptionalAction,
+        default=d.shared_chunk_attention,
+        help="lazy: a step reads each document shared by several of its requests once for all of them "
+        "(same outputs; --no-shared-chunk-attention reads per request)",
+    )
     p.add_argument("--seed", type=int, default=d.seed, help="seed for dummy weights")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (except /health)")
     p.add_argument("--served-model-name", default=None, help="model name in the API; default from --model")
@@ -155,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         doc_attention_temperature=args.doc_attention_temperature,
         doc_attention_scale=args.doc_attention_scale,
         doc_positions=args.doc_positions,
+        shared_chunk_attention=args.shared_chunk_attention,
         seed=args.seed,
     )
     try:

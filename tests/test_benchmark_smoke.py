@@ -36,39 +36,28 @@ def test_decode_roofline_rows(mode, no_denormals, tmp_path):
 
 
 def test_shared_chunk_bench_step_is_the_per_request_step():
-    """benchmarks/shared_chunk_bench.py's Zipf step: its shared segments + private pages hold exactly
-    the per-request keys (reference attention + merge = per-request reference), and popular
-    documents are shared (fewer distinct documents than uses)."""
+    """benchmarks/shared_chunk_bench.py's Zipf step: its segments hold exactly the per-request keys
+    (reference shared attention + merge = per-request reference attention), and popular documents
+    are shared (fewer pages read than the per-request tables list)."""
     import argparse
     import random
 
     import shared_chunk_bench as bench
 
-    from lazyrt.kernels.attention_ref import gather_keys_values, lazy_attention_ref
-    from lazyrt.kernels.rope import RopeCache, apply_rope_ref
-    from lazyrt.kernels.shared_chunk import merge_partials, shared_chunk_attention_ref
+    from lazyrt.kernels.attention_ref import lazy_attention_ref
+    from lazyrt.kernels.rope import RopeCache
+    from lazyrt.kernels.shared_chunk import merge_parts_ref, shared_chunk_attention_ref
     from lazyrt.models.config import ModelConfig
     from lazyrt.models.dummy import PRESETS
 
-    args = argparse.Namespace(docs=3, doc_tokens=40, pool=20, alpha=2.1, q_len=2)
-    kv, full, priv, shared, distinct = bench.build_step(8, args, random.Random(), "cpu")
-    assert distinct < 8 * 3 and shared.num_pairs == 8 * 3 * 2
+    args = argparse.Namespace(docs=3, doc_tokens=40, pool=20, alpha=2.1, q_len=2, private=20, piece_tokens=32)
+    kv, full, shared, distinct = bench.build_step(8, args, random.Random(), "cpu")
+    assert distinct < 8 * 3 and shared.chunk_kv_indices.numel() < full.kv_indices.numel()
     rope = RopeCache.build(ModelConfig.from_hf(PRESETS["llama-3.1-8b"]), 512)
     kv = kv.float()
     q = torch.randn(16, bench.Q_HEADS, bench.HEAD_DIM)
     scale = bench.HEAD_DIM**-0.5
     o_s, lse_s = shared_chunk_attention_ref(q, kv, full.positions, shared, rope, scale)
-    o_p = lazy_attention_ref(q, kv, priv, rope, scale).float()  # the private part, and its lse:
-    lse_p = torch.empty(16, bench.Q_HEADS)
-    qo, kvp = priv.qo_indptr.tolist(), priv.kv_indptr.tolist()
-    for b in range(priv.batch_size):
-        e = slice(kvp[b], kvp[b + 1])
-        kk, _, kpos = gather_keys_values(kv, priv.kv_indices[e], priv.pos_base[e], priv.valid_len[e])
-        kk = apply_rope_ref(kk, kpos, rope).repeat_interleave(bench.Q_HEADS // bench.KV_HEADS, dim=1)
-        s = torch.einsum("qhd,khd->qhk", q[qo[b] : qo[b + 1]], kk) * scale
-        visible = kpos[None, None, :] <= priv.positions[qo[b] : qo[b + 1], None, None]
-        s = s.masked_fill(~visible, float("-inf"))
-        lse_p[qo[b] : qo[b + 1]] = torch.logsumexp(s, -1)
-    out, _ = merge_partials(o_p, lse_p, o_s, lse_s, shared.pair_row)
+    out = merge_parts_ref(o_s, lse_s, shared)
     expect = lazy_attention_ref(q, kv, full, rope, scale).float()
     torch.testing.assert_close(out, expect, rtol=1e-4, atol=1e-5)

@@ -20,7 +20,9 @@ from lazyrt.kernels.rope import RopeCache, apply_rope_ref  # noqa: E402
 from lazyrt.kernels.shared_chunk import (  # noqa: E402
     SharedChunkMeta,
     merge_partials,
+    merge_parts_ref,
     shared_chunk_attention_ref,
+    shared_chunk_attention_torch,
 )
 from lazyrt.models.config import ModelConfig  # noqa: E402
 
@@ -172,36 +174,94 @@ def test_build_rejects_bad_segments():
         SharedChunkMeta.build([([], 0, [])], 4)
 
 
+def test_work_items_cover_every_pair_once_longest_first():
+    segments = [
+        ([0], 3, [(0, 0), (1, 5)]),
+        ([1, 2, 3], 10, [(r, r) for r in range(7)]),
+        ([4, 5], 8, [(2, 9)]),
+    ]
+    meta = SharedChunkMeta.build(segments, 4, num_rows=9, block_pairs=3)
+    work = list(zip(meta.work_chunk.tolist(), meta.work_pair.tolist()))
+    assert work == [(1, 2), (1, 5), (1, 8), (2, 9), (0, 0)]  # pairs: 0-1 seg 0, 2-8 seg 1, 9 seg 2
+    assert meta.num_work.tolist() == [5] and meta.num_work_host == 5 and meta.num_rows == 9
+    # row t's parts are the pairs whose row is t
+    rp, parts = meta.row_part_indptr.tolist(), meta.row_parts.tolist()
+    for t in range(9):
+        assert sorted(parts[rp[t] : rp[t + 1]]) == [p for p, r in enumerate(meta.pair_row.tolist()) if r == t]
+    with pytest.raises(ValueError, match=r"pair rows must lie in \[0, 2\)"):
+        SharedChunkMeta.build(segments, 4, num_rows=2)
+
+
+@pytest.mark.parametrize("q_len,inside,rotary_dim", [((1, 1), False, None), ((1, 6), True, 16)])
+def test_torch_version_and_merge_equal_per_request_attention(q_len, inside, rotary_dim):
+    """The CPU path: every segment (shared chunks and private runs alike) through
+    shared_chunk_attention_torch, merged per row by merge_parts_ref = lazy_attention_ref; and the
+    torch version = the reference pair by pair."""
+    page_size, kv_heads, group, head_dim = 4, 2, 3, 32
+    kv, positions, full, _, _ = make_step(page_size, kv_heads, head_dim, torch.float32, q_len=q_len,
+                                          inside=inside)  # fmt: skip
+    rope = make_rope(head_dim, rotary_dim)
+    q = torch.randn(len(positions), kv_heads * group, head_dim)
+    scale = head_dim**-0.5
+    meta = SharedChunkMeta.build(per_entry_segments(full, page_size), page_size, num_rows=len(positions))
+    o, lse = shared_chunk_attention_torch(q, kv, positions, meta, rope, scale)
+    o_ref, lse_ref = shared_chunk_attention_ref(q, kv, positions, meta, rope, scale)
+    torch.testing.assert_close(lse, lse_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(o, o_ref, rtol=1e-4, atol=1e-5)
+    expect = lazy_attention_ref(q, kv, full, rope, scale)
+    seen = ~torch.isnan(expect)  # the reference gives NaN where a query sees no key; the merge 0
+    torch.testing.assert_close(merge_parts_ref(o, lse, meta)[seen], expect[seen], rtol=1e-4, atol=1e-5)
+
+
+def per_entry_segments(meta: AttentionMetadata, page_size: int):
+    """Every page-table entry of meta as its own one-page segment used by its sequence's rows."""
+    qo, kvp = meta.qo_indptr.tolist(), meta.kv_indptr.tolist()
+    segs = []
+    for b in range(meta.batch_size):
+        for e in range(kvp[b], kvp[b + 1]):
+            page, base, n = (int(x[e]) for x in (meta.kv_indices, meta.pos_base, meta.valid_len))
+            segs.append(([page], n, [(row, base) for row in range(qo[b], qo[b + 1])]))
+    return segs
+
+
 try:
-    from lazyrt.kernels.triton_shared_chunk import shared_chunk_attention_triton  # noqa: E402
+    from lazyrt.kernels.triton_shared_chunk import (  # noqa: E402
+        merge_parts_triton,
+        shared_chunk_attention_triton,
+    )
 except Exception as e:  # noqa: BLE001
-    shared_chunk_attention_triton = None
+    shared_chunk_attention_triton = merge_parts_triton = None
     TRITON_ERROR = str(e)
 
 
 @pytest.mark.parametrize(
-    "group,kv_heads,head_dim,rotary_dim,page_size,dtype,q_len,inside,block_pairs,block_n",
+    "group,kv_heads,head_dim,rotary_dim,page_size,dtype,q_len,inside,block_pairs,block_n,programs",
     [
-        (4, 2, 32, None, 4, torch.float32, (1, 1), False, 2, 16),  # decode, many pair and key blocks
-        (1, 2, 32, None, 16, torch.float32, (1, 5), True, None, 32),  # MHA, prefill rows, masked spans
-        (8, 1, 64, None, 8, torch.float16, (1, 1), False, 1, 16),  # GQA 8
-        (4, 1, 64, 32, 4, torch.float32, (1, 3), True, 4, 16),  # partial rotary
-        (4, 2, 16, None, 16, torch.float16, (1, 1), False, None, 32),  # tiny head: padded halves
+        (4, 2, 32, None, 4, torch.float32, (1, 1), False, 2, 16, 3),  # decode, many pair/key blocks
+        (1, 2, 32, None, 16, torch.float32, (1, 5), True, 16, 32, None),  # MHA, prefill, masked spans
+        (8, 1, 64, None, 8, torch.float16, (1, 1), False, 1, 16, 5),  # GQA 8
+        (4, 1, 64, 32, 4, torch.float32, (1, 3), True, 4, 16, 1),  # partial rotary, one program
+        (4, 2, 16, None, 16, torch.float16, (1, 1), False, 16, 32, 64),  # tiny head: padded halves
     ],
 )
 def test_triton_matches_reference(group, kv_heads, head_dim, rotary_dim, page_size, dtype, q_len, inside,
-                                  block_pairs, block_n):  # fmt: skip
+                                  block_pairs, block_n, programs):  # fmt: skip
+    """The Triton kernel (persistent grids of 1..64 programs over the work items) = the reference,
+    and the Triton merge = merge_parts_ref."""
     if shared_chunk_attention_triton is None:
         pytest.fail(f"triton is not importable: {TRITON_ERROR}")
     kv, positions, _, _, segments = make_step(page_size, kv_heads, head_dim, dtype, n_chunks=5,
                                               n_requests=6, q_len=q_len, inside=inside)  # fmt: skip
     rope = make_rope(head_dim, rotary_dim)
     q = torch.randn(len(positions), kv_heads * group, head_dim).to(dtype)
-    meta = SharedChunkMeta.build(segments, page_size)
+    meta = SharedChunkMeta.build(segments, page_size, num_rows=len(positions), block_pairs=block_pairs)
     scale = head_dim**-0.5
     o_ref, lse_ref = shared_chunk_attention_ref(q, kv, positions, meta, rope, scale)
-    o, lse = shared_chunk_attention_triton(q, kv, positions, meta, rope, scale, block_pairs, block_n)
+    o, lse = shared_chunk_attention_triton(q, kv, positions, meta, rope, scale, block_n, programs)
     assert not torch.isnan(o).any() and not torch.isnan(lse).any()
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(lse, lse_ref, **tol)
     torch.testing.assert_close(o, o_ref, **tol)
+    merged = merge_parts_triton(o, lse, meta, dtype)
+    assert merged.dtype == dtype
+    torch.testing.assert_close(merged.float(), merge_parts_ref(o, lse, meta), **tol)

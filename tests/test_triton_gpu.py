@@ -309,8 +309,8 @@ if __name__ == "__main__":
 def test_shared_chunk_bf16(q_len):
     """Shared-chunk attention on CUDA, bf16, 32/8 heads: a Zipf-like step where 16 requests share 6
     chunks at their own offsets (q_len 1: decode; 4: question prefill rows), against the reference."""
-    from lazyrt.kernels.shared_chunk import SharedChunkMeta, shared_chunk_attention_ref
-    from lazyrt.kernels.triton_shared_chunk import shared_chunk_attention_triton
+    from lazyrt.kernels.shared_chunk import SharedChunkMeta, merge_parts_ref, shared_chunk_attention_ref
+    from lazyrt.kernels.triton_shared_chunk import merge_parts_triton, shared_chunk_attention_triton
 
     rope = make_rope()
     chunks, next_page = [], 0
@@ -328,10 +328,11 @@ def test_shared_chunk_bf16(q_len):
         positions += range(pos + 10, pos + 10 + q_len)
     segments = [(pages, n, [(r * q_len + i, s) for r, s in u for i in range(q_len)])
                 for (pages, n), u in zip(chunks, uses) if u]  # fmt: skip
-    meta = SharedChunkMeta.build(segments, PAGE, DEV)
+    meta = SharedChunkMeta.build(segments, PAGE, num_rows=len(positions), device=DEV)
     q = torch.randn(len(positions), Q_HEADS, HEAD_DIM, device=DEV, dtype=BF16)
     pos_t = torch.tensor(positions, device=DEV)
     o_ref, lse_ref = shared_chunk_attention_ref(q, kv, pos_t, meta, rope, HEAD_DIM**-0.5)
     o, lse = shared_chunk_attention_triton(q, kv, pos_t, meta, rope, HEAD_DIM**-0.5)
     assert rel_err(o, o_ref) < 1e-2
     torch.testing.assert_close(lse, lse_ref, rtol=1e-2, atol=1e-2)
+    assert rel_err(merge_parts_triton(o, lse, meta, BF16), merge_parts_ref(o_ref, lse_ref, meta)) < 1e-2

@@ -9,6 +9,7 @@ import torch
 from lazyrt.kernels.attention_ref import lazy_attention_ref, store_kv_ref
 from lazyrt.kernels.metadata import AttentionMetadata
 from lazyrt.kernels.rope import RopeCache, apply_rope_ref
+from lazyrt.kernels.shared_chunk import merge_parts_ref, shared_chunk_attention_torch
 
 
 class AttentionBackend(Protocol):
@@ -32,6 +33,10 @@ class TorchAttentionBackend:
         if not meta.rotate_keys:
             k = apply_rope_ref(k, meta.positions, self.rope)
         store_kv_ref(kv, k, v, meta.store_pages, meta.store_slots)
+        if meta.shared is not None:
+            sh = meta.shared
+            o, lse = shared_chunk_attention_torch(q, kv, meta.positions, sh, self.rope, self.sm_scale)
+            return merge_parts_ref(o, lse, sh).to(q.dtype)
         return lazy_attention_ref(q, kv, meta, self.rope, self.sm_scale)
 
 
@@ -39,9 +44,11 @@ class TritonAttentionBackend:
     """CUDA path: Triton kernels (imported lazily, so the CPU path never needs Triton)."""
 
     def __init__(self, kv_layers: list[torch.Tensor], rope: RopeCache, sm_scale: float):
-        from lazyrt.kernels import triton_attention, triton_kv
+        from lazyrt.kernels import triton_attention, triton_kv, triton_shared_chunk
 
         self._attend = triton_attention.lazy_attention_triton
+        self._shared = triton_shared_chunk.shared_chunk_attention_triton
+        self._merge = triton_shared_chunk.merge_parts_triton
         self._store = triton_kv.store_kv_triton
         self._rope = triton_kv.apply_rope_triton
         self.kv_layers = kv_layers
@@ -55,6 +62,10 @@ class TritonAttentionBackend:
         if not meta.rotate_keys:
             k = self._rope(k, meta.positions, self.rope)
         self._store(kv, k, v, meta.store_pages, meta.store_slots)
+        if meta.shared is not None:
+            sh = meta.shared
+            o, lse = self._shared(q, kv, meta.positions, sh, self.rope, self.sm_scale, programs=sh.programs)
+            return self._merge(o, lse, sh, q.dtype)
         return self._attend(
             q,
             kv,

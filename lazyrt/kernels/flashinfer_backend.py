@@ -40,7 +40,11 @@ class FlashInferPrefillBackend:
     def handles(self, meta: AttentionMetadata) -> bool:
         # no per-entry logit transform in FlashInfer's kernels: those steps go to Triton
         return (
-            meta.dense_pages and not meta.rotate_keys and meta.max_q_len > 1 and not meta.has_entry_logits
+            meta.dense_pages
+            and not meta.rotate_keys
+            and meta.max_q_len > 1
+            and not meta.has_entry_logits
+            and meta.shared is None
         )
 
     def forward(

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lazyrt.kernels.shared_chunk import SharedChunkMeta
+
 
 @dataclass
 class AttentionMetadata:
@@ -37,6 +39,10 @@ class AttentionMetadata:
     # the attention mass they receive (APE-style document attention; scale 1 and mass 0 change nothing).
     entry_logit_scale: torch.Tensor | None = None  # [E] float32
     entry_log_mass: torch.Tensor | None = None  # [E] float32
+    # Shared-chunk attention (kernels/shared_chunk.py): when set, the step attends through these
+    # segments (the same keys as the page table, each distinct run of pages read once for all its
+    # queries) instead of per sequence; the page table still describes the step.
+    shared: SharedChunkMeta | None = None
 
     @property
     def has_entry_logits(self) -> bool:

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from lazyrt.kernels.rope import RopeCache, apply_rope_ref
@@ -26,13 +27,19 @@ from lazyrt.kernels.rope import RopeCache, apply_rope_ref
 
 @dataclass
 class SharedChunkMeta:
-    """A step's shared segments and the queries using each.
+    """A step's segments and the queries using each.
 
     Segment c owns page-table entries chunk_kv_indptr[c]:chunk_kv_indptr[c + 1] of chunk_kv_indices
     (its pages, every one full but the last) and chunk_len[c] tokens; its pairs are
     pair_indptr[c]:pair_indptr[c + 1]: pair p is query row pair_row[p] of the step's q, with the
     segment starting at position pair_start[p] in that query's request (key j sits at
-    pair_start[p] + j and is visible when that is <= the query's position)."""
+    pair_start[p] + j and is visible when that is <= the query's position).
+
+    The kernel's work items: item w is segment work_chunk[w] with its pairs work_pair[w] ..
+    work_pair[w] + block_pairs - 1 (those of the segment); items sorted longest segment first, so a
+    persistent grid that takes them round-robin ends close together; num_work[0] items are live (a
+    device scalar: CUDA graphs replay one launch over buffers sized for the largest step). The merge
+    reads row t's parts row_parts[row_part_indptr[t]:row_part_indptr[t + 1]] (pair ids)."""
 
     chunk_kv_indptr: torch.Tensor  # [C + 1] int32
     chunk_kv_indices: torch.Tensor  # [E] int32
@@ -40,7 +47,14 @@ class SharedChunkMeta:
     pair_indptr: torch.Tensor  # [C + 1] int32
     pair_row: torch.Tensor  # [P] int32
     pair_start: torch.Tensor  # [P] int32
-    max_pairs: int  # most pairs of one segment (host int: sizes the grid)
+    work_chunk: torch.Tensor  # [W] int32
+    work_pair: torch.Tensor  # [W] int32
+    num_work: torch.Tensor  # [1] int32
+    row_part_indptr: torch.Tensor  # [T + 1] int32
+    row_parts: torch.Tensor  # [P] int32
+    block_pairs: int  # pairs per work item
+    num_work_host: int  # = num_work[0], for sizing an eager launch without a sync
+    programs: int | None = None  # persistent grid size to launch (None: the kernel picks; graphs fix it)
 
     @property
     def num_chunks(self) -> int:
@@ -50,37 +64,113 @@ class SharedChunkMeta:
     def num_pairs(self) -> int:
         return self.pair_row.numel()
 
+    @property
+    def num_rows(self) -> int:
+        return self.row_part_indptr.numel() - 1
+
     @classmethod
     def build(
         cls,
         segments: Sequence[tuple[Sequence[int], int, Sequence[tuple[int, int]]]],
         page_size: int,
+        num_rows: int | None = None,
+        block_pairs: int = 16,
         device: torch.device | str = "cpu",
     ) -> SharedChunkMeta:
-        """segments: (pages, num_tokens, [(query row, start position), ...]) per shared segment."""
-        kv_indptr, indices, lens, pair_indptr, rows, starts = [0], [], [], [0], [], []
-        for pages, n, pairs in segments:
-            if not 0 < n <= len(pages) * page_size or len(pages) != -(-n // page_size):
-                raise ValueError(
-                    f"a shared segment of {n} tokens cannot have {len(pages)} pages of {page_size}"
-                )
-            indices += pages
-            kv_indptr.append(len(indices))
-            lens.append(n)
-            for row, start in pairs:
-                rows.append(row)
-                starts.append(start)
-            pair_indptr.append(len(rows))
-        i32 = dict(dtype=torch.int32, device=device)
-        return cls(
-            chunk_kv_indptr=torch.tensor(kv_indptr, **i32),
-            chunk_kv_indices=torch.tensor(indices, **i32),
-            chunk_len=torch.tensor(lens, **i32),
-            pair_indptr=torch.tensor(pair_indptr, **i32),
-            pair_row=torch.tensor(rows, **i32),
-            pair_start=torch.tensor(starts, **i32),
-            max_pairs=max((len(p) for _, _, p in segments), default=0),
-        )
+        """segments: (pages, num_tokens, [(query row, start position), ...]) per segment; num_rows:
+        the step's query rows (default: 1 + the largest row used); block_pairs: pairs per work item."""
+        return cls.from_arrays(build_arrays(segments, page_size, num_rows, block_pairs), block_pairs, device)
+
+    @classmethod
+    def from_arrays(cls, arrays: dict[str, np.ndarray], block_pairs: int, device) -> SharedChunkMeta:
+        """From `build_arrays`' host arrays (one H2D copy each)."""
+        t = {k: torch.from_numpy(v).to(device, non_blocking=True) for k, v in arrays.items()}
+        return cls(**t, block_pairs=block_pairs, num_work_host=int(arrays["num_work"][0]))
+
+
+def build_arrays(
+    segments: Sequence[tuple[Sequence[int], int, Sequence[tuple[int, int]]]],
+    page_size: int,
+    num_rows: int | None,
+    block_pairs: int,
+) -> dict[str, np.ndarray]:
+    """Host int32 arrays of SharedChunkMeta (see there) for `segments`; raises ValueError on a
+    segment whose pages cannot hold its tokens."""
+    if block_pairs < 1:
+        raise ValueError(f"block_pairs={block_pairs}: must be >= 1")
+    kv_indptr, indices, lens, pair_indptr, rows, starts = [0], [], [], [0], [], []
+    for pages, n, pairs in segments:
+        if not 0 < n <= len(pages) * page_size or len(pages) != -(-n // page_size):
+            raise ValueError(f"a shared segment of {n} tokens cannot have {len(pages)} pages of {page_size}")
+        indices += pages
+        kv_indptr.append(len(indices))
+        lens.append(n)
+        for row, start in pairs:
+            rows.append(row)
+            starts.append(start)
+        pair_indptr.append(len(rows))
+    i32 = np.int32
+    lens_a = np.asarray(lens, dtype=i32)
+    pair_indptr_a = np.asarray(pair_indptr, dtype=i32)
+    npairs = np.diff(pair_indptr_a)
+    blocks = -(-npairs // block_pairs)
+    order = np.argsort(-lens_a, kind="stable")  # longest segments first
+    work_chunk = np.repeat(order, blocks[order]).astype(i32)
+    first = np.concatenate([[0], np.cumsum(blocks[order])])[:-1]
+    k = np.arange(len(work_chunk)) - np.repeat(first, blocks[order])  # block index within its segment
+    work_pair = (pair_indptr_a[work_chunk] + k * block_pairs).astype(i32)
+    rows_a = np.asarray(rows, dtype=i32)
+    T = int(rows_a.max(initial=-1)) + 1 if num_rows is None else num_rows
+    if len(rows_a) and (rows_a.min() < 0 or rows_a.max() >= T):
+        raise ValueError(f"pair rows must lie in [0, {T})")
+    row_parts = np.argsort(rows_a, kind="stable").astype(i32)
+    row_part_indptr = np.concatenate([[0], np.cumsum(np.bincount(rows_a, minlength=T))]).astype(i32)
+    return dict(
+        chunk_kv_indptr=np.asarray(kv_indptr, dtype=i32),
+        chunk_kv_indices=np.asarray(indices, dtype=i32),
+        chunk_len=lens_a,
+        pair_indptr=pair_indptr_a,
+        pair_row=rows_a,
+        pair_start=np.asarray(starts, dtype=i32),
+        work_chunk=work_chunk,
+        work_pair=work_pair,
+        num_work=np.asarray([len(work_chunk)], dtype=i32),
+        row_part_indptr=row_part_indptr,
+        row_parts=row_parts,
+    )
+
+
+def group_segments(
+    seqs: Sequence[tuple[Sequence[int], Sequence[tuple[Sequence[int], int, int]]]],
+    page_size: int,
+    piece_tokens: int,
+) -> tuple[list[tuple[list[int], int, list[tuple[int, int]]]], int, int]:
+    """A step's per-sequence page runs grouped by physical pages, for SharedChunkMeta.build.
+
+    seqs: per sequence (its query rows, its runs (pages, num_tokens, start position)), every run's
+    pages full but the last (extra pages past num_tokens are ignored). Each run is cut into pieces of
+    piece_tokens (a page multiple; a long document gives the grid several items, and its pieces
+    are shared even where two runs overlap only in part); pieces on the same pages with the same
+    length are one segment, with a pair per (row, piece start). Returns (segments, pages the per-request
+    kernel would read, pages the segments read)."""
+    piece_pages = max(1, piece_tokens // page_size)
+    index: dict[tuple, int] = {}
+    segments: list[tuple[list[int], int, list[tuple[int, int]]]] = []
+    per_request = 0
+    for rows, runs in seqs:
+        for pages, n, start in runs:
+            n_pages = -(-n // page_size)
+            per_request += n_pages
+            for k in range(0, n_pages, piece_pages):
+                piece = tuple(pages[k : min(n_pages, k + piece_pages)])
+                m = min(n, (k + piece_pages) * page_size) - k * page_size
+                at = start + k * page_size
+                i = index.setdefault((piece, m), len(segments))
+                if i == len(segments):
+                    segments.append((list(piece), m, []))
+                segments[i][2].extend((row, at) for row in rows)
+    shared = sum(len(pages) for pages, _, _ in segments)
+    return segments, per_request, shared
 
 
 def shared_chunk_attention_ref(
@@ -134,3 +224,57 @@ def merge_partials(
     den = w.clone().index_add_(0, rows, w_parts)
     out = torch.where(den[..., None] > 0, num / den.clamp_min(1e-30)[..., None], 0.0)
     return out, m_safe + torch.log(den)
+
+
+def shared_chunk_attention_torch(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    positions: torch.Tensor,
+    meta: SharedChunkMeta,
+    rope: RopeCache,
+    sm_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CPU path's version of shared_chunk_attention_ref, by the identity in the module
+    docstring: per segment, keys rotated once at their local index j and all its pairs' queries
+    rotated back by their start (not per pair at absolute positions, as the reference does)."""
+    page_size, kv_heads = kv.shape[2], kv.shape[3]
+    T, H, D = q.shape
+    group = H // kv_heads
+    rd, half = rope.rotary_dim, rope.rotary_dim // 2
+    o = torch.zeros(meta.num_pairs, H, D, dtype=torch.float32, device=q.device)
+    lse = torch.full((meta.num_pairs, H), float("-inf"), dtype=torch.float32, device=q.device)
+    kvp, pp = meta.chunk_kv_indptr.tolist(), meta.pair_indptr.tolist()
+    for c in range(meta.num_chunks):
+        p0, p1 = pp[c], pp[c + 1]
+        if p0 == p1:
+            continue
+        n = int(meta.chunk_len[c])
+        pages = meta.chunk_kv_indices[kvp[c] : kvp[c + 1]].long()
+        j = torch.arange(n, device=kv.device)
+        k = apply_rope_ref(kv[pages[j // page_size], 0, j % page_size].float(), j, rope)
+        v = kv[pages[j // page_size], 1, j % page_size].float()
+        rows, start = meta.pair_row[p0:p1].long(), meta.pair_start[p0:p1].long()
+        qp = q[rows].float()  # [p, H, D] rotated at the query's position: rotate back by start
+        cos, sin = rope.cos[start, None, :half], rope.sin[start, None, :half]  # [p, 1, half]
+        q1, q2 = qp[..., :half], qp[..., half:rd]
+        qp = torch.cat([q1 * cos + q2 * sin, q2 * cos - q1 * sin, qp[..., rd:]], dim=-1)
+        qg = qp.view(p1 - p0, kv_heads, group, D)
+        scores = torch.einsum("pkgd,nkd->pkgn", qg, k) * sm_scale
+        visible = j[None, :] <= (positions[rows] - start)[:, None]  # [p, n]
+        scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+        part_lse = torch.logsumexp(scores, dim=-1)  # [p, kvh, g]
+        seen = part_lse > float("-inf")
+        probs = torch.exp(scores - torch.where(seen, part_lse, 0)[..., None])
+        out = torch.einsum("pkgn,nkd->pkgd", probs, v)
+        o[p0:p1] = torch.where(seen[..., None], out, 0).view(p1 - p0, H, D)
+        lse[p0:p1] = part_lse.view(p1 - p0, H)
+    return o, lse
+
+
+def merge_parts_ref(o_parts: torch.Tensor, lse_parts: torch.Tensor, meta: SharedChunkMeta) -> torch.Tensor:
+    """Each query row's attention over all its parts (pairs): o [T, H, D] fp32; a row that sees no
+    key gets zeros."""
+    T, (H, D) = meta.num_rows, o_parts.shape[1:]
+    zero = torch.zeros(T, H, D, dtype=torch.float32, device=o_parts.device)
+    none = torch.full((T, H), float("-inf"), dtype=torch.float32, device=o_parts.device)
+    return merge_partials(zero, none, o_parts, lse_parts, meta.pair_row)[0]

@@ -1,13 +1,16 @@
 """Triton shared-chunk attention (contract and math: shared_chunk.py, reference
 `shared_chunk_attention_ref`).
 
-Grid (segment, kv head, block of BLOCK_P pairs). A program's ROWS query rows are its pairs x the GQA
-group of its kv head; it rotates each row back by its pair's start (fp32, from the fp32 RoPE table:
+A persistent grid walks the work items (segment, block of BLOCK_P of its pairs) x kv heads
+round-robin (the live count is a device scalar, so a CUDA graph replays one launch for any step of
+its bucket). An item's ROWS query rows are its pairs x the GQA group of its kv head; it rotates
+each row back by its pair's start (fp32, from the fp32 RoPE table:
 R(-S) = cos S, -sin S), then walks the segment's keys BLOCK_N at a time: each key tile is loaded and
 rotated by its local index j once for all rows, masked by `j < len` and `j <= position - start`,
 under an exp2 online softmax in fp32. Writes fp32 partial outputs and natural log-sum-exp per
-(pair, head) for `merge_partials`. Untuned: a first, readable version to measure against the
-per-request kernel (issue 14).
+(pair, head); `merge_parts_triton` combines each query row's parts (torch reference:
+shared_chunk.merge_parts_ref). Untuned: a first, readable version to measure against the per-request
+kernel (issue 14).
 """
 
 from __future__ import annotations
@@ -31,23 +34,26 @@ def _pow2(n: int) -> int:
 def _shared_chunk_kernel(
     q_ptr, kv_ptr, pos_ptr, cos_ptr, sin_ptr,
     chunk_kv_indptr_ptr, chunk_kv_indices_ptr, chunk_len_ptr, pair_indptr_ptr, pair_row_ptr, pair_start_ptr,
+    work_chunk_ptr, work_pair_ptr, num_work_ptr,
     o_ptr, lse_ptr,
     qk_scale,
     stride_qt, stride_qh, stride_kp, stride_kkv, stride_ks, stride_kh, stride_cos,
     stride_op, stride_oh, stride_lp,
+    KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr, BLOCK_P: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr, REST: tl.constexpr,
     REST_P: tl.constexpr, HEAD: tl.constexpr, HEAD_P: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    c = tl.program_id(0)
-    kvh = tl.program_id(1)
-    pb = tl.program_id(2)
-    p_lo = tl.load(pair_indptr_ptr + c)
-    p_hi = tl.load(pair_indptr_ptr + c + 1)
-    if p_lo + pb * BLOCK_P < p_hi:  # this segment has pairs for this block
+    total = tl.load(num_work_ptr) * KV_HEADS
+    for item in range(tl.program_id(0), total, tl.num_programs(0)):
+        w = item // KV_HEADS
+        kvh = item % KV_HEADS
+        c = tl.load(work_chunk_ptr + w)
+        p_first = tl.load(work_pair_ptr + w)
+        p_hi = tl.load(pair_indptr_ptr + c + 1)
         dt = kv_ptr.dtype.element_ty
         r = tl.arange(0, ROWS)
-        pair = p_lo + pb * BLOCK_P + r // GROUP
+        pair = p_first + r // GROUP
         head = kvh * GROUP + r % GROUP
         row_ok = (r < BLOCK_P * GROUP) & (pair < p_hi)
         qrow = tl.load(pair_row_ptr + pair, mask=row_ok, other=0)
@@ -119,6 +125,16 @@ def _shared_chunk_kernel(
         tl.store(lse_ptr + pair.to(tl.int64) * stride_lp + head, lse, mask=row_ok)
 
 
+PROGRAMS_PER_SM = 4  # persistent grid: resident programs per SM (one wave)
+
+
+def persistent_programs(device: torch.device) -> int:
+    """Programs of a persistent launch: one full wave (a fixed number, so CUDA graphs capture it)."""
+    from lazyrt.kernels.triton_attention import _num_sms
+
+    return _num_sms(device.index if device.type == "cuda" else None) * PROGRAMS_PER_SM
+
+
 def shared_chunk_attention_triton(
     q: torch.Tensor,
     kv: torch.Tensor,
@@ -126,11 +142,12 @@ def shared_chunk_attention_triton(
     meta: SharedChunkMeta,
     rope: RopeCache,
     sm_scale: float,
-    block_pairs: int | None = None,
     block_n: int = 32,
+    programs: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as shared_chunk.shared_chunk_attention_ref: (o [P, q_heads, D] fp32, natural
-    lse [P, q_heads] fp32). block_pairs: pairs per program (default: enough for 64 rows)."""
+    lse [P, q_heads] fp32). programs: the persistent grid (default: min(one wave, live items); pass
+    the wave, persistent_programs(), when capturing a CUDA graph)."""
     num_pages, _, page_size, kv_heads, head_dim = kv.shape
     group = q.shape[1] // kv_heads
     if q.shape[1] != group * kv_heads or q.shape[2] != head_dim:
@@ -138,25 +155,72 @@ def shared_chunk_attention_triton(
     P = meta.num_pairs
     o = torch.empty(P, q.shape[1], head_dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(P, q.shape[1], dtype=torch.float32, device=q.device)
-    if P == 0:
+    if programs is None:
+        programs = min(persistent_programs(q.device), meta.num_work_host * kv_heads)
+    if P == 0 or programs == 0:
         return o, lse
     half = rope.rotary_dim // 2
     rest = head_dim - 2 * half
-    if block_pairs is None:
-        block_pairs = max(1, 64 // group)
-    block_pairs = min(block_pairs, _pow2(meta.max_pairs))
+    block_pairs = meta.block_pairs
     rows = max(MIN_DOT, _pow2(block_pairs * group))
-    grid = (meta.num_chunks, kv_heads, triton.cdiv(meta.max_pairs, block_pairs))
-    _shared_chunk_kernel[grid](
+    _shared_chunk_kernel[(programs,)](
         q, kv, positions, rope.cos, rope.sin,
         meta.chunk_kv_indptr, meta.chunk_kv_indices, meta.chunk_len, meta.pair_indptr, meta.pair_row,
-        meta.pair_start, o, lse,
+        meta.pair_start, meta.work_chunk, meta.work_pair, meta.num_work, o, lse,
         sm_scale * _LOG2E,
         q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), rope.cos.stride(0),
         o.stride(0), o.stride(1), lse.stride(0),
+        KV_HEADS=kv_heads,
         GROUP=group, BLOCK_P=block_pairs, ROWS=rows, BLOCK_N=max(MIN_DOT, block_n), PAGE_SIZE=page_size,
         HALF=half, HALF_P=max(MIN_DOT, _pow2(half)), REST=rest, REST_P=max(MIN_DOT, _pow2(max(rest, 1))),
         HEAD=head_dim, HEAD_P=max(MIN_DOT, _pow2(head_dim)),
         DOT_PREC="ieee" if kv.dtype == torch.float32 else "tf32",
     )  # fmt: skip
     return o, lse
+
+
+@triton.jit
+def _merge_parts_kernel(
+    o_parts_ptr, lse_parts_ptr, row_part_indptr_ptr, row_parts_ptr, out_ptr,
+    stride_pp, stride_ph, stride_lp, stride_ot, stride_oh,
+    HEADS: tl.constexpr, HEADS_P: tl.constexpr, HEAD: tl.constexpr, HEAD_P: tl.constexpr,
+):
+    t = tl.program_id(0)
+    h = tl.arange(0, HEADS_P)
+    d = tl.arange(0, HEAD_P)
+    h_ok = h < HEADS
+    hd_ok = h_ok[:, None] & (d < HEAD)[None, :]
+    lo = tl.load(row_part_indptr_ptr + t)
+    hi = tl.load(row_part_indptr_ptr + t + 1)
+    m = tl.full([HEADS_P], float("-inf"), tl.float32)
+    den = tl.zeros([HEADS_P], tl.float32)
+    acc = tl.zeros([HEADS_P, HEAD_P], tl.float32)
+    for i in range(lo, hi):
+        p = tl.load(row_parts_ptr + i).to(tl.int64)
+        lse = tl.load(lse_parts_ptr + p * stride_lp + h, mask=h_ok, other=float("-inf"))
+        o = tl.load(o_parts_ptr + p * stride_pp + h[:, None] * stride_ph + d[None, :], mask=hd_ok, other=0.0)
+        m_new = tl.maximum(m, lse)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: weights stay 0
+        a = tl.exp(m - m_safe)
+        b = tl.exp(lse - m_safe)
+        den = den * a + b
+        acc = acc * a[:, None] + o * b[:, None]
+        m = m_new
+    out = tl.where((den > 0)[:, None], acc / tl.where(den > 0, den, 1.0)[:, None], 0.0)
+    tl.store(out_ptr + t * stride_ot + h[:, None] * stride_oh + d[None, :], out, mask=hd_ok)
+
+
+def merge_parts_triton(
+    o_parts: torch.Tensor, lse_parts: torch.Tensor, meta: SharedChunkMeta, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """Same as shared_chunk.merge_parts_ref, in out_dtype: one program per query row."""
+    _, heads, head_dim = o_parts.shape
+    out = torch.empty(meta.num_rows, heads, head_dim, dtype=out_dtype, device=o_parts.device)
+    if meta.num_rows == 0:
+        return out
+    _merge_parts_kernel[(meta.num_rows,)](
+        o_parts, lse_parts, meta.row_part_indptr, meta.row_parts, out,
+        o_parts.stride(0), o_parts.stride(1), lse_parts.stride(0), out.stride(0), out.stride(1),
+        HEADS=heads, HEADS_P=_pow2(heads), HEAD=head_dim, HEAD_P=_pow2(head_dim),
+    )  # fmt: skip
+    return out

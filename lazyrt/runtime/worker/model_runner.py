@@ -10,15 +10,28 @@ from lazyrt.kernels.attention_ref import copy_rerotate_pages_ref
 from lazyrt.kernels.backend import make_backend
 from lazyrt.kernels.metadata import AttentionMetadata
 from lazyrt.kernels.rope import RopeCache
+from lazyrt.kernels.shared_chunk import SharedChunkMeta
 from lazyrt.models.llama import LlamaModel
 from lazyrt.runtime.scheduler.plan import ForwardItem, PageCopy, StepPlan
 from lazyrt.runtime.scheduler.recompute import PROBE_LAYER
-from lazyrt.runtime.worker.step_inputs import StepInputs
+from lazyrt.runtime.worker.step_inputs import StepInputs, shared_segments
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, pool: PagePool, max_positions: int, rotate_keys: bool):
+    def __init__(
+        self,
+        model: LlamaModel,
+        pool: PagePool,
+        max_positions: int,
+        rotate_keys: bool,
+        shared_chunk_attention: bool = False,
+    ):
         self.model = model
+        # lazy only: the shared kernel rotates keys by their local index (pages hold unrotated keys)
+        self.shared_chunk_attention = shared_chunk_attention and rotate_keys
+        c = model.config
+        self.shared_block_pairs = max(1, 64 // (c.num_heads // c.num_kv_heads))  # ~64 query rows per item
+        self.shared_steps = 0  # steps run through shared-chunk attention (tests, stats)
         self.pool = pool
         self.device = model.device
         self.rope = RopeCache.build(model.config, max_positions, self.device)
@@ -71,6 +84,24 @@ class ModelRunner:
             meta.entry_log_mass = t(s.entry_log_mass, torch.float32)
         return t(s.input_ids, torch.long), meta
 
+    def _shared(self, plan: StepPlan, s: StepInputs) -> list | None:
+        """The step's shared-chunk segments, cached on s (the graph check and the metadata ask)."""
+        if not self.shared_chunk_attention:
+            return None
+        if s.shared is False:
+            s.shared = shared_segments(plan, s, self.pool.page_size)
+        return s.shared
+
+    def step_metadata(self, plan: StepPlan, s: StepInputs) -> tuple[torch.Tensor, AttentionMetadata]:
+        """build_metadata, with the step's shared-chunk segments when it has some worth sharing."""
+        input_ids, meta = self.build_metadata(s)
+        shared = self._shared(plan, s)
+        if shared is not None:
+            self.shared_steps += 1
+            ps, n = self.pool.page_size, len(s.input_ids)
+            meta.shared = SharedChunkMeta.build(shared, ps, n, self.shared_block_pairs, self.device)
+        return input_ids, meta
+
     def copy_pages(self, copies: list[PageCopy]) -> None:
         """Block mode: all of a step's page copies (every layer) in one kernel launch on CUDA; per
         document and layer launches cost ~15 ms of host time for a 5-document request."""
@@ -92,9 +123,9 @@ class ModelRunner:
         if not plan.items:
             return None
         s = StepInputs.from_plan(plan, self.pool.page_size)
-        if self.graphs is not None and self.graphs.fits(s):
+        if self.graphs is not None and self.graphs.fits(s) and self._shared(plan, s) is None:
             return self.graphs.run(s)
-        input_ids, meta = self.build_metadata(s)
+        input_ids, meta = self.step_metadata(plan, s)
         hidden = self.model.forward(input_ids, meta, self.rope, self.backend)
         if not s.sample_rows:
             return None

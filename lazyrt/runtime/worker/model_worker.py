@@ -60,7 +60,11 @@ class ModelWorker:
             scratch_pages=1,
         )
         self.runner = ModelRunner(
-            self.model, self.pool, self.max_context, rotate_keys=cfg.cache_mode == "lazy"
+            self.model,
+            self.pool,
+            self.max_context,
+            rotate_keys=cfg.cache_mode == "lazy",
+            shared_chunk_attention=cfg.shared_chunk_attention,
         )
         if self.model.device.type == "cuda" and cfg.cuda_graph_max_batch > 0:
             # A server configured with document attention uses it in every step: capture those graphs
@@ -124,7 +128,7 @@ class ModelWorker:
         self.runner.execute(StepPlan(copies=plan.copies))  # block-mode page copies only
         plan = StepPlan(items=plan.items)
         s = StepInputs.from_plan(plan, self.pool.page_size)
-        input_ids, meta = self.runner.build_metadata(s)
+        input_ids, meta = self.runner.step_metadata(plan, s)
         hidden = self.model.forward(input_ids, meta, self.runner.rope, self.runner.backend)
         logits = self.model.logits(hidden[torch.tensor(s.sample_rows, device=self.model.device)])
         scores: dict[int, list[float]] = {}

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from lazyrt.kernels.shared_chunk import group_segments
 from lazyrt.runtime.scheduler.plan import StepPlan
 from lazyrt.runtime.scheduler.request import Segment
 
@@ -37,6 +38,8 @@ class StepInputs:
     # Per-entry (logit scale, log mass) when some item has document attention; None = plain.
     entry_logit_scale: np.ndarray | None = None
     entry_log_mass: np.ndarray | None = None
+    # shared-chunk segments (shared_segments below): False = not computed yet; None = per request
+    shared: list | None | bool = False
 
     @property
     def num_seqs(self) -> int:
@@ -156,3 +159,27 @@ def segment_table(seg: Segment, page_size: int) -> tuple[np.ndarray, np.ndarray,
         )
     seg.table = (key, table)
     return table
+
+
+# Shared-chunk attention (kernels/shared_chunk.py) for a step when its page tables repeat runs of
+# pages (documents used by several requests): runs cut into pieces of this many tokens, used for
+# steps of at most SHARED_MAX_Q_LEN new tokens per sequence (decode, questions; a long prompt's own
+# causal run is the per-request kernel's work) when it reads at most 1/SHARED_MIN_SAVING of the pages.
+SHARED_PIECE_TOKENS = 1024
+SHARED_MAX_Q_LEN = 64
+SHARED_MIN_SAVING = 1.25
+
+
+def shared_segments(
+    plan: StepPlan, s: StepInputs, page_size: int, piece_tokens: int = SHARED_PIECE_TOKENS
+) -> list | None:
+    """The step's segments for SharedChunkMeta.build when sharing pays (see above), else None."""
+    if s.entry_logit_scale is not None or not plan.items or s.max_q_len > SHARED_MAX_Q_LEN:
+        return None
+    qo = s.qo_indptr
+    seqs = [
+        (range(qo[i], qo[i + 1]), [(g.pages, g.num_tokens, g.start_pos) for g in it.segments if g.num_tokens])
+        for i, it in enumerate(plan.items)
+    ]
+    segments, per_request, shared = group_segments(seqs, page_size, piece_tokens)
+    return segments if per_request >= SHARED_MIN_SAVING * shared else None

@@ -1,0 +1,111 @@
+"""Shared-chunk attention in the engine (issue 14): a step whose requests share documents reads each
+shared run of pages once (kernels/shared_chunk.py); the outputs must not change. Engines with
+sharing on and off run the same batches of RAG prompts over a small document pool (so documents
+repeat across requests, at different offsets and orders) on fresh tiny random models; the
+reference for the sharing engine is the per-request path, itself checked against HF transformers
+in test_engine_equivalence.py."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from conftest import cpu_engine
+
+from lazyrt import RagPrompt, SamplingParams
+from lazyrt.kernels.shared_chunk import group_segments
+from lazyrt.runtime.scheduler.plan import ForwardItem, StepPlan
+from lazyrt.runtime.scheduler.request import Segment
+from lazyrt.runtime.worker.step_inputs import StepInputs, shared_segments
+
+
+def pool_prompts(rng: random.Random, vocab: int, n: int, doc_lens=(5, 70)) -> list[RagPrompt]:
+    """n prompts over one system prefix and a pool of 4 documents: 2-3 docs each, in random order."""
+    ids = lambda k: [rng.randrange(100, vocab) for _ in range(k)]  # noqa: E731
+    prefix = ids(rng.randint(4, 20))
+    pool = [ids(rng.randint(*doc_lens)) for _ in range(4)]
+    return [RagPrompt(prefix, rng.sample(pool, rng.randint(2, 3)), ids(rng.randint(3, 9))) for _ in range(n)]
+
+
+def run(path: str, shared: bool, prompts, sps, **kw):
+    engine = cpu_engine(path, "lazy", shared_chunk_attention=shared, **kw)
+    outs = [o["token_ids"] for o in engine.generate(prompts, sps)]
+    return outs, engine.runner.shared_steps
+
+
+@pytest.mark.parametrize(
+    "family,kw",
+    [
+        ("llama", {}),
+        ("qwen3", {"page_size": 4}),  # q/k norms; short pages, partial last pages everywhere
+        ("llama", {"recompute_policy": "tail", "recompute_pages": 1, "page_size": 4}),  # own pages in docs
+        ("llama", {"doc_positions": "parallel"}),  # every doc at the same offset
+        ("llama", {"max_step_tokens": 24}),  # chunked prefill: question rows of several steps
+    ],
+)
+def test_greedy_tokens_same_with_sharing_on_and_off(family, kw, tiny_model_dir):
+    path = tiny_model_dir(family)
+    rng = random.Random()
+    prompts = pool_prompts(rng, 49152, 6)
+    sps = [SamplingParams(max_tokens=rng.randint(4, 10), ignore_eos=True) for _ in prompts]
+    on, steps_on = run(path, True, prompts, sps, **kw)
+    off, steps_off = run(path, False, prompts, sps, **kw)
+    assert on == off
+    assert steps_on > 0 and steps_off == 0  # the shared path really ran (decode steps share docs)
+
+
+def test_logprobs_same_with_sharing_on_and_off(tiny_model_dir):
+    """Scored continuations (question prefill rows over shared docs, one batch): logprobs equal within
+    fp32 rounding (the two paths differ only in summation order)."""
+    path = tiny_model_dir("llama")
+    rng = random.Random()
+    prompts = pool_prompts(rng, 49152, 5)
+    conts = [[rng.randrange(100, 49152) for _ in range(4)] for _ in prompts]
+    got = {}
+    for shared in (True, False):
+        engine = cpu_engine(path, "lazy", shared_chunk_attention=shared)
+        reqs = []
+        for p, c in zip(prompts, conts):
+            req = engine.score_request(p, "x")
+            req.suffix, req.score_len = list(p.suffix) + c, len(c)  # score token ids directly
+            reqs.append(req)
+        engine._run(reqs)  # one batch: the question prefills share the documents
+        got[shared] = [r.score_logprobs for r in reqs]
+        assert (engine.runner.shared_steps > 0) == shared
+    torch.testing.assert_close(torch.tensor(got[True]), torch.tensor(got[False]), rtol=1e-5, atol=1e-5)
+
+
+def _item(rows: int, segs: list[Segment]) -> ForwardItem:
+    own = segs[-1]
+    return ForwardItem(list(range(rows)), own.start_pos + own.num_tokens - rows, segs, own)
+
+
+def test_shared_segments_groups_runs_and_declines_when_nothing_is_shared():
+    ps = 4
+    doc = Segment(list(range(10, 15)), 0, 18, is_doc=True)  # 5 pages, last one partial
+    at = lambda s, p: Segment(s.pages, p, s.num_tokens, is_doc=True)  # noqa: E731
+    own = [Segment([100 + i, 200 + i], 30, 6) for i in range(3)]
+    plan = StepPlan(items=[_item(1, [at(doc, 0), own[0]]), _item(1, [at(doc, 7), own[1]]),
+                           _item(2, [at(doc, 3), own[2]])])  # fmt: skip
+    s = StepInputs.from_plan(plan, ps)
+    segs = shared_segments(plan, s, ps, piece_tokens=8)  # pieces of 2 pages: 8, 8, 2 tokens
+    assert segs is not None
+    by_pages = {tuple(p): (n, sorted(pairs)) for p, n, pairs in segs}
+    assert by_pages[(10, 11)] == (8, [(0, 0), (1, 7), (2, 3), (3, 3)])
+    assert by_pages[(12, 13)] == (8, [(0, 8), (1, 15), (2, 11), (3, 11)])
+    assert by_pages[(14,)] == (2, [(0, 16), (1, 23), (2, 19), (3, 19)])
+    assert by_pages[(100, 200)] == (6, [(0, 30)])
+    assert by_pages[(102, 202)] == (6, [(2, 30), (3, 30)])
+    alone = StepPlan(items=[_item(1, [at(doc, 0), own[0]])])
+    assert shared_segments(alone, StepInputs.from_plan(alone, ps), ps) is None  # nothing to share
+
+
+def test_group_segments_counts_pages_and_never_merges_different_pages():
+    segs, per_request, shared = group_segments(
+        [(range(0, 1), [([1, 2, 3], 12, 0)]), (range(1, 2), [([1, 2, 4], 12, 5), ([1, 2, 3], 10, 40)])],
+        page_size=4,
+        piece_tokens=64,
+    )
+    assert per_request == 9 and shared == 9  # same first pages, other last page or length: 3 segments
+    assert [(p, n) for p, n, _ in segs] == [([1, 2, 3], 12), ([1, 2, 4], 12), ([1, 2, 3], 10)]
