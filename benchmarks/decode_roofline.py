@@ -1,16 +1,19 @@
-"""Decode step time at batch 1..64 against the HBM roofline (issue 6).
+"""Decode step time at batch 1..64 against the HBM roofline (issues 6, 14).
 
 Step time = wall time of --steps pure decode steps of the lazyrt Engine (every request already
-prefilled, so no step carries a prefill piece), for B random prompts of --context tokens (plain
-prompts: every request reads its own KV). Roofline = (weight bytes + B x context x KV bytes per token)
-/ measured device-to-device copy bandwidth. (An earlier version timed generate(max_tokens=N) minus
-generate(max_tokens=1): with chunked prefill, early requests decode beside later requests' prefill
-pieces, so that difference mostly timed mixed prefill steps.)
+prefilled, so no step carries a prefill piece), for B prompts of --context tokens: by default RAG
+prompts (lazy) of 5 documents drawn by Zipf(--alpha) popularity from a pool of 100, as in
+rag_serving.py; --cache-mode none: plain random prompts, every request reads its own KV.
+Per-request roofline = (weight bytes + B x context x KV bytes per token) / measured device-to-device
+copy bandwidth; floor = the same with each distinct document's KV counted once (what a step that
+reads every shared document once must move); weights floor = weight bytes / bandwidth. (An earlier
+version timed generate(max_tokens=N) minus generate(max_tokens=1): with chunked prefill, early
+requests decode beside later requests' prefill pieces, so that difference mostly timed mixed
+prefill steps.)
 
 GPU:  python benchmarks/decode_roofline.py                      (llama-3.1-8b, dummy bf16, cuda)
-      python benchmarks/decode_roofline.py --cache-mode lazy --context 10256 --batches 1 4 16 64
-          (RAG prompts: 5 of 100 shared 2,048-token docs + a 16-token question; the roofline still
-          counts every request's full KV read, so L2 reuse of shared pages can push it above 1)
+      python benchmarks/decode_roofline.py --no-shared-chunk-attention   (per-request KV reads)
+      python benchmarks/decode_roofline.py --cache-mode none --batches 1 8 32  (plain prompts)
 CPU smoke:  python benchmarks/decode_roofline.py --model tiny-llama --device cpu --batches 1 2 \
               --context 32 --steps 4
 """
@@ -103,7 +106,10 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     p.add_argument("--context", type=int, default=10368, help="prompt tokens a request (5 x 2048 + 128)")
     p.add_argument("--steps", type=int, default=32, help="decode steps timed")
-    p.add_argument("--cache-mode", default="none", help="none: plain prompts; lazy/block: RAG prompts")
+    p.add_argument("--cache-mode", default="lazy", help="none: plain prompts; lazy/block: RAG prompts")
+    p.add_argument("--alpha", type=float, default=2.1, help="lazy/block: Zipf exponent of doc popularity")
+    p.add_argument("--shared-chunk-attention", action=argparse.BooleanOptionalAction, default=True,
+                   help="lazy: read each shared document once per step (the engine's default)")
     p.add_argument("--docs-per-request", type=int, default=5, help="lazy/block: documents a request")
     p.add_argument("--pool-docs", type=int, default=100, help="lazy/block: documents to draw them from")
     p.add_argument("--copy-mb", type=int, default=1024)
@@ -127,6 +133,7 @@ def main(argv=None) -> list[dict]:
         load_format=args.load_format,
         cache_mode=args.cache_mode,
         max_running_requests=max_b,
+        shared_chunk_attention=args.shared_chunk_attention,
         kv_cache_tokens=shared + max_b * (own + args.steps + 16 + headroom),
     )
     cfg = eng.model_config
@@ -146,37 +153,55 @@ def main(argv=None) -> list[dict]:
 
     pool = [rand(doc_tokens) for _ in range(args.pool_docs)] if rag else []
 
-    def prompts(b: int) -> list:
-        if not rag:
-            return [rand(args.context) for _ in range(b)]
-        pick = torch.randint(0, len(pool), (b, args.docs_per_request), generator=gen).tolist()
-        return [RagPrompt([], [pool[i] for i in row], rand(QUESTION_TOKENS)) for row in pick]
+    weights = torch.tensor([1 / (i + 1) ** args.alpha for i in range(args.pool_docs)]) if rag else None
 
-    decode_step_seconds(eng, prompts(min(args.batches)), 4)  # warm-up (compiles, graphs)
+    def pick_docs() -> list[int]:  # docs_per_request distinct docs by popularity, in drawn order
+        return torch.multinomial(weights, args.docs_per_request, replacement=False, generator=gen).tolist()
+
+    def prompts(b: int) -> tuple[list, int]:
+        """b prompts and the tokens of the distinct documents they use."""
+        if not rag:
+            return [rand(args.context) for _ in range(b)], 0
+        picks = [pick_docs() for _ in range(b)]
+        distinct = len({d for row in picks for d in row})
+        rag_prompts = [RagPrompt([], [pool[i] for i in row], rand(QUESTION_TOKENS)) for row in picks]
+        return rag_prompts, distinct * doc_tokens
+
+    decode_step_seconds(eng, prompts(min(args.batches))[0], 4)  # warm-up (compiles, graphs)
     rows = []
-    print("| batch | step (ms) | roofline (ms) | roofline / step | tok/s |")
-    print("|---|---|---|---|---|")
+    print("| batch | step (ms) | per-request roofline (ms) | floor (ms) | weights floor (ms) "
+          "| step / weights floor | tok/s |")
+    print("|---|---|---|---|---|---|---|")
     for b in args.batches:
-        step = decode_step_seconds(eng, prompts(b), args.steps)
+        batch, distinct_doc_tokens = prompts(b)
+        steps0 = eng.runner.shared_steps
+        step = decode_step_seconds(eng, batch, args.steps)
+        own = args.context - args.docs_per_request * doc_tokens if rag else args.context
         bytes_ = wbytes + b * (args.context + args.steps // 2) * kv_per_token
-        roof = bytes_ / bw
+        floor_bytes = wbytes + (distinct_doc_tokens + b * (own + args.steps // 2)) * kv_per_token
+        roof, floor, wfloor = bytes_ / bw, floor_bytes / bw, wbytes / bw
         row = {
             "batch": b,
             "step_ms": step * 1e3,
             "roofline_ms": roof * 1e3,
+            "floor_ms": floor * 1e3,
+            "weights_floor_ms": wfloor * 1e3,
             "efficiency": roof / step,
             "tokens_per_s": b / step,
             "context": args.context,
             "cache_mode": args.cache_mode,
+            "alpha": args.alpha if rag else None,
+            "distinct_doc_tokens": distinct_doc_tokens,
+            "shared_chunk_attention": args.shared_chunk_attention,
+            "shared_steps": eng.runner.shared_steps - steps0,
             "model": args.model,
             "device": dev,
             "copy_bw_tbs": bw / 1e12,
             "weight_gb": wbytes / 1e9,
         }
         rows.append(row)
-        print(
-            f"| {b} | {step * 1e3:.2f} | {roof * 1e3:.2f} | {roof / step:.2f} | {b / step:.0f} |", flush=True
-        )
+        print(f"| {b} | {step * 1e3:.2f} | {roof * 1e3:.2f} | {floor * 1e3:.2f} | {wfloor * 1e3:.2f} | "
+              f"{step / wfloor:.2f} | {b / step:.0f} |", flush=True)  # fmt: skip
         if args.out:
             with open(args.out, "a") as f:
                 f.write(json.dumps(row) + "\n")

@@ -103,11 +103,14 @@ def rag_prompts(rng: random.Random, n: int) -> list[RagPrompt]:
 
 def engine_tokens(mode: str, reference: bool, prompts, sps, check=None, **kw) -> list[list[int]]:
     """Greedy tokens of a dummy-SmolLM2 fp32 CUDA engine; reference: attention by the torch reference,
-    every step eager (no CUDA graphs). check(engine) runs after generating."""
+    per request (no shared-chunk attention), every step eager (no CUDA graphs). check(engine) runs
+    after generating."""
     from lazyrt.kernels.attention_ref import lazy_attention_ref
 
+    kw = dict(kw, shared_chunk_attention=False) if reference else dict(kw)
+    kw.setdefault("cuda_graph_max_batch", 0 if reference else 64)
     engine = Engine("smollm2-135m", load_format="dummy", device="cuda", dtype="float32", cache_mode=mode,
-                    kv_cache_tokens=32768, cuda_graph_max_batch=0 if reference else 64, **kw)  # fmt: skip
+                    kv_cache_tokens=32768, **kw)  # fmt: skip
     if reference:
         backend = getattr(engine.runner.backend, "fallback", engine.runner.backend)
         backend._attend = lambda q, kv, meta, rope, sm, **_: lazy_attention_ref(q, kv, meta, rope, sm)
@@ -151,7 +154,8 @@ def test_deviation_recompute_triton_matches_reference():
               recompute_policy="deviation", recompute_ratio=0.25)  # fmt: skip
     outs, scores = {}, {}
     for mode, reference in (("lazy", False), ("lazy", True), ("block", False)):
-        engine = Engine("smollm2-135m", cache_mode=mode, cuda_graph_max_batch=0 if reference else 64, **kw)
+        engine = Engine("smollm2-135m", cache_mode=mode, cuda_graph_max_batch=0 if reference else 64,
+                        shared_chunk_attention=not reference, **kw)  # fmt: skip
         if reference:
             backend = getattr(engine.runner.backend, "fallback", engine.runner.backend)
             backend._attend = lambda q, kv, meta, rope, sm, **_: lazy_attention_ref(q, kv, meta, rope, sm)
@@ -209,3 +213,35 @@ def test_doc_attention_decode_graphs_match_eager():
     for configured in (False, True):
         assert outs[configured, 64] == outs[configured, 0]
         assert outs[configured, 64, 1] == outs[configured, 0, 1]
+
+
+@pytest.mark.parametrize("graphs", [64, 0])
+def test_shared_chunk_attention_matches_reference_in_engine(graphs):
+    """Shared-chunk attention on CUDA (fp32): requests over a pool of 6 documents share them in
+    their decode and question steps; the Triton shared kernel + merge (decode in its CUDA graphs, or
+    eager) give the per-request torch reference's greedy tokens."""
+    prompts = rag_prompts(random.Random(), 12)
+    sps = [SamplingParams(max_tokens=12, ignore_eos=True) for _ in prompts]
+    replays = []
+
+    def check(engine):
+        assert engine.runner.shared_steps > 0
+        if graphs:
+            assert len(engine.runner.graphs.shared_graphs) == len(engine.runner.graphs.sizes) - 1
+            assert any(replays)
+
+    ref = engine_tokens("lazy", True, prompts, sps)
+    from lazyrt.runtime.worker.cuda_graph import DecodeGraphs
+
+    orig = DecodeGraphs.run
+
+    def run(self, s, shared=None):
+        replays.append(shared is not None)
+        return orig(self, s, shared)
+
+    DecodeGraphs.run = run
+    try:
+        got = engine_tokens("lazy", False, prompts, sps, check=check, cuda_graph_max_batch=graphs)
+    finally:
+        DecodeGraphs.run = orig
+    assert got == ref

@@ -4,7 +4,9 @@ Launch overhead dominates a decode step of a small model (hundreds of small kern
 replays them in one go. Padded rows have an empty page table and write their K/V to a scratch page.
 Steps with document attention (per-entry logit scale and mass) replay a second set of graphs,
 captured up front when the engine is configured with document attention, else each the first time a
-step of its size needs it.
+step of its size needs it. Steps with shared-chunk attention (kernels/shared_chunk.py) replay a
+third set, captured up front for batches of 2 and more: the shared kernel's persistent grid reads
+its live work count from a buffer, so one launch serves every step whose segments fit the buffers.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import numpy as np
 import torch
 
 from lazyrt.kernels.metadata import AttentionMetadata
+from lazyrt.kernels.shared_chunk import SharedChunkMeta
 from lazyrt.runtime.worker.step_inputs import StepInputs
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128)
@@ -20,8 +23,15 @@ DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 
 
 class DecodeGraphs:
     def __init__(
-        self, runner, max_batch: int, max_entries_per_seq: int, scratch_page: int, doc_attention: bool = False
+        self,
+        runner,
+        max_batch: int,
+        max_entries_per_seq: int,
+        scratch_page: int,
+        doc_attention: bool = False,
+        shared: tuple[int, int] | None = None,
     ):
+        """shared: (pages per piece, pairs per work item) of shared-chunk attention, or None (off)."""
         self.runner = runner
         dev = runner.device
         self.max_entries = max_entries_per_seq
@@ -42,13 +52,32 @@ class DecodeGraphs:
         self.scratch_page = scratch_page
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.doc_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # on first use
+        self.shared_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.shared_block_pairs = 0
+        if shared is not None:
+            from lazyrt.kernels.triton_shared_chunk import persistent_programs
+
+            piece_pages, self.shared_block_pairs = shared
+            # each row's parts: its pieces (+ one per run cut short of a piece); distinct pages <= E
+            p = n * (max_entries_per_seq // piece_pages + 32)
+            self.sh = {
+                "chunk_kv_indptr": torch.zeros(p + 1, **i32), "chunk_kv_indices": torch.zeros(e, **i32),
+                "chunk_len": torch.zeros(p, **i32), "pair_indptr": torch.zeros(p + 1, **i32),
+                "pair_row": torch.zeros(p, **i32), "pair_start": torch.zeros(p, **i32),
+                "work_chunk": torch.zeros(p, **i32), "work_pair": torch.zeros(p, **i32),
+                "num_work": torch.zeros(1, **i32), "row_part_indptr": torch.zeros(n + 1, **i32),
+                "row_parts": torch.zeros(p, **i32),
+            }  # fmt: skip
+            self.shared_programs = persistent_programs(dev)
         self.pool = torch.cuda.graph_pool_handle()
         for b in reversed(self.sizes):  # largest first: smaller graphs reuse its memory
             self.graphs[b] = self._capture(b, doc_logits=False)
             if doc_attention:
                 self.doc_graphs[b] = self._capture(b, doc_logits=True)
+            if shared is not None and b > 1:
+                self.shared_graphs[b] = self._capture(b, doc_logits=False, shared=True)
 
-    def _meta(self, b: int, doc_logits: bool) -> AttentionMetadata:
+    def _meta(self, b: int, doc_logits: bool, shared: bool = False) -> AttentionMetadata:
         meta = AttentionMetadata(
             qo_indptr=self.qo_indptr[: b + 1],
             positions=self.positions[:b],
@@ -64,28 +93,46 @@ class DecodeGraphs:
         )
         if doc_logits:
             meta.entry_logit_scale, meta.entry_log_mass = self.entry_logit_scale, self.entry_log_mass
+        if shared:
+            sh = dict(self.sh, row_part_indptr=self.sh["row_part_indptr"][: b + 1])
+            meta.shared = SharedChunkMeta(
+                **sh, block_pairs=self.shared_block_pairs, num_work_host=0, programs=self.shared_programs
+            )
         return meta
 
-    def _forward(self, b: int, doc_logits: bool) -> torch.Tensor:
+    def _forward(self, b: int, doc_logits: bool, shared: bool = False) -> torch.Tensor:
         r = self.runner
-        hidden = r.model.forward(self.input_ids[:b], self._meta(b, doc_logits), r.rope, r.backend)
+        hidden = r.model.forward(self.input_ids[:b], self._meta(b, doc_logits, shared), r.rope, r.backend)
         return r.model.logits(hidden)
 
     @torch.inference_mode()
-    def _capture(self, b: int, doc_logits: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(
+        self, b: int, doc_logits: bool, shared: bool = False
+    ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         # The warm-up forwards really run: every row must store to the scratch page and read nothing.
         self.store_pages.fill_(self.scratch_page)
         self.kv_indptr.zero_()
+        if shared:
+            self.sh["num_work"].zero_()
+            self.sh["row_part_indptr"].zero_()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):  # compile Triton kernels and settle allocations outside the capture
-                self._forward(b, doc_logits)
+                self._forward(b, doc_logits, shared)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            out = self._forward(b, doc_logits)
+            out = self._forward(b, doc_logits, shared)
         return graph, out
+
+    def fits_shared(self, s: StepInputs, arrays: dict[str, np.ndarray]) -> bool:
+        """A decode step (fits holds) has a shared graph and its shared-chunk arrays
+        (shared_chunk.build_arrays) fit the graph buffers."""
+        b = next(x for x in self.sizes if x >= len(s.input_ids))
+        return b in self.shared_graphs and all(
+            len(v) <= self.sh[k].numel() for k, v in arrays.items() if k != "row_part_indptr"
+        )
 
     def fits(self, s: StepInputs) -> bool:
         return (
@@ -95,12 +142,14 @@ class DecodeGraphs:
         )
 
     @torch.inference_mode()
-    def run(self, s: StepInputs) -> torch.Tensor:
+    def run(self, s: StepInputs, shared: dict[str, np.ndarray] | None = None) -> torch.Tensor:
+        """Replays the step's graph; shared: its shared-chunk arrays (then fits_shared must hold)."""
         n = len(s.input_ids)
         b = next(x for x in self.sizes if x >= n)
         doc_logits = s.entry_logit_scale is not None
-        graphs = self.doc_graphs if doc_logits else self.graphs
+        graphs = self.shared_graphs if shared is not None else self.doc_graphs if doc_logits else self.graphs
         if b not in graphs:  # before the buffers are filled: the capture's forwards clobber them
+            assert shared is None, "shared graphs are captured up front"
             graphs[b] = self._capture(b, doc_logits)
         pad = b - n
         e = len(s.kv_indices)
@@ -121,6 +170,9 @@ class DecodeGraphs:
         if doc_logits:
             put(self.entry_logit_scale, s.entry_logit_scale)
             put(self.entry_log_mass, s.entry_log_mass)
+        if shared is not None:
+            for k, v in shared.items():
+                put(self.sh[k], v, int(v[-1]) if k == "row_part_indptr" else None)  # padded rows: no parts
         graph, out = graphs[b]
         graph.replay()
         return out[:n]

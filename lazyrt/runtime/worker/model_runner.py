@@ -10,11 +10,11 @@ from lazyrt.kernels.attention_ref import copy_rerotate_pages_ref
 from lazyrt.kernels.backend import make_backend
 from lazyrt.kernels.metadata import AttentionMetadata
 from lazyrt.kernels.rope import RopeCache
-from lazyrt.kernels.shared_chunk import SharedChunkMeta
+from lazyrt.kernels.shared_chunk import SharedChunkMeta, build_arrays
 from lazyrt.models.llama import LlamaModel
 from lazyrt.runtime.scheduler.plan import ForwardItem, PageCopy, StepPlan
 from lazyrt.runtime.scheduler.recompute import PROBE_LAYER
-from lazyrt.runtime.worker.step_inputs import StepInputs, shared_segments
+from lazyrt.runtime.worker.step_inputs import SHARED_PIECE_TOKENS, StepInputs, shared_segments
 
 
 class ModelRunner:
@@ -56,8 +56,16 @@ class ModelRunner:
         max_entries = -(-max_context // ps) + 64
         if not self.pool.scratch_pages:
             raise ValueError("CUDA graphs need a PagePool built with scratch_pages=1")
+        shared = None
+        if self.shared_chunk_attention:
+            shared = (max(1, SHARED_PIECE_TOKENS // ps), self.shared_block_pairs)
         self.graphs = DecodeGraphs(
-            self, max_batch, max_entries, scratch_page=self.pool.scratch_pages[0], doc_attention=doc_attention
+            self,
+            max_batch,
+            max_entries,
+            scratch_page=self.pool.scratch_pages[0],
+            doc_attention=doc_attention,
+            shared=shared,
         )
 
     def build_metadata(self, s: StepInputs) -> tuple[torch.Tensor, AttentionMetadata]:
@@ -122,9 +130,16 @@ class ModelRunner:
             self.copy_pages(plan.copies)
         if not plan.items:
             return None
-        s = StepInputs.from_plan(plan, self.pool.page_size)
-        if self.graphs is not None and self.graphs.fits(s) and self._shared(plan, s) is None:
-            return self.graphs.run(s)
+        ps = self.pool.page_size
+        s = StepInputs.from_plan(plan, ps)
+        if self.graphs is not None and self.graphs.fits(s):
+            shared = self._shared(plan, s)
+            if shared is None:
+                return self.graphs.run(s)
+            arrays = build_arrays(shared, ps, len(s.input_ids), self.shared_block_pairs)
+            if self.graphs.fits_shared(s, arrays):
+                self.shared_steps += 1
+                return self.graphs.run(s, arrays)
         input_ids, meta = self.step_metadata(plan, s)
         hidden = self.model.forward(input_ids, meta, self.rope, self.backend)
         if not s.sample_rows:
