@@ -14,11 +14,14 @@ The step goes through what the engine runs (kernels/shared_chunk.py `group_segme
 - `shared_path` = shared + merge, with the KV bytes each path reads.
 
     python benchmarks/shared_chunk_bench.py --batches 1 16 64 --out shared_chunk.json
+    python benchmarks/shared_chunk_bench.py --batches 16 64 --sweep      (kernel tile/grid sweep)
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import itertools
 import json
 import random
 import sys
@@ -46,7 +49,7 @@ def zipf_docs(rng: random.Random, pool: int, k: int, alpha: float) -> list[int]:
     return docs
 
 
-def build_step(B: int, args, rng: random.Random, dev: str):
+def build_step(B: int, args, rng: random.Random, dev: str, block_pairs: int | None = None):
     """KV pages, the per-request AttentionMetadata, the SharedChunkMeta, distinct docs of one step."""
     doc_pages = -(-args.doc_tokens // PAGE)
     picks = [zipf_docs(rng, args.pool, args.docs, args.alpha) for _ in range(B)]
@@ -81,8 +84,36 @@ def build_step(B: int, args, rng: random.Random, dev: str):
         max_q_len=args.q_len, max_kv_entries=max(b - a for a, b in zip(kvp, kvp[1:])),
     )  # fmt: skip
     segments, _, _ = group_segments(seqs, PAGE, args.piece_tokens)
-    shared = SharedChunkMeta.build(segments, PAGE, len(positions), max(1, 64 // (Q_HEADS // KV_HEADS)), dev)
+    bp = block_pairs or max(1, 64 // (Q_HEADS // KV_HEADS))
+    shared = SharedChunkMeta.build(segments, PAGE, len(positions), bp, dev)
     return kv, meta, shared, len(distinct)
+
+
+def sweep(B: int, args, rope: RopeCache, scale: float, bench) -> list[dict]:
+    """The shared kernel's time on one step over tile and grid choices (same documents each)."""
+    from lazyrt.kernels.triton_attention import _num_sms
+    from lazyrt.kernels.triton_shared_chunk import shared_chunk_attention_triton
+
+    rows = []
+    for piece in (512, 1024, 2048):
+        for bp in (8, 16, 32):
+            a = argparse.Namespace(**{**vars(args), "piece_tokens": piece})
+            kv, full, shared, _ = build_step(B, a, random.Random(args.seed), "cuda", bp)
+            q = torch.randn(B * args.q_len, Q_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+            for bn, warps, stages, per_sm in itertools.product((32, 64), (4, 8), (1, 2, 3), (2, 4, 8)):
+                kw = dict(block_n=bn, programs=_num_sms(0) * per_sm, num_warps=warps, num_stages=stages)
+                try:
+                    fn = functools.partial(shared_chunk_attention_triton, q, kv, full.positions, shared, rope, scale)
+                    us = bench(functools.partial(fn, **kw))
+                except Exception as e:  # noqa: BLE001  (out of shared memory etc.)
+                    us = float("nan")
+                    print(f"skip {piece} {bp} {kw}: {type(e).__name__}")
+                rows.append({"batch": B, "piece": piece, "block_pairs": bp, "block_n": bn, "warps": warps,
+                             "stages": stages, "per_sm": per_sm, "us": round(us, 1)})  # fmt: skip
+    rows.sort(key=lambda r: (r["us"] != r["us"], r["us"]))
+    for r in rows[:8]:
+        print(json.dumps(r), flush=True)
+    return rows
 
 
 def measure(B: int, args, rng: random.Random, rope: RopeCache, scale: float, bench) -> dict:
@@ -132,6 +163,7 @@ def main() -> None:
     ap.add_argument("--piece-tokens", type=int, default=1024, help="shared segments cut at this many tokens")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
+    ap.add_argument("--sweep", action="store_true", help="sweep the shared kernel's tiles and grid instead")
     args = ap.parse_args()
     cfg = ModelConfig.from_hf(PRESETS["llama-3.1-8b"])
     rope = RopeCache.build(cfg, args.docs * args.doc_tokens + args.private + 1, "cuda")
@@ -142,6 +174,13 @@ def main() -> None:
         fn()
         return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median") * 1000.0
 
+    if args.sweep:
+        fast = lambda fn: triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median") * 1e3  # noqa: E731
+        rows = [r for B in args.batches for r in sweep(B, args, rope, scale, lambda fn: (fn(), fast(fn))[1])]
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(), "args": vars(args), "rows": rows}, f)
+        return
     rows = []
     for B in args.batches:
         rows.append(measure(B, args, rng, rope, scale, bench))

@@ -144,6 +144,8 @@ def shared_chunk_attention_triton(
     sm_scale: float,
     block_n: int = 32,
     programs: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as shared_chunk.shared_chunk_attention_ref: (o [P, q_heads, D] fp32, natural
     lse [P, q_heads] fp32). programs: the persistent grid (default: min(one wave, live items); pass
@@ -174,7 +176,7 @@ def shared_chunk_attention_triton(
         GROUP=group, BLOCK_P=block_pairs, ROWS=rows, BLOCK_N=max(MIN_DOT, block_n), PAGE_SIZE=page_size,
         HALF=half, HALF_P=max(MIN_DOT, _pow2(half)), REST=rest, REST_P=max(MIN_DOT, _pow2(max(rest, 1))),
         HEAD=head_dim, HEAD_P=max(MIN_DOT, _pow2(head_dim)),
-        DOT_PREC="ieee" if kv.dtype == torch.float32 else "tf32",
+        DOT_PREC="ieee" if kv.dtype == torch.float32 else "tf32", num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return o, lse
 
