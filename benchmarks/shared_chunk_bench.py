@@ -103,8 +103,8 @@ def sweep(B: int, args, rope: RopeCache, scale: float, bench) -> list[dict]:
             for bn, warps, stages, per_sm in itertools.product((32, 64), (4, 8), (1, 2, 3), (2, 4, 8)):
                 kw = dict(block_n=bn, programs=_num_sms(0) * per_sm, num_warps=warps, num_stages=stages)
                 try:
-                    fn = functools.partial(shared_chunk_attention_triton, q, kv, full.positions, shared, rope, scale)
-                    us = bench(functools.partial(fn, **kw))
+                    attend = shared_chunk_attention_triton
+                    us = bench(functools.partial(attend, q, kv, full.positions, shared, rope, scale, **kw))
                 except Exception as e:  # noqa: BLE001  (out of shared memory etc.)
                     us = float("nan")
                     print(f"skip {piece} {bp} {kw}: {type(e).__name__}")
