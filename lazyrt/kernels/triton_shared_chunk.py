@@ -125,7 +125,9 @@ def _shared_chunk_kernel(
         tl.store(lse_ptr + pair.to(tl.int64) * stride_lp + head, lse, mask=row_ok)
 
 
-PROGRAMS_PER_SM = 4  # persistent grid: resident programs per SM (one wave)
+# Tiles and grid from `shared_chunk_bench.py --sweep` (H200, Llama-3.1-8B heads, Zipf 2.1 steps at
+# batch 16 and 64): 64-key blocks, 3 stages, 8 programs per SM, 16 pairs (64 rows) per item.
+PROGRAMS_PER_SM = 8  # persistent grid: programs per SM
 
 
 def persistent_programs(device: torch.device) -> int:
@@ -142,10 +144,10 @@ def shared_chunk_attention_triton(
     meta: SharedChunkMeta,
     rope: RopeCache,
     sm_scale: float,
-    block_n: int = 32,
+    block_n: int = 64,
     programs: int | None = None,
     num_warps: int = 4,
-    num_stages: int = 2,
+    num_stages: int = 3,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as shared_chunk.shared_chunk_attention_ref: (o [P, q_heads, D] fp32, natural
     lse [P, q_heads] fp32). programs: the persistent grid (default: min(one wave, live items); pass

@@ -58,7 +58,7 @@ class ModelRunner:
             raise ValueError("CUDA graphs need a PagePool built with scratch_pages=1")
         shared = None
         if self.shared_chunk_attention:
-            shared = (max(1, SHARED_PIECE_TOKENS // ps), self.shared_block_pairs)
+            shared = (max(1, SHARED_PIECE_TOKENS // 2 // ps), self.shared_block_pairs)  # the smaller pieces
         self.graphs = DecodeGraphs(
             self,
             max_batch,

@@ -162,20 +162,25 @@ def segment_table(seg: Segment, page_size: int) -> tuple[np.ndarray, np.ndarray,
 
 
 # Shared-chunk attention (kernels/shared_chunk.py) for a step when its page tables repeat runs of
-# pages (documents used by several requests): runs cut into pieces of this many tokens, used for
-# steps of at most SHARED_MAX_Q_LEN new tokens per sequence (decode, questions; a long prompt's own
-# causal run is the per-request kernel's work) when it reads at most 1/SHARED_MIN_SAVING of the pages.
+# pages (documents used by several requests): runs cut into pieces of SHARED_PIECE_TOKENS (batches
+# of up to SHARED_SMALL_BATCH sequences: half that, for more work items; `shared_chunk_bench.py
+# --sweep`), used for steps of at most SHARED_MAX_Q_LEN new tokens per sequence (decode, questions;
+# a long prompt's own causal run is the per-request kernel's work) when it reads at most
+# 1/SHARED_MIN_SAVING of the pages.
 SHARED_PIECE_TOKENS = 1024
+SHARED_SMALL_BATCH = 32
 SHARED_MAX_Q_LEN = 64
 SHARED_MIN_SAVING = 1.25
 
 
 def shared_segments(
-    plan: StepPlan, s: StepInputs, page_size: int, piece_tokens: int = SHARED_PIECE_TOKENS
+    plan: StepPlan, s: StepInputs, page_size: int, piece_tokens: int | None = None
 ) -> list | None:
     """The step's segments for SharedChunkMeta.build when sharing pays (see above), else None."""
     if s.entry_logit_scale is not None or not plan.items or s.max_q_len > SHARED_MAX_Q_LEN:
         return None
+    if piece_tokens is None:
+        piece_tokens = SHARED_PIECE_TOKENS // (2 if s.num_seqs <= SHARED_SMALL_BATCH else 1)
     qo = s.qo_indptr
     seqs = [
         (range(qo[i], qo[i + 1]), [(g.pages, g.num_tokens, g.start_pos) for g in it.segments if g.num_tokens])
