@@ -140,35 +140,67 @@ def build_arrays(
     )
 
 
+class PieceKey:
+    """A piece of a run: its pages and token count; equal keys hold the same keys and values. Its
+    hash is computed once (a run's pieces are cached across the steps that reuse the run)."""
+
+    __slots__ = ("pages", "num_tokens", "_hash")
+
+    def __init__(self, pages: tuple[int, ...], num_tokens: int):
+        self.pages, self.num_tokens = pages, num_tokens
+        self._hash = hash((pages, num_tokens))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, PieceKey) and self.num_tokens == other.num_tokens and self.pages == other.pages
+        )
+
+
+def run_pieces(pages: Sequence[int], n: int, page_size: int, piece_tokens: int) -> list[tuple[PieceKey, int]]:
+    """A run of n tokens on `pages` (all full but the last; extra pages ignored) cut into pieces of
+    piece_tokens (rounded down to whole pages): (key, offset of its first token in the run)."""
+    piece_pages = max(1, piece_tokens // page_size)
+    n_pages = -(-n // page_size)
+    out = []
+    for k in range(0, n_pages, piece_pages):
+        m = min(n, (k + piece_pages) * page_size) - k * page_size
+        out.append((PieceKey(tuple(pages[k : min(n_pages, k + piece_pages)]), m), k * page_size))
+    return out
+
+
 def group_segments(
-    seqs: Sequence[tuple[Sequence[int], Sequence[tuple[Sequence[int], int, int]]]],
+    seqs: Sequence[tuple[Sequence[int], Sequence[tuple]]],
     page_size: int,
     piece_tokens: int,
 ) -> tuple[list[tuple[list[int], int, list[tuple[int, int]]]], int, int]:
     """A step's per-sequence page runs grouped by physical pages, for SharedChunkMeta.build.
 
-    seqs: per sequence (its query rows, its runs (pages, num_tokens, start position)), every run's
-    pages full but the last (extra pages past num_tokens are ignored). Each run is cut into pieces of
-    piece_tokens (a page multiple; a long document gives the grid several items, and its pieces
-    are shared even where two runs overlap only in part); pieces on the same pages with the same
-    length are one segment, with a pair per (row, piece start). Returns (segments, pages the per-request
-    kernel would read, pages the segments read)."""
-    piece_pages = max(1, piece_tokens // page_size)
-    index: dict[tuple, int] = {}
+    seqs: per sequence (its query rows, its runs (pages, num_tokens, start position[, pieces])),
+    every run's pages full but the last (extra pages past num_tokens are ignored); pieces, when
+    given, is run_pieces(pages, num_tokens, page_size, piece_tokens) (cached by the caller). Each
+    run is cut into pieces of piece_tokens (a page multiple; a long document gives the grid several
+    items, and its pieces are shared even where two runs overlap only in part); pieces on the same
+    pages with the same length are one segment, with a pair per (row, piece start). Returns
+    (segments, pages the per-request kernel would read, pages the segments read)."""
+    index: dict[PieceKey, int] = {}
     segments: list[tuple[list[int], int, list[tuple[int, int]]]] = []
     per_request = 0
     for rows, runs in seqs:
-        for pages, n, start in runs:
-            n_pages = -(-n // page_size)
-            per_request += n_pages
-            for k in range(0, n_pages, piece_pages):
-                piece = tuple(pages[k : min(n_pages, k + piece_pages)])
-                m = min(n, (k + piece_pages) * page_size) - k * page_size
-                at = start + k * page_size
-                i = index.setdefault((piece, m), len(segments))
+        for run in runs:
+            pages, n, start = run[:3]
+            pieces = run[3] if len(run) > 3 else run_pieces(pages, n, page_size, piece_tokens)
+            per_request += -(-n // page_size)
+            for key, off in pieces:
+                i = index.setdefault(key, len(segments))
                 if i == len(segments):
-                    segments.append((list(piece), m, []))
-                segments[i][2].extend((row, at) for row in rows)
+                    segments.append((list(key.pages), key.num_tokens, []))
+                at = start + off
+                pairs = segments[i][2]
+                for row in rows:
+                    pairs.append((row, at))
     shared = sum(len(pages) for pages, _, _ in segments)
     return segments, per_request, shared
 

@@ -20,6 +20,8 @@ class Segment:
     is_doc: bool = False  # a document's tokens (chunk pages, their block copies, recomputed pages)
     # (key, arrays) of its page table, built by step_inputs.segment_table; valid while key holds
     table: tuple | None = field(default=None, repr=False, compare=False)
+    # (key, pieces) for shared-chunk grouping, built by step_inputs.segment_run; valid while key holds
+    pieces: tuple | None = field(default=None, repr=False, compare=False)
 
 
 class RequestState(enum.Enum):
