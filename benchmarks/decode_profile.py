@@ -1,13 +1,16 @@
 """Where a pure decode step's time goes: device kernel time by kernel vs wall time (issue 6).
 
-B random prompts of --context tokens are prefilled first; then --steps decode steps (every request
-decoding, no prefill piece in the step: benchmarks/decode_roofline.decode_step_seconds) run once
-untimed-by-profiler for the wall time and once under torch.profiler for the per-kernel device time.
-If the device is busy for much less than the wall time, the step is host-bound.
+B prompts of --context tokens (decode_roofline.py's workload: by default lazy RAG prompts of 5
+documents by Zipf popularity; --cache-mode none: plain prompts) are prefilled first; then --steps
+decode steps (every request decoding, no prefill piece in the step:
+benchmarks/decode_roofline.decode_step_seconds) run once untimed-by-profiler for the wall time and
+once under torch.profiler for the per-kernel device time. If the device is busy for much less than
+the wall time, the step is host-bound.
 
-GPU:  python benchmarks/decode_profile.py --batches 1 64 --context 4096
-CPU smoke:  python benchmarks/decode_profile.py --model tiny-llama --device cpu --batches 2 --context 32 \
-              --steps 2
+GPU:  python benchmarks/decode_profile.py --batches 1 64
+      python benchmarks/decode_profile.py --batches 1 64 --cache-mode none --context 4096
+CPU smoke:  python benchmarks/decode_profile.py --model tiny-llama --device cpu --batches 2 --context 48 \
+              --steps 2 --pool-docs 4 --docs-per-request 2
 """
 
 from __future__ import annotations
@@ -59,40 +62,22 @@ def host_profile(eng, prompts: list[list[int]], steps: int, top: int) -> None:
 
 
 def main() -> None:
+    from benchmarks.decode_roofline import add_workload_args, decode_step_seconds, make_workload
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="llama-3.1-8b")
-    p.add_argument("--load-format", default="dummy")
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--cache-mode", default="none")
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 64])
-    p.add_argument("--context", type=int, default=4096)
-    p.add_argument("--steps", type=int, default=16)
+    add_workload_args(p, [1, 64])
     p.add_argument("--top", type=int, default=14)
     p.add_argument("--host-profile", action="store_true",
                    help="also run the steps under cProfile and print the top host functions")
     p.add_argument("--out", default=None, help="JSON lines, appended")
     args = p.parse_args()
 
-    from benchmarks.decode_roofline import decode_headroom, decode_step_seconds
-    from lazyrt import Engine
-
-    max_b = max(args.batches)
-    headroom = decode_headroom([[0] * args.context] * max_b)
-    eng = Engine(
-        model=None if args.model == "default" else args.model,
-        device=args.device,
-        load_format=args.load_format,
-        cache_mode=args.cache_mode,
-        max_running_requests=max_b,
-        kv_cache_tokens=max_b * (args.context + args.steps + 16 + headroom),
-    )
+    eng, make_prompts, _ = make_workload(args)
     dev = args.device
-    vocab = min(eng.model_config.vocab_size, 32000)
-    gen = torch.Generator().manual_seed(0)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev == "cuda" else [])
 
-    def prompts(b: int) -> list[list[int]]:
-        return [torch.randint(100, vocab, (args.context,), generator=gen).tolist() for _ in range(b)]
+    def prompts(b: int) -> list:
+        return make_prompts(b)[0]
 
     decode_step_seconds(eng, prompts(1), 4)  # compile, capture
     for b in args.batches:
@@ -111,6 +96,7 @@ def main() -> None:
         if args.out:
             with open(args.out, "a") as f:
                 f.write(json.dumps({"batch": b, "context": args.context, "cache_mode": args.cache_mode,
+                                    "alpha": args.alpha, "shared": args.shared_chunk_attention,
                                     "wall_ms": wall_us / 1e3, "busy_ms": busy_us / 1e3,
                                     "top": [(n, us / 1e3) for n, us in top]}) + "\n")
 

@@ -97,13 +97,13 @@ def decode_step_seconds(eng, prompts: list, steps: int, around_steps=None) -> fl
     return elapsed / steps
 
 
-def main(argv=None) -> list[dict]:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_workload_args(p: argparse.ArgumentParser, batches: list[int]) -> None:
+    """The engine and prompt options decode_roofline.py and decode_profile.py share."""
     p.add_argument("--model", default="llama-3.1-8b")
     p.add_argument("--load-format", default="dummy")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    p.add_argument("--batches", type=int, nargs="+", default=batches)
     p.add_argument("--context", type=int, default=10368, help="prompt tokens a request (5 x 2048 + 128)")
     p.add_argument("--steps", type=int, default=32, help="decode steps timed")
     p.add_argument("--cache-mode", default="lazy", help="none: plain prompts; lazy/block: RAG prompts")
@@ -112,10 +112,10 @@ def main(argv=None) -> list[dict]:
                    help="lazy: read each shared document once per step (the engine's default)")
     p.add_argument("--docs-per-request", type=int, default=5, help="lazy/block: documents a request")
     p.add_argument("--pool-docs", type=int, default=100, help="lazy/block: documents to draw them from")
-    p.add_argument("--copy-mb", type=int, default=1024)
-    p.add_argument("--out", default=None, help="JSON lines, appended")
-    args = p.parse_args(argv)
 
+
+def make_workload(args):
+    """(engine, prompts(b) -> (prompts, distinct document tokens), document tokens) for the args."""
     from lazyrt import Engine, RagPrompt
 
     max_b = max(args.batches)
@@ -136,23 +136,13 @@ def main(argv=None) -> list[dict]:
         shared_chunk_attention=args.shared_chunk_attention,
         kv_cache_tokens=shared + max_b * (own + args.steps + 16 + headroom),
     )
-    cfg = eng.model_config
-    dev = str(eng.model.device)
-    # LlamaModel keeps its weights in a dict by HF name; tied embeddings are one tensor, counted once
-    unique = {t.data_ptr(): t for t in eng.model.w.values()}
-    wbytes = sum(t.numel() * t.element_size() for t in unique.values())
-    dtype_bytes = eng.model.dtype.itemsize
-    kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype_bytes
-    bw = copy_bandwidth(dev, args.copy_mb)
-    print(f"weights {wbytes / 1e9:.2f} GB, KV {kv_per_token} B/token, copy bandwidth {bw / 1e12:.3f} TB/s")
     gen = torch.Generator().manual_seed(0)
-    vocab = min(cfg.vocab_size, 32000)
+    vocab = min(eng.model_config.vocab_size, 32000)
 
     def rand(n: int) -> list[int]:
         return torch.randint(100, vocab, (n,), generator=gen).tolist()
 
     pool = [rand(doc_tokens) for _ in range(args.pool_docs)] if rag else []
-
     weights = torch.tensor([1 / (i + 1) ** args.alpha for i in range(args.pool_docs)]) if rag else None
 
     def pick_docs() -> list[int]:  # docs_per_request distinct docs by popularity, in drawn order
@@ -166,6 +156,28 @@ def main(argv=None) -> list[dict]:
         distinct = len({d for row in picks for d in row})
         rag_prompts = [RagPrompt([], [pool[i] for i in row], rand(QUESTION_TOKENS)) for row in picks]
         return rag_prompts, distinct * doc_tokens
+
+    return eng, prompts, doc_tokens
+
+
+def main(argv=None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_workload_args(p, [1, 2, 4, 8, 16, 32, 64])
+    p.add_argument("--copy-mb", type=int, default=1024)
+    p.add_argument("--out", default=None, help="JSON lines, appended")
+    args = p.parse_args(argv)
+
+    rag = args.cache_mode in ("lazy", "block")
+    eng, prompts, doc_tokens = make_workload(args)
+    cfg = eng.model_config
+    dev = str(eng.model.device)
+    # LlamaModel keeps its weights in a dict by HF name; tied embeddings are one tensor, counted once
+    unique = {t.data_ptr(): t for t in eng.model.w.values()}
+    wbytes = sum(t.numel() * t.element_size() for t in unique.values())
+    dtype_bytes = eng.model.dtype.itemsize
+    kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype_bytes
+    bw = copy_bandwidth(dev, args.copy_mb)
+    print(f"weights {wbytes / 1e9:.2f} GB, KV {kv_per_token} B/token, copy bandwidth {bw / 1e12:.3f} TB/s")
 
     decode_step_seconds(eng, prompts(min(args.batches))[0], 4)  # warm-up (compiles, graphs)
     rows = []
