@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Device-machine driver, run from the repo root: bash benchmarks/gpu_run.sh STAGE...
 # Stages: kernels-test | bench BATCHES... | sweep BATCHES... | engine-test [PYTEST ARGS] | fi-test | jit
-#         | serving [rag_serving.py ARGS...] | roofline [ARGS...] | offline-hf [ARGS...]
+#         | serving [rag_serving.py ARGS...] | roofline [ARGS...] | profile [decode_profile.py ARGS...]
+#         | offline-hf [ARGS...]
 #         | shared-chunk [shared_chunk_bench.py ARGS...]
 # (serving/roofline/offline-hf: dummy llama-3.1-8b, tokenizer from .gpu_carry_tok; results in $OUT)
 # (fi-test needs .gpu_carry_tok: a config.json + tokenizer dir of the default model, for dummy weights)
@@ -44,6 +45,8 @@ run_stage() {
                --plot "$OUT/rag_serving_ttft.png" "${batches[@]}" 2>&1 | tee -a "$OUT/serving.log" | tail -40 ;;
     roofline) LAZYRT_TOKENIZER_DIR="$PWD/.gpu_carry_tok" python3 benchmarks/decode_roofline.py \
                 --out "$OUT/decode_roofline.jsonl" "${batches[@]}" 2>&1 | tail -15 ;;
+    profile) LAZYRT_TOKENIZER_DIR="$PWD/.gpu_carry_tok" python3 -m benchmarks.decode_profile \
+               --out "$OUT/decode_profile.jsonl" "${batches[@]}" 2>&1 | grep -v -i warn | tail -40 ;;
     shared-chunk) python3 -m pytest -q -p no:cacheprovider tests/test_triton_gpu.py -k shared_chunk 2>&1 | tail -4
                   python3 benchmarks/shared_chunk_bench.py --out "$OUT/shared_chunk.json" "${batches[@]}" 2>&1 | tail -12 ;;
     offline-hf) LAZYRT_TOKENIZER_DIR="$PWD/.gpu_carry_tok" python3 benchmarks/offline_vs_hf.py \
@@ -54,7 +57,7 @@ run_stage() {
 }
 for a in "$@"; do
   case "$a" in
-    kernels-test|bench|sweep|engine-test|fi-test|jit|serving|roofline|offline-hf|shared-chunk) [ -n "$stage" ] && run_stage "$stage"; stage="$a"; batches=() ;;
+    kernels-test|bench|sweep|engine-test|fi-test|jit|serving|roofline|profile|offline-hf|shared-chunk) [ -n "$stage" ] && run_stage "$stage"; stage="$a"; batches=() ;;
     *) batches+=("$a") ;;
   esac
 done

@@ -6,7 +6,7 @@ repeat within a request, random order), then `--private` own tokens (question + 
 its `--q-len` new tokens. One layer's KV; every document's pages exist once.
 
 The step goes through what the engine runs (kernels/shared_chunk.py `group_segments`, pieces of
-`--piece-tokens`); per step, median us of a CUDA-graph replay (triton.testing.do_bench_cudagraph):
+`--piece-tokens`, by default the engine's choice); per step, median us of a CUDA-graph replay (triton.testing.do_bench_cudagraph):
 - `per_request`: lazy_attention_triton over every request's page table (the per-request path);
 - `shared`: shared_chunk_attention_triton over the step's segments (each distinct piece of pages
   once, for every query that uses it; the requests' own runs are segments of one user);
@@ -35,6 +35,7 @@ from lazyrt.kernels.rope import RopeCache  # noqa: E402
 from lazyrt.kernels.shared_chunk import SharedChunkMeta, group_segments  # noqa: E402
 from lazyrt.models.config import ModelConfig  # noqa: E402
 from lazyrt.models.dummy import PRESETS  # noqa: E402
+from lazyrt.runtime.worker.step_inputs import SHARED_PIECE_TOKENS, SHARED_SMALL_BATCH  # noqa: E402
 
 Q_HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
 
@@ -83,7 +84,8 @@ def build_step(B: int, args, rng: random.Random, dev: str, block_pairs: int | No
         store_slots=torch.zeros(0, dtype=torch.long, device=dev), rotate_keys=True,
         max_q_len=args.q_len, max_kv_entries=max(b - a for a, b in zip(kvp, kvp[1:])),
     )  # fmt: skip
-    segments, _, _ = group_segments(seqs, PAGE, args.piece_tokens)
+    piece = args.piece_tokens or SHARED_PIECE_TOKENS // (2 if B <= SHARED_SMALL_BATCH else 1)  # as the engine
+    segments, _, _ = group_segments(seqs, PAGE, piece)
     bp = block_pairs or max(1, 64 // (Q_HEADS // KV_HEADS))
     shared = SharedChunkMeta.build(segments, PAGE, len(positions), bp, dev)
     return kv, meta, shared, len(distinct)
@@ -160,7 +162,8 @@ def main() -> None:
     ap.add_argument("--pool", type=int, default=100, help="documents to draw from")
     ap.add_argument("--alpha", type=float, default=2.1, help="Zipf exponent of document popularity")
     ap.add_argument("--q-len", type=int, default=1, help="new tokens per request (1 = decode)")
-    ap.add_argument("--piece-tokens", type=int, default=1024, help="shared segments cut at this many tokens")
+    ap.add_argument("--piece-tokens", type=int, default=None,
+                    help="shared segments cut at this many tokens (default: the engine's choice)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     ap.add_argument("--sweep", action="store_true", help="sweep the shared kernel's tiles and grid instead")
