@@ -6,7 +6,8 @@ repeat within a request, random order), then `--private` own tokens (question + 
 its `--q-len` new tokens. One layer's KV; every document's pages exist once.
 
 The step goes through what the engine runs (kernels/shared_chunk.py `group_segments`, pieces of
-`--piece-tokens`, by default the engine's choice); per step, median us of a CUDA-graph replay (triton.testing.do_bench_cudagraph):
+`--piece-tokens`, by default the engine's choice); per step, median us of a CUDA-graph replay
+(triton.testing.do_bench_cudagraph):
 - `per_request`: lazy_attention_triton over every request's page table (the per-request path);
 - `shared`: shared_chunk_attention_triton over the step's segments (each distinct piece of pages
   once, for every query that uses it; the requests' own runs are segments of one user);
