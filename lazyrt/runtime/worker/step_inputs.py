@@ -177,8 +177,8 @@ def shared_segments(
     plan: StepPlan, s: StepInputs, page_size: int, piece_tokens: int | None = None
 ) -> list | None:
     """The step's segments for SharedChunkMeta.build when sharing pays (see above), else None."""
-    if s.entry_logit_scale is not None or not plan.items or s.max_q_len > SHARED_MAX_Q_LEN:
-        return None
+    if s.entry_logit_scale is not None or s.num_seqs < 2 or s.max_q_len > SHARED_MAX_Q_LEN:
+        return None  # one sequence has nobody to share with: skip the grouping on batch-1 steps
     if piece_tokens is None:
         piece_tokens = SHARED_PIECE_TOKENS // (2 if s.num_seqs <= SHARED_SMALL_BATCH else 1)
     qo, ps, pt = s.qo_indptr, page_size, piece_tokens
