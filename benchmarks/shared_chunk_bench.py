@@ -139,6 +139,14 @@ def measure(B: int, args, rng: random.Random, rope: RopeCache, scale: float, ben
         "shared": bench(lambda: shared_chunk_attention_triton(q, kv, full.positions, shared, rope, scale)),
         "merge": bench(lambda: merge_parts_triton(o_s, lse_s, shared, q.dtype)),
     }
+    extra = {}
+    if args.variants:  # what-ifs on the same step: no rope at all (the rotation's cost), merge head blocks
+        sh = functools.partial(shared_chunk_attention_triton, q, kv, full.positions, shared, sm_scale=scale)
+        no_rope = RopeCache(rope.cos[:, :0], rope.sin[:, :0])  # rotary_dim 0: plain attention
+        t["v_no_rope"] = bench(lambda: sh(rope=no_rope))
+        for hb in (1, 2, 4, 8, 32):
+            merge = functools.partial(merge_parts_triton, o_s, lse_s, shared, q.dtype, hb)
+            t[f"v_merge_h{hb}"] = bench(merge)
     t["shared_path"] = t["shared"] + t["merge"]
     mb = 2 * PAGE * KV_HEADS * HEAD_DIM * 2 / 1e6  # one page's K and V, bf16
     return {
@@ -148,7 +156,7 @@ def measure(B: int, args, rng: random.Random, rope: RopeCache, scale: float, ben
         "kv_mb_per_request": full.kv_indices.numel() * mb,
         "kv_mb_shared_path": shared.chunk_kv_indices.numel() * mb,
         **{f"{k}_us": round(v, 1) for k, v in t.items()},
-        "speedup": round(t["per_request"] / t["shared_path"], 2),
+        "speedup": round(t["per_request"] / t["shared_path"], 2), **extra,
     }  # fmt: skip
 
 
@@ -168,6 +176,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     ap.add_argument("--sweep", action="store_true", help="sweep the shared kernel's tiles and grid instead")
+    ap.add_argument("--variants", action="store_true",
+                    help="also time what-ifs: the kernel without rope, the merge's heads a program")
     args = ap.parse_args()
     cfg = ModelConfig.from_hf(PRESETS["llama-3.1-8b"])
     rope = RopeCache.build(cfg, args.docs * args.doc_tokens + args.private + 1, "cuda")

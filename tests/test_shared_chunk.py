@@ -244,10 +244,11 @@ except Exception as e:  # noqa: BLE001
         (4, 2, 16, None, 16, torch.float16, (1, 1), False, 16, 32, 64),  # tiny head: padded halves
     ],
 )
+@pytest.mark.parametrize("merge_heads", [1, 4])
 def test_triton_matches_reference(group, kv_heads, head_dim, rotary_dim, page_size, dtype, q_len, inside,
-                                  block_pairs, block_n, programs):  # fmt: skip
+                                  block_pairs, block_n, programs, merge_heads):  # fmt: skip
     """The Triton kernel (persistent grids of 1..64 programs over the work items) = the reference,
-    and the Triton merge = merge_parts_ref."""
+    and the Triton merge (1 or up to 4 heads a program) = merge_parts_ref."""
     if shared_chunk_attention_triton is None:
         pytest.fail(f"triton is not importable: {TRITON_ERROR}")
     kv, positions, _, _, segments = make_step(page_size, kv_heads, head_dim, dtype, n_chunks=5,
@@ -262,6 +263,6 @@ def test_triton_matches_reference(group, kv_heads, head_dim, rotary_dim, page_si
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(lse, lse_ref, **tol)
     torch.testing.assert_close(o, o_ref, **tol)
-    merged = merge_parts_triton(o, lse, meta, dtype)
+    merged = merge_parts_triton(o, lse, meta, dtype, heads_per_program=merge_heads)
     assert merged.dtype == dtype
     torch.testing.assert_close(merged.float(), merge_parts_ref(o, lse, meta), **tol)

@@ -190,7 +190,7 @@ def _merge_parts_kernel(
     HEADS: tl.constexpr, HEADS_P: tl.constexpr, HEAD: tl.constexpr, HEAD_P: tl.constexpr,
 ):
     t = tl.program_id(0)
-    h = tl.arange(0, HEADS_P)
+    h = tl.program_id(1) * HEADS_P + tl.arange(0, HEADS_P)
     d = tl.arange(0, HEAD_P)
     h_ok = h < HEADS
     hd_ok = h_ok[:, None] & (d < HEAD)[None, :]
@@ -215,16 +215,23 @@ def _merge_parts_kernel(
 
 
 def merge_parts_triton(
-    o_parts: torch.Tensor, lse_parts: torch.Tensor, meta: SharedChunkMeta, out_dtype: torch.dtype
+    o_parts: torch.Tensor,
+    lse_parts: torch.Tensor,
+    meta: SharedChunkMeta,
+    out_dtype: torch.dtype,
+    heads_per_program: int = 2,
 ) -> torch.Tensor:
-    """Same as shared_chunk.merge_parts_ref, in out_dtype: one program per query row."""
+    """Same as shared_chunk.merge_parts_ref, in out_dtype: one program per query row and block of
+    heads_per_program heads (a row alone leaves most SMs idle in a decode step: 2 heads ran the
+    merge of a batch-16/32 decode step in 7 us vs 16 us for all 32 heads on the H100)."""
     _, heads, head_dim = o_parts.shape
     out = torch.empty(meta.num_rows, heads, head_dim, dtype=out_dtype, device=o_parts.device)
     if meta.num_rows == 0:
         return out
-    _merge_parts_kernel[(meta.num_rows,)](
+    hb = min(_pow2(heads), _pow2(heads_per_program))
+    _merge_parts_kernel[(meta.num_rows, triton.cdiv(heads, hb))](
         o_parts, lse_parts, meta.row_part_indptr, meta.row_parts, out,
         o_parts.stride(0), o_parts.stride(1), lse_parts.stride(0), out.stride(0), out.stride(1),
-        HEADS=heads, HEADS_P=_pow2(heads), HEAD=head_dim, HEAD_P=_pow2(head_dim),
+        HEADS=heads, HEADS_P=hb, HEAD=head_dim, HEAD_P=_pow2(head_dim),
     )  # fmt: skip
     return out
