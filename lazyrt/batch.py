@@ -79,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--recompute-ratio", type=float, default=None, help="recompute budget: 0-1 of later docs")
     p.add_argument("--shared-chunk-attention", action=argparse.BooleanOptionalAction, default=None,
                    help="local engine, lazy: read each document a step's requests share once (default on)")
+    p.add_argument("--overlap-schedule", action=argparse.BooleanOptionalAction, default=None,
+                   help="local engine: build the next step while the device runs this one (default on)")
     g = p.add_argument_group("sampling defaults (a line's sampling_params override them)")
     g.add_argument("--max-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0)
@@ -149,7 +151,7 @@ def make_runner(args: argparse.Namespace):
     from lazyrt.runtime.engine.engine import Engine
 
     opts = ("kv_cache_tokens", "recompute_policy", "recompute_pages", "recompute_ratio")
-    opts += ("shared_chunk_attention",)
+    opts += ("shared_chunk_attention", "overlap_schedule")
     kw = {k: getattr(args, k) for k in opts if getattr(args, k) is not None}
     engine = Engine(args.model, device=args.device, cache_mode=args.cache_mode, **kw)
     return LocalRunner(engine, args.concurrency or 32)

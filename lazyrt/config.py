@@ -59,6 +59,9 @@ class EngineConfig:
     # lazy only: steps whose requests share documents read each shared run of pages once for all
     # its queries (kernels/shared_chunk.py) instead of once per request; same outputs.
     shared_chunk_attention: bool = True
+    # Overlapped scheduling: plan and build step N+1 on the host while the device runs step N
+    # (scheduler/engine_core.py); same outputs, one step's compute wasted when a request hits EOS.
+    overlap_schedule: bool = True
     seed: int = 0
 
     def validate(self) -> None:

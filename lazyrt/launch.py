@@ -129,6 +129,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="lazy: a step reads each document shared by several of its requests once for all of them "
         "(same outputs; --no-shared-chunk-attention reads per request)",
     )
+    p.add_argument(
+        "--overlap-schedule",
+        action=argparse.BooleanOptionalAction,
+        default=d.overlap_schedule,
+        help="plan and build the next step on the host while the device runs the current one "
+        "(same outputs; --no-overlap-schedule waits for each step's tokens first)",
+    )
     p.add_argument("--seed", type=int, default=d.seed, help="seed for dummy weights")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (except /health)")
     p.add_argument("--served-model-name", default=None, help="model name in the API; default from --model")
@@ -163,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         doc_attention_scale=args.doc_attention_scale,
         doc_positions=args.doc_positions,
         shared_chunk_attention=args.shared_chunk_attention,
+        overlap_schedule=args.overlap_schedule,
         seed=args.seed,
     )
     try:

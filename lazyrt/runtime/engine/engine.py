@@ -53,7 +53,7 @@ class Engine:
         self.runner = self.worker.runner
         self.eos_ids = self.worker.eos_ids
         self.scheduler = Scheduler.from_config(self.pool, cfg, self.model_id)
-        self.core = EngineCore(self.scheduler, self.worker, self.eos_ids)
+        self.core = EngineCore(self.scheduler, self.worker, self.eos_ids, overlap=cfg.overlap_schedule)
         self._rids = itertools.count()
         # a popular document's text is tokenized once (as in the server's tokenizer process)
         self._doc_tokens = DocTokenCache(lambda text: self._tokens(text, "document", False))

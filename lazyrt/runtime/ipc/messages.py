@@ -112,6 +112,10 @@ class StepMsg:
     copies: list[list] = field(default_factory=list)  # [src pages, dst pages, delta] (block mode)
     release: list[int] = field(default_factory=list)  # finished rids: drop their sampling state
     probes: list[StepItem] = field(default_factory=list)  # deviation probes (segments always sent)
+    # Overlapped scheduling: launch this step and answer with the previous deferred step's tokens
+    # (an empty message without defer collects the last one). A token id of plan.PENDING_TOKEN =
+    # the token the previous step samples for that item's request, filled in on the device.
+    defer: bool = False
 
 
 @message

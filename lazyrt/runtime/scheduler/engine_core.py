@@ -2,6 +2,13 @@
 process. It plans a step, ships it to a worker through one narrow call (`execute(StepMsg) ->
 StepResult`), applies the sampled tokens and reports TokenOuts. The worker is a ModelWorker object
 in-process, or a ZMQ link to the model worker process; the logic here is the same either way.
+
+Overlapped scheduling (`overlap=True`): a step is sent deferred, so the worker launches it and
+answers with the previous step's tokens; the host work of planning, encoding and building step N+1
+then runs while the device computes step N. Decode items of step N+1 take their input token from
+step N on the device (plan.PENDING_TOKEN); a request that step N ends (EOS, stop) has its step N+1
+token dropped. Steps that need their results at once (deviation probes, scoring) run synchronously,
+after the step in flight is collected.
 """
 
 from __future__ import annotations
@@ -10,7 +17,8 @@ import time
 from typing import Protocol
 
 from lazyrt.runtime.ipc.messages import StepMsg, StepResult, TokenOut
-from lazyrt.runtime.scheduler.request import Request
+from lazyrt.runtime.scheduler.plan import StepPlan
+from lazyrt.runtime.scheduler.request import Request, RequestState
 from lazyrt.runtime.scheduler.scheduler import Scheduler
 from lazyrt.runtime.scheduler.step_wire import StepEncoder
 
@@ -24,17 +32,19 @@ class NoProgress(RuntimeError):
 
 
 class EngineCore:
-    def __init__(self, scheduler: Scheduler, worker: WorkerLink, eos_ids: set[int]):
+    def __init__(self, scheduler: Scheduler, worker: WorkerLink, eos_ids: set[int], overlap: bool = False):
         self.scheduler = scheduler
         self.worker = worker
         self.eos_ids = set(eos_ids)
+        self.overlap = overlap
         self.requests: dict[int, Request] = {}
         self._release: list[int] = []  # finished rids the worker may still hold state for
         self._encoder = StepEncoder()
+        self._in_flight: StepPlan | None = None  # the deferred step whose tokens have not come back
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self._in_flight is not None
 
     def add(self, req: Request) -> None:
         """Queue a request; raises RequestTooLarge if it could never fit the KV pool."""
@@ -51,14 +61,45 @@ class EngineCore:
         return True
 
     def step(self) -> list[TokenOut]:
+        """Runs one step; returns the tokens that came back (with overlap: the previous step's)."""
+        try:
+            return self._step()
+        except BaseException:
+            self._in_flight = None  # its tokens are lost with the worker's answer: callers abort
+            raise
+
+    def _step(self) -> list[TokenOut]:
         plan = self.scheduler.schedule()
         if not plan.items and not plan.probes:
+            if self._in_flight is not None:  # e.g. every running request waits on its last token
+                return self._collect()
             raise NoProgress("scheduler made no progress (no runnable work)")
-        msg = self._encoder.encode(plan, self._release)
+        defer = self.overlap and not plan.probes and not any(
+            it.request is not None and it.request.score_len > 0 for it in plan.items
+        )
+        outs = self._collect() if not defer and self._in_flight is not None else []
+        msg = self._encoder.encode(plan, self._release, defer)
         self._release = []
         result = self.worker.execute(msg)
-        self.scheduler.on_step_done(plan, result.probe_scores)
+        if not defer:
+            self.scheduler.on_step_done(plan, result.probe_scores)
+            return outs + self._apply(plan, result)
+        # Chunks computed by this step are ready for the next ones: the device runs them in order.
+        self.scheduler.on_step_done(plan)
+        prev, self._in_flight = self._in_flight, plan
+        return self._apply(prev, result) if prev is not None else []
+
+    def _collect(self) -> list[TokenOut]:
+        """Waits for the deferred step in flight and applies its tokens."""
+        plan, self._in_flight = self._in_flight, None
+        msg = StepMsg([], release=self._release)
+        self._release = []
+        return self._apply(plan, self.worker.execute(msg))
+
+    def _apply(self, plan: StepPlan, result: StepResult) -> list[TokenOut]:
         sampled = [it.request for it in plan.items if it.request is not None]
+        if len(result.tokens) != len(sampled):
+            raise RuntimeError(f"the worker returned {len(result.tokens)} tokens for {len(sampled)} requests")
         for rid, logprobs in (result.scores or {}).items():
             if int(rid) in self.requests:
                 self.requests[int(rid)].score_logprobs = list(logprobs)
@@ -66,6 +107,9 @@ class EngineCore:
         wall = time.time()
         outs = []
         for req, tok in zip(sampled, result.tokens):
+            req.pending_tokens -= 1
+            if req.state is RequestState.FINISHED:  # ended while this step ran: its token is dropped
+                continue
             first = not req.output_ids
             req.output_ids.append(tok)
             req.first_token_time = req.first_token_time or now

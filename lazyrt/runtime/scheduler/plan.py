@@ -12,6 +12,10 @@ from dataclasses import dataclass, field
 from lazyrt.cache.chunk_table import Chunk
 from lazyrt.runtime.scheduler.request import Request, Segment
 
+# A decode item's input token while the step that samples it is still running (overlapped
+# scheduling): the worker fills in that step's token for the request on the device.
+PENDING_TOKEN = -1
+
 
 @dataclass
 class ChunkJob:

@@ -69,7 +69,8 @@ def run_scheduler_process(cfg: EngineConfig, ipc: IpcPaths, log_level: str) -> N
     ready: WorkerReady = recv(from_worker)
     pool = PagePool(1, ready.num_pages, ready.page_size, 1, 1, torch.float32, "meta")
     sched = Scheduler.from_config(pool, cfg, ready.model_id)
-    core = EngineCore(sched, ZmqWorkerLink(to_worker, from_worker, watch), set(ready.eos_ids))
+    link = ZmqWorkerLink(to_worker, from_worker, watch)
+    core = EngineCore(sched, link, set(ready.eos_ids), overlap=cfg.overlap_schedule)
     send(to_detok, ready)
     SchedulerLoop(core, cfg.cache_mode, inbox, to_detok, watch).run()
 

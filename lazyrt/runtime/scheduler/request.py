@@ -43,6 +43,8 @@ class Request:
     max_new_tokens: int = 0
     state: RequestState = RequestState.WAITING
     output_ids: list[int] = field(default_factory=list)
+    # tokens sampled for it by steps launched but not yet applied (overlapped scheduling: at most 1)
+    pending_tokens: int = 0
     finish_reason: str | None = None
     error: str | None = None
     # KV the request sees, in position order, and the segment its own tokens go to.

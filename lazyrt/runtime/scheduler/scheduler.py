@@ -23,7 +23,7 @@ from lazyrt.config import (
     check_doc_positions,
     check_recompute_options,
 )
-from lazyrt.runtime.scheduler.plan import ChunkJob, ForwardItem, PageCopy, StepPlan
+from lazyrt.runtime.scheduler.plan import PENDING_TOKEN, ChunkJob, ForwardItem, PageCopy, StepPlan
 from lazyrt.runtime.scheduler.recompute import page_budget, page_runs, select_pages
 from lazyrt.runtime.scheduler.request import Request, RequestState, Segment
 
@@ -339,7 +339,10 @@ class Scheduler:
         plan = StepPlan()
         budget = self.max_step_tokens
         for req in self.running:
-            if req.state is RequestState.DECODE:
+            if req.state is not RequestState.DECODE:
+                continue
+            # a token in flight that reaches max_tokens ends it: a decode now would be thrown away
+            if len(req.output_ids) + req.pending_tokens < req.max_new_tokens:
                 plan.items.append(self._decode_item(req))
                 budget -= 1
         for job in list(self.jobs):
@@ -362,6 +365,9 @@ class Scheduler:
                 budget -= self._plan_probes(req, plan, budget)
             if req.state is RequestState.PREFILL:
                 budget -= self._plan_prefill(req, plan, budget)
+        for item in plan.items:
+            if item.request is not None:
+                item.request.pending_tokens += 1  # EngineCore applies it when the step's tokens arrive
         return plan
 
     def _plan_prefill(self, req: Request, plan: StepPlan, budget: int) -> int:
@@ -495,9 +501,9 @@ class Scheduler:
     def _decode_item(self, req: Request) -> ForwardItem:
         pos = req.own.start_pos + req.own.num_tokens
         req.own.num_tokens += 1
-        return ForwardItem(
-            [req.output_ids[-1]], pos, req.segments, req.own, request=req, doc_logits=req.doc_logits
-        )
+        # its last token still in flight (overlapped scheduling): the worker takes it on the device
+        token = req.output_ids[-1] if not req.pending_tokens else PENDING_TOKEN
+        return ForwardItem([token], pos, req.segments, req.own, request=req, doc_logits=req.doc_logits)
 
     def _chunk_item(self, job: ChunkJob) -> ForwardItem:
         c = job.chunk

@@ -20,13 +20,13 @@ class StepEncoder:
     def __init__(self) -> None:
         self._sent: set[int] = set()
 
-    def encode(self, plan: StepPlan, release: list[int]) -> StepMsg:
+    def encode(self, plan: StepPlan, release: list[int], defer: bool = False) -> StepMsg:
         for rid in release:
             self._sent.discard(rid)
         items = [self._item(it) for it in plan.items]
         copies = [[list(c.src), list(c.dst), c.delta] for c in plan.copies]
         probes = [self._item(it) for it in plan.probes]  # no request: segments always sent
-        return StepMsg(items, copies, list(release), probes)
+        return StepMsg(items, copies, list(release), probes, defer)
 
     def _item(self, it: ForwardItem) -> StepItem:
         req = it.request

@@ -160,6 +160,9 @@ class DecodeGraphs:
             dst[: len(values)].copy_(torch.from_numpy(np.ascontiguousarray(values)), non_blocking=True)
 
         put(self.input_ids, s.input_ids, 0)
+        if s.fill is not None:  # tokens the previous step is sampling (overlapped scheduling)
+            rows, src, tokens = s.fill
+            self.input_ids[rows] = tokens[src]
         put(self.positions, s.positions, 0)
         put(self.store_pages, s.store_pages, self.scratch_page)
         put(self.store_slots, s.store_slots, 0)

@@ -12,7 +12,7 @@ from lazyrt.kernels.metadata import AttentionMetadata
 from lazyrt.kernels.rope import RopeCache
 from lazyrt.kernels.shared_chunk import SharedChunkMeta, build_arrays
 from lazyrt.models.llama import LlamaModel
-from lazyrt.runtime.scheduler.plan import ForwardItem, PageCopy, StepPlan
+from lazyrt.runtime.scheduler.plan import PENDING_TOKEN, ForwardItem, PageCopy, StepPlan
 from lazyrt.runtime.scheduler.recompute import PROBE_LAYER
 from lazyrt.runtime.worker.step_inputs import SHARED_PIECE_TOKENS, StepInputs, shared_segments
 
@@ -40,6 +40,9 @@ class ModelRunner:
             self.device, pool.kv, self.rope, model.config.head_dim**-0.5, use_flashinfer=not rotate_keys
         )
         self._copy_rerotate = copy_rerotate_pages_ref
+        # the last deferred step's sampled tokens (device) and each request's row in them: a step
+        # launched before they reach the host takes its PENDING_TOKEN inputs from here
+        self.prev_tokens: tuple[torch.Tensor, dict[int, int]] | None = None
         self.graphs = None
         if self.device.type == "cuda":
             from lazyrt.kernels.triton_kv import copy_rerotate_pages_triton
@@ -68,6 +71,21 @@ class ModelRunner:
             shared=shared,
         )
 
+    def step_inputs(self, plan: StepPlan) -> StepInputs:
+        """StepInputs.from_plan, with the rows whose token is still in flight mapped to prev_tokens."""
+        s = StepInputs.from_plan(plan, self.pool.page_size)
+        rows = np.flatnonzero(s.input_ids == PENDING_TOKEN)
+        if len(rows):
+            items = np.searchsorted(s.qo_indptr, rows, side="right") - 1
+            rids = [plan.items[i].request.rid if plan.items[i].request else None for i in items]
+            if self.prev_tokens is None or any(r not in self.prev_tokens[1] for r in rids):
+                raise RuntimeError(f"step items of requests {rids} wait on tokens no step in flight samples")
+            tokens, row_of = self.prev_tokens
+            src = torch.tensor([row_of[r] for r in rids], device=self.device)
+            s.fill = (torch.as_tensor(rows, device=self.device), src, tokens)
+            s.input_ids[rows] = 0  # any valid id until the device fills it in
+        return s
+
     def build_metadata(self, s: StepInputs) -> tuple[torch.Tensor, AttentionMetadata]:
         def t(x, dtype: torch.dtype) -> torch.Tensor:
             return torch.as_tensor(x).to(device=self.device, dtype=dtype, non_blocking=True)
@@ -90,7 +108,11 @@ class ModelRunner:
         if s.entry_logit_scale is not None:
             meta.entry_logit_scale = t(s.entry_logit_scale, torch.float32)
             meta.entry_log_mass = t(s.entry_log_mass, torch.float32)
-        return t(s.input_ids, torch.long), meta
+        input_ids = t(s.input_ids, torch.long)
+        if s.fill is not None:
+            rows, src, tokens = s.fill
+            input_ids[rows] = tokens[src]
+        return input_ids, meta
 
     def _shared(self, plan: StepPlan, s: StepInputs) -> list | None:
         """The step's shared-chunk segments, cached on s (the graph check and the metadata ask)."""
@@ -131,7 +153,7 @@ class ModelRunner:
         if not plan.items:
             return None
         ps = self.pool.page_size
-        s = StepInputs.from_plan(plan, ps)
+        s = self.step_inputs(plan)
         if self.graphs is not None and self.graphs.fits(s):
             shared = self._shared(plan, s)
             if shared is None:

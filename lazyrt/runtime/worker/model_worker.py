@@ -1,7 +1,9 @@
 """ModelWorker: the only owner of the device, the model weights and the KV page tensors.
 
 It runs one StepMsg at a time and samples one token per requesting item (it holds the logits;
-per-request torch generators give seeded sampling). The scheduler never sees a tensor.
+per-request torch generators give seeded sampling). The scheduler never sees a tensor. A deferred
+StepMsg (overlapped scheduling, scheduler/engine_core.py) is launched and answered with the
+previous deferred step's tokens, so the host builds one step while the device runs the last.
 """
 
 from __future__ import annotations
@@ -16,8 +18,7 @@ from lazyrt.runtime.ipc.messages import StepMsg, StepResult, WorkerReady
 from lazyrt.runtime.scheduler.plan import StepPlan
 from lazyrt.runtime.scheduler.step_wire import StepDecoder
 from lazyrt.runtime.worker.model_runner import ModelRunner
-from lazyrt.runtime.worker.sampler import sample_tokens
-from lazyrt.runtime.worker.step_inputs import StepInputs
+from lazyrt.runtime.worker.sampler import sample_tokens_device
 from lazyrt.sampling_params import SamplingParams
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -79,6 +80,7 @@ class ModelWorker:
         self.eos_ids = eos
         self._generators: dict[int, torch.Generator | None] = {}
         self._decoder = StepDecoder()
+        self._deferred: DeferredTokens | None = None  # the launched step whose tokens are not sent yet
 
     def _num_pages(self, dtype: torch.dtype) -> int:
         c, ps = self.model_config, self.config.page_size
@@ -107,6 +109,11 @@ class ModelWorker:
         for rid in msg.release:
             self._generators.pop(rid, None)
         plan = self._decoder.decode(msg)
+        if self._deferred is not None and not msg.defer:
+            if plan.items or plan.probes or plan.copies:
+                raise RuntimeError("a synchronous step was sent while a deferred one is in flight")
+            prev, self._deferred = self._deferred, None  # a collect: the deferred step's tokens
+            return prev.result()
         scores = None
         if any(it.request is not None and it.request.score_len > 0 for it in plan.items):
             logits, scores = self._execute_scoring(plan)
@@ -117,8 +124,16 @@ class ModelWorker:
         for req in rows:
             if req.rid not in self._generators:
                 self._generators[req.rid] = _generator(req.params)
-        tokens = sample_tokens(logits, [r.params for r in rows], [self._generators[r.rid] for r in rows])
-        return StepResult(tokens, scores, probe_scores)
+        tokens = None
+        if rows:
+            gens = [self._generators[r.rid] for r in rows]
+            tokens = sample_tokens_device(logits, [r.params for r in rows], gens)
+        if not msg.defer:
+            self.runner.prev_tokens = None  # the scheduler has every token before its next plan
+            return StepResult(tokens.tolist() if tokens is not None else [], scores, probe_scores)
+        self.runner.prev_tokens = (tokens, {r.rid: i for i, r in enumerate(rows)}) if rows else None
+        prev, self._deferred = self._deferred, DeferredTokens(tokens)
+        return prev.result() if prev is not None else StepResult([])
 
     @torch.inference_mode()
     def _execute_scoring(self, plan: StepPlan) -> tuple[torch.Tensor, dict[int, list[float]]]:
@@ -127,7 +142,7 @@ class ModelWorker:
         rare (select), so it skips CUDA graphs."""
         self.runner.execute(StepPlan(copies=plan.copies))  # block-mode page copies only
         plan = StepPlan(items=plan.items)
-        s = StepInputs.from_plan(plan, self.pool.page_size)
+        s = self.runner.step_inputs(plan)
         input_ids, meta = self.runner.step_metadata(plan, s)
         hidden = self.model.forward(input_ids, meta, self.runner.rope, self.runner.backend)
         logits = self.model.logits(hidden[torch.tensor(s.sample_rows, device=self.model.device)])
@@ -144,6 +159,22 @@ class ModelWorker:
             targets = input_ids[end - n : end].to(lp.device)
             scores[it.request.rid] = lp.gather(1, targets[:, None])[:, 0].tolist()
         return logits, scores
+
+
+class DeferredTokens:
+    """A launched step's sampled tokens on their way to the host (pinned copy + event on CUDA)."""
+
+    def __init__(self, tokens: torch.Tensor | None):
+        self.host = tokens.to("cpu", non_blocking=True) if tokens is not None else None
+        self.event = None
+        if tokens is not None and tokens.is_cuda:
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def result(self) -> StepResult:
+        if self.event is not None:
+            self.event.synchronize()
+        return StepResult(self.host.tolist() if self.host is not None else [])
 
 
 def _generator(params: SamplingParams) -> torch.Generator | None:

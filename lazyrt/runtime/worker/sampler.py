@@ -25,13 +25,13 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
     return int(torch.multinomial(probs.cpu(), 1, generator=generator))
 
 
-def sample_tokens(
+def sample_tokens_device(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
-) -> list[int]:
-    """One token per row of logits [n, vocab]; greedy rows share one argmax and one device sync."""
-    if not params:
-        return []
-    tokens = torch.argmax(logits, dim=-1).tolist()
+) -> torch.Tensor:
+    """One token per row of logits [n, vocab], left on logits' device: greedy rows share one argmax
+    and wait for nothing (overlapped scheduling); a row with temperature > 0 samples on the host
+    (its seeded generator), which waits for the step."""
+    tokens = torch.argmax(logits, dim=-1)
     for i, (p, g) in enumerate(zip(params, generators)):
         if p.temperature != 0:
             tokens[i] = sample_token(logits[i], p, g)

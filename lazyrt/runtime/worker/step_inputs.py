@@ -40,6 +40,9 @@ class StepInputs:
     entry_log_mass: np.ndarray | None = None
     # shared-chunk segments (shared_segments below): False = not computed yet; None = per request
     shared: list | None | bool = False
+    # input rows whose token the previous step samples (plan.PENDING_TOKEN): (rows, that step's
+    # sampled-token rows, its sampled tokens), device tensors; ModelRunner.step_inputs sets it
+    fill: tuple | None = None
 
     @property
     def num_seqs(self) -> int:
