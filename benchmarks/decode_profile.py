@@ -69,6 +69,8 @@ def main() -> None:
     p.add_argument("--top", type=int, default=14)
     p.add_argument("--host-profile", action="store_true",
                    help="also run the steps under cProfile and print the top host functions")
+    p.add_argument("--compare-overlap", action="store_true",
+                   help="each batch with overlapped scheduling on and off, in the same engine")
     p.add_argument("--out", default=None, help="JSON lines, appended")
     args = p.parse_args()
 
@@ -80,14 +82,16 @@ def main() -> None:
         return make_prompts(b)[0]
 
     decode_step_seconds(eng, prompts(1), 4)  # compile, capture
-    for b in args.batches:
+    overlaps = (True, False) if args.compare_overlap else (args.overlap_schedule,)
+    for b, overlap in ((b, o) for b in args.batches for o in overlaps):
+        eng.core.overlap = overlap
         wall_us = decode_step_seconds(eng, prompts(b), args.steps) * 1e6
         prof = profile(activities=activities)
         decode_step_seconds(eng, prompts(b), args.steps, around_steps=lambda p=prof: p)
         per_step = {k: v / args.steps for k, v in kernel_times(prof, dev).items()}
         busy_us = sum(per_step.values())
-        print(f"\n== batch {b}, context {args.context}: pure decode step wall {wall_us / 1e3:.2f} ms, "
-              f"device busy {busy_us / 1e3:.2f} ms ({busy_us / wall_us:.0%})")
+        print(f"\n== batch {b}, context {args.context}, overlap {overlap}: pure decode step wall "
+              f"{wall_us / 1e3:.2f} ms, device busy {busy_us / 1e3:.2f} ms ({busy_us / wall_us:.0%})")
         top = sorted(per_step.items(), key=lambda kv: -kv[1])[: args.top]
         for name, us in top:
             print(f"  {us / 1e3:8.3f} ms  {us / busy_us:5.1%}  {name[:110]}")
@@ -97,6 +101,7 @@ def main() -> None:
             with open(args.out, "a") as f:
                 f.write(json.dumps({"batch": b, "context": args.context, "cache_mode": args.cache_mode,
                                     "alpha": args.alpha, "shared": args.shared_chunk_attention,
+                                    "overlap": overlap,
                                     "wall_ms": wall_us / 1e3, "busy_ms": busy_us / 1e3,
                                     "top": [(n, us / 1e3) for n, us in top]}) + "\n")
 

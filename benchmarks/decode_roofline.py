@@ -110,6 +110,8 @@ def add_workload_args(p: argparse.ArgumentParser, batches: list[int]) -> None:
     p.add_argument("--alpha", type=float, default=2.1, help="lazy/block: Zipf exponent of doc popularity")
     p.add_argument("--shared-chunk-attention", action=argparse.BooleanOptionalAction, default=True,
                    help="lazy: read each shared document once per step (the engine's default)")
+    p.add_argument("--overlap-schedule", action=argparse.BooleanOptionalAction, default=True,
+                   help="build the next step while the device runs this one (the engine's default)")
     p.add_argument("--docs-per-request", type=int, default=5, help="lazy/block: documents a request")
     p.add_argument("--pool-docs", type=int, default=100, help="lazy/block: documents to draw them from")
 
@@ -134,6 +136,7 @@ def make_workload(args):
         cache_mode=args.cache_mode,
         max_running_requests=max_b,
         shared_chunk_attention=args.shared_chunk_attention,
+        overlap_schedule=args.overlap_schedule,
         kv_cache_tokens=shared + max_b * (own + args.steps + 16 + headroom),
     )
     gen = torch.Generator().manual_seed(0)
@@ -205,6 +208,7 @@ def main(argv=None) -> list[dict]:
             "alpha": args.alpha if rag else None,
             "distinct_doc_tokens": distinct_doc_tokens,
             "shared_chunk_attention": args.shared_chunk_attention,
+            "overlap_schedule": args.overlap_schedule,
             "shared_steps": eng.runner.shared_steps - steps0,
             "model": args.model,
             "device": dev,

@@ -103,11 +103,11 @@ def rag_prompts(rng: random.Random, n: int) -> list[RagPrompt]:
 
 def engine_tokens(mode: str, reference: bool, prompts, sps, check=None, **kw) -> list[list[int]]:
     """Greedy tokens of a dummy-SmolLM2 fp32 CUDA engine; reference: attention by the torch reference,
-    per request (no shared-chunk attention), every step eager (no CUDA graphs). check(engine) runs
-    after generating."""
+    per request (no shared-chunk attention), every step eager (no CUDA graphs) and synchronous (no
+    overlapped scheduling). check(engine) runs after generating."""
     from lazyrt.kernels.attention_ref import lazy_attention_ref
 
-    kw = dict(kw, shared_chunk_attention=False) if reference else dict(kw)
+    kw = dict(kw, shared_chunk_attention=False, overlap_schedule=False) if reference else dict(kw)
     kw.setdefault("cuda_graph_max_batch", 0 if reference else 64)
     engine = Engine("smollm2-135m", load_format="dummy", device="cuda", dtype="float32", cache_mode=mode,
                     kv_cache_tokens=32768, **kw)  # fmt: skip
@@ -245,3 +245,31 @@ def test_shared_chunk_attention_matches_reference_in_engine(graphs):
     finally:
         DecodeGraphs.run = orig
     assert got == ref
+
+
+def test_overlap_schedule_matches_synchronous_loop_with_graphs():
+    """Overlapped scheduling on CUDA (fp32, decode in CUDA graphs with shared-chunk attention): each
+    decode step takes its input tokens from the step still running, on the device; greedy and
+    seeded-sampled requests of 1..12 tokens give the synchronous loop's tokens."""
+    rng = random.Random()
+    prompts = rag_prompts(rng, 12)
+    sps = [SamplingParams(max_tokens=rng.randint(1, 12), ignore_eos=True) for _ in prompts]
+    sps[0] = SamplingParams(max_tokens=10, temperature=0.8, seed=rng.randrange(1 << 30), ignore_eos=True)
+    filled = []
+    from lazyrt.runtime.worker.cuda_graph import DecodeGraphs
+
+    orig = DecodeGraphs.run
+
+    def run(self, s, shared=None):
+        filled.append(s.fill is not None)
+        return orig(self, s, shared)
+
+    want = engine_tokens("lazy", False, prompts, sps, overlap_schedule=False)
+    DecodeGraphs.run = run
+    try:
+        got = engine_tokens("lazy", False, prompts, sps, overlap_schedule=True)
+    finally:
+        DecodeGraphs.run = orig
+    assert got == want
+    assert [len(t) for t in got] == [sp.max_tokens for sp in sps]
+    assert any(filled)  # graph replays really took their tokens from the step in flight
