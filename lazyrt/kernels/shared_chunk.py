@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from lazyrt.kernels.host_copy import to_device
 from lazyrt.kernels.rope import RopeCache, apply_rope_ref
 
 
@@ -84,7 +85,7 @@ class SharedChunkMeta:
     @classmethod
     def from_arrays(cls, arrays: dict[str, np.ndarray], block_pairs: int, device) -> SharedChunkMeta:
         """From `build_arrays`' host arrays (one H2D copy each)."""
-        t = {k: torch.from_numpy(v).to(device, non_blocking=True) for k, v in arrays.items()}
+        t = {k: to_device(v, device) for k, v in arrays.items()}
         return cls(**t, block_pairs=block_pairs, num_work_host=int(arrays["num_work"][0]))
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from lazyrt.kernels.host_copy import copy_into
 from lazyrt.kernels.metadata import AttentionMetadata
 from lazyrt.kernels.shared_chunk import SharedChunkMeta
 from lazyrt.runtime.worker.step_inputs import StepInputs
@@ -157,7 +158,7 @@ class DecodeGraphs:
         def put(dst: torch.Tensor, values: np.ndarray, pad_value: int | None = None) -> None:
             if pad_value is not None and pad:
                 values = np.concatenate([values, np.full(pad, pad_value, dtype=values.dtype)])
-            dst[: len(values)].copy_(torch.from_numpy(np.ascontiguousarray(values)), non_blocking=True)
+            copy_into(dst, values)
 
         put(self.input_ids, s.input_ids, 0)
         if s.fill is not None:  # tokens the previous step is sampling (overlapped scheduling)

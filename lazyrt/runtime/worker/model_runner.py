@@ -8,6 +8,7 @@ import torch
 from lazyrt.cache.page_pool import PagePool
 from lazyrt.kernels.attention_ref import copy_rerotate_pages_ref
 from lazyrt.kernels.backend import make_backend
+from lazyrt.kernels.host_copy import to_device
 from lazyrt.kernels.metadata import AttentionMetadata
 from lazyrt.kernels.rope import RopeCache
 from lazyrt.kernels.shared_chunk import SharedChunkMeta, build_arrays
@@ -81,14 +82,14 @@ class ModelRunner:
             if self.prev_tokens is None or any(r not in self.prev_tokens[1] for r in rids):
                 raise RuntimeError(f"step items of requests {rids} wait on tokens no step in flight samples")
             tokens, row_of = self.prev_tokens
-            src = torch.tensor([row_of[r] for r in rids], device=self.device)
-            s.fill = (torch.as_tensor(rows, device=self.device), src, tokens)
+            src = to_device(np.array([row_of[r] for r in rids], dtype=np.int64), self.device)
+            s.fill = (to_device(rows, self.device, torch.long), src, tokens)
             s.input_ids[rows] = 0  # any valid id until the device fills it in
         return s
 
     def build_metadata(self, s: StepInputs) -> tuple[torch.Tensor, AttentionMetadata]:
         def t(x, dtype: torch.dtype) -> torch.Tensor:
-            return torch.as_tensor(x).to(device=self.device, dtype=dtype, non_blocking=True)
+            return to_device(x, self.device, dtype)
 
         meta = AttentionMetadata(
             qo_indptr=t(s.qo_indptr, torch.int32),
@@ -166,7 +167,7 @@ class ModelRunner:
         hidden = self.model.forward(input_ids, meta, self.rope, self.backend)
         if not s.sample_rows:
             return None
-        return self.model.logits(hidden[torch.tensor(s.sample_rows, device=self.device)])
+        return self.model.logits(hidden[to_device(np.array(s.sample_rows, dtype=np.int64), self.device)])
 
     @torch.inference_mode()
     def probe_deviation(self, items: list[ForwardItem], layer: int = PROBE_LAYER) -> list[list[float]]:

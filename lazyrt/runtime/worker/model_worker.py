@@ -165,9 +165,10 @@ class DeferredTokens:
     """A launched step's sampled tokens on their way to the host (pinned copy + event on CUDA)."""
 
     def __init__(self, tokens: torch.Tensor | None):
-        self.host = tokens.to("cpu", non_blocking=True) if tokens is not None else None
-        self.event = None
-        if tokens is not None and tokens.is_cuda:
+        self.host, self.event = tokens, None
+        if tokens is not None and tokens.is_cuda:  # pinned: the copy itself must not wait
+            self.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self.host.copy_(tokens, non_blocking=True)
             self.event = torch.cuda.Event()
             self.event.record()
 
