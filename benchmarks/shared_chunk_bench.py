@@ -12,10 +12,14 @@ The step goes through what the engine runs (kernels/shared_chunk.py `group_segme
 - `shared`: shared_chunk_attention_triton over the step's segments (each distinct piece of pages
   once, for every query that uses it; the requests' own runs are segments of one user);
 - `merge`: merge_parts_triton, each query row's parts into its output;
-- `shared_path` = shared + merge, with the KV bytes each path reads.
+- `shared_path` = shared + merge, with the KV bytes each path reads;
+- `flashinfer` (with --flashinfer): FlashInfer over the same per-request page tables without RoPE
+  (decode wrapper at q=1, causal paged prefill above; the keys as if pre-rotated): issue 14's
+  baseline for question prefill ("lazy over shared chunks <= 1.0x FlashInfer per request").
 
     python benchmarks/shared_chunk_bench.py --batches 1 16 64 --out shared_chunk.json
     python benchmarks/shared_chunk_bench.py --batches 16 64 --sweep      (kernel tile/grid sweep)
+    python benchmarks/shared_chunk_bench.py --batches 16 64 --q-len 16 --flashinfer
 """
 
 from __future__ import annotations
@@ -147,6 +151,8 @@ def measure(B: int, args, rng: random.Random, rope: RopeCache, scale: float, ben
         for hb in (1, 2, 4, 8, 32):
             merge = functools.partial(merge_parts_triton, o_s, lse_s, shared, q.dtype, hb)
             t[f"v_merge_h{hb}"] = bench(merge)
+    if args.flashinfer:
+        t["flashinfer"] = bench(flashinfer_run(full, q, kv, args.q_len))
     t["shared_path"] = t["shared"] + t["merge"]
     mb = 2 * PAGE * KV_HEADS * HEAD_DIM * 2 / 1e6  # one page's K and V, bf16
     return {
@@ -157,7 +163,26 @@ def measure(B: int, args, rng: random.Random, rope: RopeCache, scale: float, ben
         "kv_mb_shared_path": shared.chunk_kv_indices.numel() * mb,
         **{f"{k}_us": round(v, 1) for k, v in t.items()},
         "speedup": round(t["per_request"] / t["shared_path"], 2), **extra,
+        **({"shared_vs_flashinfer": round(t["shared_path"] / t["flashinfer"], 2)} if args.flashinfer else {}),
     }  # fmt: skip
+
+
+def flashinfer_run(full: AttentionMetadata, q: torch.Tensor, kv: torch.Tensor, q_len: int):
+    """A callable running FlashInfer (no RoPE) over the step's per-request page tables (full pages)."""
+    import flashinfer
+
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    n_seq = full.kv_indptr.numel() - 1
+    last = torch.full((n_seq,), PAGE, dtype=torch.int32, device="cuda")
+    dims = (Q_HEADS, KV_HEADS, HEAD_DIM, PAGE)
+    kw = dict(pos_encoding_mode="NONE", q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+    if q_len == 1:
+        w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)
+        w.plan(full.kv_indptr, full.kv_indices, last, *dims, **kw)
+    else:
+        w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
+        w.plan(full.qo_indptr, full.kv_indptr, full.kv_indices, last, *dims, causal=True, **kw)
+    return lambda: w.run(q, kv)
 
 
 def main() -> None:
@@ -176,9 +201,14 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     ap.add_argument("--sweep", action="store_true", help="sweep the shared kernel's tiles and grid instead")
+    ap.add_argument("--flashinfer", action="store_true",
+                    help="also time FlashInfer (no RoPE) over the per-request page tables")
     ap.add_argument("--variants", action="store_true",
                     help="also time what-ifs: the kernel without rope, the merge's heads a program")
     args = ap.parse_args()
+    if args.flashinfer and (args.doc_tokens % PAGE or args.private % PAGE):
+        ap.error(f"--flashinfer: --doc-tokens and --private must be multiples of the page ({PAGE}): "
+                 "FlashInfer's page tables allow a partial page only at the end")
     cfg = ModelConfig.from_hf(PRESETS["llama-3.1-8b"])
     rope = RopeCache.build(cfg, args.docs * args.doc_tokens + args.private + 1, "cuda")
     scale = HEAD_DIM**-0.5
