@@ -70,8 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--concurrency", type=int, default=None, help="requests in flight (default: 32 local, 8 endpoint)"
     )
-    p.add_argument("--device", default="auto", help="local engine device: auto, cpu, cuda")
-    p.add_argument("--cache-mode", default="lazy", help="local engine cache mode: lazy, block, prefix, none")
+    p.add_argument("--device", default=None, help="local engine device: auto (default), cpu, cuda")
+    p.add_argument("--cache-mode", default=None, help="local engine: lazy (default), block, prefix, none")
     p.add_argument("--kv-cache-tokens", type=int, default=None, help="local engine KV budget in tokens")
     p.add_argument("--recompute-policy", default=None, choices=RECOMPUTE_POLICIES,
                    help="local engine selective recompute (lazy/block; see python -m lazyrt.launch --help)")
@@ -153,7 +153,7 @@ def make_runner(args: argparse.Namespace):
     opts = ("kv_cache_tokens", "recompute_policy", "recompute_pages", "recompute_ratio")
     opts += ("shared_chunk_attention", "overlap_schedule")
     kw = {k: getattr(args, k) for k in opts if getattr(args, k) is not None}
-    engine = Engine(args.model, device=args.device, cache_mode=args.cache_mode, **kw)
+    engine = Engine(args.model, device=args.device or "auto", cache_mode=args.cache_mode or "lazy", **kw)
     return LocalRunner(engine, args.concurrency or 32)
 
 
@@ -167,8 +167,19 @@ def results(runner, jobs: list[Job]) -> Iterator[tuple[Job, dict]]:
             yield next(good)
 
 
+# Options of the local engine: a running server (--endpoint) has its own, set on lazyrt.launch.
+LOCAL_ENGINE_OPTIONS = ("model", "device", "cache_mode", "kv_cache_tokens", "recompute_policy",
+                        "recompute_pages", "recompute_ratio", "shared_chunk_attention", "overlap_schedule")
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.endpoint:
+        given = ["--" + o.replace("_", "-") for o in LOCAL_ENGINE_OPTIONS if getattr(args, o) is not None]
+        if given:
+            parser.error(f"{', '.join(given)} configure the local engine; with --endpoint the server's own "
+                         "settings apply (pass them to python -m lazyrt.launch)")
     defaults = {
         "max_tokens": args.max_tokens,
         "temperature": args.temperature,

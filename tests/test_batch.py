@@ -121,6 +121,25 @@ def test_help_shows_an_example_and_missing_input_fails():
     assert r.returncode == 2 and "nonexistent" in r.stderr
 
 
+ENGINE_OPTS = [["--cache-mode", "block"], ["--no-overlap-schedule", "--kv-cache-tokens", "64"],
+               ["--device", "cpu"]]
+
+
+@pytest.mark.parametrize("opts", ENGINE_OPTS)
+def test_local_engine_options_with_endpoint_are_an_error(opts, tmp_path):
+    """With --endpoint the server's settings apply: a local engine option is refused, by name,
+    before any request is sent (none would be honoured)."""
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"prompt": "hi"}\n')
+    out = tmp_path / "o.jsonl"
+    r = _run("--input", str(inp), "--output", str(out), "--endpoint", "http://127.0.0.1:9", *opts)
+    assert r.returncode == 2
+    for o in opts:
+        if o.startswith("--"):
+            assert o.replace("--no-", "--") in r.stderr
+    assert not out.exists()
+
+
 def test_recompute_options_reach_the_engine(tmp_path):
     inp = tmp_path / "in.jsonl"
     rows = [{"id": f"r{i}", "docs": DOCS, "question": "How tall is Mount Feller?"} for i in range(3)]
