@@ -1,6 +1,8 @@
 """Host time of one decode step's bookkeeping at RAG shape, no model: plan -> StepMsg -> wire bytes ->
-worker plan -> flattened arrays -> tensors. 64 requests x (prefix + 5 x 2,048-token docs + own run),
-page size 16 (41k page-table entries). Run: python benchmarks/experiments/host_step_overhead.py
+worker plan -> flattened arrays -> tensors -> shared-chunk grouping. 64 requests x (prefix + 5 x
+2,048-token docs + own run), page size 16 (41k page-table entries); documents drawn by Zipf(--alpha)
+from a pool of --pool (the same pages wherever a document repeats), as in decode_roofline.py.
+Run: python benchmarks/experiments/host_step_overhead.py
 """
 
 from __future__ import annotations
@@ -11,11 +13,12 @@ import time
 
 import torch
 
+from lazyrt.kernels.shared_chunk import build_arrays
 from lazyrt.runtime.ipc.messages import decode, encode
 from lazyrt.runtime.scheduler.plan import ForwardItem, StepPlan
 from lazyrt.runtime.scheduler.request import Request, Segment
 from lazyrt.runtime.scheduler.step_wire import StepDecoder, StepEncoder
-from lazyrt.runtime.worker.step_inputs import StepInputs
+from lazyrt.runtime.worker.step_inputs import StepInputs, shared_segments
 from lazyrt.sampling_params import SamplingParams
 
 
@@ -29,16 +32,29 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=0, help="also time N consecutive decode steps, the own run "
                    "growing by one token a step (from_plan on the growing tables)")
     p.add_argument("--iters", type=int, default=200)
+    p.add_argument("--pool", type=int, default=100, help="documents to draw from")
+    p.add_argument("--alpha", type=float, default=2.1, help="Zipf exponent of document popularity")
     args = p.parse_args(argv)
     ps, rng = 16, random.Random(0)
+    doc_pages = -(-args.doc_tokens // ps)
+    pool = [list(range(i * doc_pages, (i + 1) * doc_pages)) for i in range(args.pool)]
+    weights = [1 / (i + 1) ** args.alpha for i in range(args.pool)]
+    next_page = args.pool * doc_pages
     plan = StepPlan()
     for r in range(args.batch):
-        segs, pos = [Segment(rng.sample(range(100000), 2), 0, 20)], 20
-        for _ in range(args.docs):
-            segs.append(Segment(rng.sample(range(100000), -(-args.doc_tokens // ps)), pos, args.doc_tokens))
+        segs, pos = [Segment([next_page, next_page + 1], 0, 20)], 20
+        next_page += 2
+        picks: list[int] = []
+        while len(picks) < args.docs:
+            d = rng.choices(range(args.pool), weights)[0]
+            picks += [d] if d not in picks else []
+        for d in picks:
+            segs.append(Segment(pool[d], pos, args.doc_tokens))
             pos += args.doc_tokens
         own_n = args.own_tokens
-        own = Segment(rng.sample(range(100000), -(-(own_n + 64) // ps)), pos, own_n)
+        n_own = -(-(own_n + 64) // ps)
+        own = Segment(list(range(next_page, next_page + n_own)), pos, own_n)
+        next_page += n_own
         segs.append(own)
         req = Request(r, SamplingParams(max_tokens=64))
         req.output_ids = [1]
@@ -65,6 +81,11 @@ def main(argv=None) -> None:
     rows.append((f"StepInputs.from_plan ({len(s.kv_indices)} entries)", ms))
     ms, _ = timed(lambda: [torch.from_numpy(x) for x in (s.kv_indices, s.pos_base, s.valid_len)])
     rows.append(("arrays -> tensors", ms))
+    ms, segments = timed(lambda: shared_segments(plan2, s, ps))
+    rows.append(("shared_segments (grouping)", ms))
+    if segments is not None:
+        ms, arrays = timed(lambda: build_arrays(segments, ps, len(s.input_ids), 16))
+        rows.append((f"build_arrays ({len(arrays['pair_row'])} pairs)", ms))
     print("| part | ms |\n|---|---|")
     for name, v in rows:
         print(f"| {name} | {v:.3f} |")
