@@ -212,6 +212,11 @@ def test_chunk_reuse_across_requests_in_stats_and_metrics(server, oai):
     ):
         assert name in values, name
     assert values["lazyrt_time_to_first_token_seconds_count"] >= 2
+    # 4 tokens a request, overlapped scheduling on by default: its decode steps were deferred
+    assert values["lazyrt_steps_total"] >= after["steps"] - before["steps"] >= 2 * 4
+    assert after["overlapped_steps"] - before["overlapped_steps"] >= 2 * 3
+    assert values["lazyrt_overlapped_steps_total"] >= after["overlapped_steps"]
+    assert values["lazyrt_shared_chunk_steps_total"] >= 0 and after["shared_chunk_steps"] >= 0
     assert any(k.startswith('lazyrt_requests_total{endpoint="chat"') for k in values)
 
 

@@ -31,6 +31,9 @@ def pool_prompts(rng: random.Random, vocab: int, n: int, doc_lens=(5, 70)) -> li
 def run(path: str, shared: bool, prompts, sps, **kw):
     engine = cpu_engine(path, "lazy", shared_chunk_attention=shared, **kw)
     outs = [o["token_ids"] for o in engine.generate(prompts, sps)]
+    stats = engine.cache_stats()
+    assert stats["shared_chunk_steps"] == engine.runner.shared_steps  # reported to the scheduler side
+    assert 0 < stats["overlapped_steps"] <= stats["steps"]  # deferred: every step of plain decodes
     return outs, engine.runner.shared_steps
 
 

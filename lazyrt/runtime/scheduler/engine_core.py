@@ -41,6 +41,8 @@ class EngineCore:
         self._release: list[int] = []  # finished rids the worker may still hold state for
         self._encoder = StepEncoder()
         self._in_flight: StepPlan | None = None  # the deferred step whose tokens have not come back
+        # steps sent (overlapped: of them, deferred), and the worker's shared-chunk step count
+        self.step_counts = {"steps": 0, "overlapped_steps": 0, "shared_chunk_steps": 0}
 
     @property
     def has_work(self) -> bool:
@@ -81,6 +83,7 @@ class EngineCore:
         msg = self._encoder.encode(plan, self._release, defer)
         self._release = []
         result = self.worker.execute(msg)
+        self._count(result, defer)
         if not defer:
             self.scheduler.on_step_done(plan, result.probe_scores)
             return outs + self._apply(plan, result)
@@ -94,7 +97,15 @@ class EngineCore:
         plan, self._in_flight = self._in_flight, None
         msg = StepMsg([], release=self._release)
         self._release = []
-        return self._apply(plan, self.worker.execute(msg))
+        result = self.worker.execute(msg)
+        self.step_counts["shared_chunk_steps"] = result.shared_chunk_steps
+        return self._apply(plan, result)
+
+    def _count(self, result: StepResult, deferred: bool) -> None:
+        c = self.step_counts
+        c["steps"] += 1
+        c["overlapped_steps"] += deferred
+        c["shared_chunk_steps"] = result.shared_chunk_steps
 
     def _apply(self, plan: StepPlan, result: StepResult) -> list[TokenOut]:
         sampled = [it.request for it in plan.items if it.request is not None]
@@ -137,6 +148,7 @@ class EngineCore:
             "chunk_misses": s.chunks.stats.misses,
             "chunk_evictions": s.chunks.stats.evictions,
             "radix_hit_tokens": s.radix.stats.hit_tokens,
+            **self.step_counts,
             "running_requests": len(s.running),
             "waiting_requests": len(s.waiting),
         }

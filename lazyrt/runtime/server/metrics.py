@@ -46,6 +46,11 @@ class _CacheCollector(Collector):
                 "prompt tokens served from the radix prefix cache",
                 "radix_hit_tokens",
             ),
+            "lazyrt_steps": ("model steps run", "steps"),
+            "lazyrt_overlapped_steps": ("steps built while the previous one ran (overlapped scheduling)",
+                                        "overlapped_steps"),
+            "lazyrt_shared_chunk_steps": ("steps that read each shared document once for all its users",
+                                          "shared_chunk_steps"),
         }
         for name, (doc, key) in counters.items():
             yield CounterMetricFamily(name, doc, value=s[key])

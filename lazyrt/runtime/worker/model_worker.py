@@ -113,7 +113,7 @@ class ModelWorker:
             if plan.items or plan.probes or plan.copies:
                 raise RuntimeError("a synchronous step was sent while a deferred one is in flight")
             prev, self._deferred = self._deferred, None  # a collect: the deferred step's tokens
-            return prev.result()
+            return self._answer(prev.result())
         scores = None
         if any(it.request is not None and it.request.score_len > 0 for it in plan.items):
             logits, scores = self._execute_scoring(plan)
@@ -130,10 +130,15 @@ class ModelWorker:
             tokens = sample_tokens_device(logits, [r.params for r in rows], gens)
         if not msg.defer:
             self.runner.prev_tokens = None  # the scheduler has every token before its next plan
-            return StepResult(tokens.tolist() if tokens is not None else [], scores, probe_scores)
+            sampled = tokens.tolist() if tokens is not None else []
+            return self._answer(StepResult(sampled, scores, probe_scores))
         self.runner.prev_tokens = (tokens, {r.rid: i for i, r in enumerate(rows)}) if rows else None
         prev, self._deferred = self._deferred, DeferredTokens(tokens)
-        return prev.result() if prev is not None else StepResult([])
+        return self._answer(prev.result() if prev is not None else StepResult([]))
+
+    def _answer(self, result: StepResult) -> StepResult:
+        result.shared_chunk_steps = self.runner.shared_steps
+        return result
 
     @torch.inference_mode()
     def _execute_scoring(self, plan: StepPlan) -> tuple[torch.Tensor, dict[int, list[float]]]:
