@@ -148,6 +148,10 @@ def measure(B: int, args, rng: random.Random, rope: RopeCache, scale: float, ben
         sh = functools.partial(shared_chunk_attention_triton, q, kv, full.positions, shared, sm_scale=scale)
         no_rope = RopeCache(rope.cos[:, :0], rope.sin[:, :0])  # rotary_dim 0: plain attention
         t["v_no_rope"] = bench(lambda: sh(rope=no_rope))
+        for tables in ("half", "kv"):  # the keys' cos/sin: fp16 [cos|sin] table / KV dtype + 16-bit math
+            t[f"v_tables_{tables}"] = bench(functools.partial(sh, rope=rope, key_tables=tables))
+            o_t, _ = sh(rope=rope, key_tables=tables)
+            extra[f"tables_{tables}_rel_diff"] = float((o_t - o_s).norm() / o_s.norm())
         for hb in (1, 2, 4, 8, 32):
             merge = functools.partial(merge_parts_triton, o_s, lse_s, shared, q.dtype, hb)
             t[f"v_merge_h{hb}"] = bench(merge)
@@ -204,7 +208,8 @@ def main() -> None:
     ap.add_argument("--flashinfer", action="store_true",
                     help="also time FlashInfer (no RoPE) over the per-request page tables")
     ap.add_argument("--variants", action="store_true",
-                    help="also time what-ifs: the kernel without rope, the merge's heads a program")
+                    help="also time what-ifs: the kernel without rope or with other cos/sin tables, "
+                    "the merge's heads a program")
     args = ap.parse_args()
     if args.flashinfer and (args.doc_tokens % PAGE or args.private % PAGE):
         ap.error(f"--flashinfer: --doc-tokens and --private must be multiples of the page ({PAGE}): "

@@ -244,11 +244,12 @@ except Exception as e:  # noqa: BLE001
         (4, 2, 16, None, 16, torch.float16, (1, 1), False, 16, 32, 64),  # tiny head: padded halves
     ],
 )
-@pytest.mark.parametrize("merge_heads", [1, 4])
+@pytest.mark.parametrize("merge_heads,key_tables", [(1, "fp32"), (4, "half"), (2, "kv")])
 def test_triton_matches_reference(group, kv_heads, head_dim, rotary_dim, page_size, dtype, q_len, inside,
-                                  block_pairs, block_n, programs, merge_heads):  # fmt: skip
-    """The Triton kernel (persistent grids of 1..64 programs over the work items) = the reference,
-    and the Triton merge (1 or up to 4 heads a program) = merge_parts_ref."""
+                                  block_pairs, block_n, programs, merge_heads, key_tables):  # fmt: skip
+    """The Triton kernel (persistent grids of 1..64 programs over the work items; keys turned with
+    fp32 tables, the per-request kernel's fp16 [cos|sin] table, or it in the KV dtype with 16-bit
+    math) = the reference, and the Triton merge (1, 2 or 4 heads a program) = merge_parts_ref."""
     if shared_chunk_attention_triton is None:
         pytest.fail(f"triton is not importable: {TRITON_ERROR}")
     kv, positions, _, _, segments = make_step(page_size, kv_heads, head_dim, dtype, n_chunks=5,
@@ -258,7 +259,8 @@ def test_triton_matches_reference(group, kv_heads, head_dim, rotary_dim, page_si
     meta = SharedChunkMeta.build(segments, page_size, num_rows=len(positions), block_pairs=block_pairs)
     scale = head_dim**-0.5
     o_ref, lse_ref = shared_chunk_attention_ref(q, kv, positions, meta, rope, scale)
-    o, lse = shared_chunk_attention_triton(q, kv, positions, meta, rope, scale, block_n, programs)
+    o, lse = shared_chunk_attention_triton(q, kv, positions, meta, rope, scale, block_n, programs,
+                                           key_tables=key_tables)
     assert not torch.isnan(o).any() and not torch.isnan(lse).any()
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(lse, lse_ref, **tol)

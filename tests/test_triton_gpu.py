@@ -305,8 +305,9 @@ if __name__ == "__main__":
     sys.exit(rc)
 
 
+@pytest.mark.parametrize("key_tables", ["fp32", "half", "kv"])
 @pytest.mark.parametrize("q_len", [1, 4])
-def test_shared_chunk_bf16(q_len):
+def test_shared_chunk_bf16(q_len, key_tables):
     """Shared-chunk attention on CUDA, bf16, 32/8 heads: a Zipf-like step where 16 requests share 6
     chunks at their own offsets (q_len 1: decode; 4: question prefill rows), against the reference."""
     from lazyrt.kernels.shared_chunk import SharedChunkMeta, merge_parts_ref, shared_chunk_attention_ref
@@ -332,7 +333,7 @@ def test_shared_chunk_bf16(q_len):
     q = torch.randn(len(positions), Q_HEADS, HEAD_DIM, device=DEV, dtype=BF16)
     pos_t = torch.tensor(positions, device=DEV)
     o_ref, lse_ref = shared_chunk_attention_ref(q, kv, pos_t, meta, rope, HEAD_DIM**-0.5)
-    o, lse = shared_chunk_attention_triton(q, kv, pos_t, meta, rope, HEAD_DIM**-0.5)
+    o, lse = shared_chunk_attention_triton(q, kv, pos_t, meta, rope, HEAD_DIM**-0.5, key_tables=key_tables)
     assert rel_err(o, o_ref) < 1e-2
     torch.testing.assert_close(lse, lse_ref, rtol=1e-2, atol=1e-2)
     assert rel_err(merge_parts_triton(o, lse, meta, BF16), merge_parts_ref(o_ref, lse_ref, meta)) < 1e-2

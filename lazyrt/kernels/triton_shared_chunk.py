@@ -21,6 +21,7 @@ import triton.language as tl
 
 from lazyrt.kernels.rope import RopeCache
 from lazyrt.kernels.shared_chunk import SharedChunkMeta
+from lazyrt.kernels.triton_attention import _rope_rows
 
 MIN_DOT = 16  # tl.dot needs every dim >= 16: small head halves / row blocks are zero-padded to it
 _LOG2E = 1.4426950408889634
@@ -32,17 +33,18 @@ def _pow2(n: int) -> int:
 
 @triton.jit
 def _shared_chunk_kernel(
-    q_ptr, kv_ptr, pos_ptr, cos_ptr, sin_ptr,
+    q_ptr, kv_ptr, pos_ptr, cos_ptr, sin_ptr, kcos_ptr, ksin_ptr,
     chunk_kv_indptr_ptr, chunk_kv_indices_ptr, chunk_len_ptr, pair_indptr_ptr, pair_row_ptr, pair_start_ptr,
     work_chunk_ptr, work_pair_ptr, num_work_ptr,
     o_ptr, lse_ptr,
     qk_scale,
-    stride_qt, stride_qh, stride_kp, stride_kkv, stride_ks, stride_kh, stride_cos,
+    stride_qt, stride_qh, stride_kp, stride_kkv, stride_ks, stride_kh, stride_cos, stride_kcos,
     stride_op, stride_oh, stride_lp,
     KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr, BLOCK_P: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr, REST: tl.constexpr,
     REST_P: tl.constexpr, HEAD: tl.constexpr, HEAD_P: tl.constexpr, DOT_PREC: tl.constexpr,
+    KEY_MATH_KV: tl.constexpr,
 ):
     total = tl.load(num_work_ptr) * KV_HEADS
     for item in range(tl.program_id(0), total, tl.num_programs(0)):
@@ -90,11 +92,16 @@ def _shared_chunk_kernel(
             page = tl.load(chunk_kv_indices_ptr + e_lo + j // PAGE_SIZE, mask=j_ok, other=0)
             k_off = page.to(tl.int64) * stride_kp + (j % PAGE_SIZE) * stride_ks + kvh * stride_kh
             km = j_ok[:, None] & ch_ok[None, :]
-            k1 = tl.load(kv_ptr + k_off[:, None] + ch[None, :], mask=km, other=0.0).to(tl.float32)
-            k2 = tl.load(kv_ptr + k_off[:, None] + HALF + ch[None, :], mask=km, other=0.0).to(tl.float32)
-            j_off = j[:, None] * stride_cos + ch[None, :]
-            cj = tl.load(cos_ptr + j_off, mask=km, other=0.0)
-            sj = tl.load(sin_ptr + j_off, mask=km, other=0.0)
+            k1 = tl.load(kv_ptr + k_off[:, None] + ch[None, :], mask=km, other=0.0)
+            k2 = tl.load(kv_ptr + k_off[:, None] + HALF + ch[None, :], mask=km, other=0.0)
+            j_off = j[:, None] * stride_kcos + ch[None, :]
+            cj = tl.load(kcos_ptr + j_off, mask=km, other=0.0)
+            sj = tl.load(ksin_ptr + j_off, mask=km, other=0.0)
+            if not KEY_MATH_KV:  # else the table is in the KV dtype: packed 16-bit math
+                k1 = k1.to(tl.float32)
+                k2 = k2.to(tl.float32)
+                cj = cj.to(tl.float32)
+                sj = sj.to(tl.float32)
             k1r = (k1 * cj - k2 * sj).to(dt)
             k2r = (k2 * cj + k1 * sj).to(dt)
             s = tl.dot(q1r, tl.trans(k1r), input_precision=DOT_PREC)
@@ -128,6 +135,11 @@ def _shared_chunk_kernel(
 # Tiles and grid from `shared_chunk_bench.py --sweep` (H200, Llama-3.1-8B heads, Zipf 2.1 steps at
 # batch 16 and 64): 64-key blocks, 3 stages, 8 programs per SM, 16 pairs (64 rows) per item.
 PROGRAMS_PER_SM = 8  # persistent grid: programs per SM
+# The keys' cos/sin (see shared_chunk_attention_triton). Rotating them is ~27% of the kernel (H100,
+# batch-64 decode step: 218.6 us, 160.1 us without RoPE); the per-request kernel found fp16 tables
+# 13% faster than fp32 ones at batch 64. "half" and "kv" are not timed here yet
+# (`shared_chunk_bench.py --variants`), so fp32 stays the default.
+KEY_TABLES = "fp32"
 
 
 def persistent_programs(device: torch.device) -> int:
@@ -148,10 +160,16 @@ def shared_chunk_attention_triton(
     programs: int | None = None,
     num_warps: int = 4,
     num_stages: int = 3,
+    key_tables: str = KEY_TABLES,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as shared_chunk.shared_chunk_attention_ref: (o [P, q_heads, D] fp32, natural
     lse [P, q_heads] fp32). programs: the persistent grid (default: min(one wave, live items); pass
-    the wave, persistent_programs(), when capturing a CUDA graph)."""
+    the wave, persistent_programs(), when capturing a CUDA graph). key_tables: the cos/sin the keys
+    turn by: "fp32" (RopeCache's, fp32 math), "half" (one fp16 [pos, cos|sin] table for 16-bit KV,
+    fp32 math: what the per-request kernel reads) or "kv" (the table in the KV dtype, the keys turned
+    in packed 16-bit math). Queries always turn in fp32."""
+    if key_tables not in ("fp32", "half", "kv"):
+        raise ValueError(f"key_tables={key_tables!r}: must be 'fp32', 'half' or 'kv'")
     num_pages, _, page_size, kv_heads, head_dim = kv.shape
     group = q.shape[1] // kv_heads
     if q.shape[1] != group * kv_heads or q.shape[2] != head_dim:
@@ -167,18 +185,24 @@ def shared_chunk_attention_triton(
     rest = head_dim - 2 * half
     block_pairs = meta.block_pairs
     rows = max(MIN_DOT, _pow2(block_pairs * group))
+    kcos, ksin = rope.cos, rope.sin
+    key_math_kv = key_tables == "kv" and kv.dtype in (torch.float16, torch.bfloat16)
+    if key_tables != "fp32" and half > 0:
+        kcos, ksin = _rope_rows(rope, kv.dtype, same_dtype=key_math_kv)
     _shared_chunk_kernel[(programs,)](
-        q, kv, positions, rope.cos, rope.sin,
+        q, kv, positions, rope.cos, rope.sin, kcos, ksin,
         meta.chunk_kv_indptr, meta.chunk_kv_indices, meta.chunk_len, meta.pair_indptr, meta.pair_row,
         meta.pair_start, meta.work_chunk, meta.work_pair, meta.num_work, o, lse,
         sm_scale * _LOG2E,
         q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), rope.cos.stride(0),
+        kcos.stride(0),
         o.stride(0), o.stride(1), lse.stride(0),
         KV_HEADS=kv_heads,
         GROUP=group, BLOCK_P=block_pairs, ROWS=rows, BLOCK_N=max(MIN_DOT, block_n), PAGE_SIZE=page_size,
         HALF=half, HALF_P=max(MIN_DOT, _pow2(half)), REST=rest, REST_P=max(MIN_DOT, _pow2(max(rest, 1))),
         HEAD=head_dim, HEAD_P=max(MIN_DOT, _pow2(head_dim)),
-        DOT_PREC="ieee" if kv.dtype == torch.float32 else "tf32", num_warps=num_warps, num_stages=num_stages,
+        DOT_PREC="ieee" if kv.dtype == torch.float32 else "tf32", KEY_MATH_KV=key_math_kv,
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return o, lse
 
