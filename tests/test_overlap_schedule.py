@@ -135,3 +135,34 @@ def test_scoring_and_probes_run_synchronously_between_deferred_steps(tiny_model_
             assert any(not defer and pending for defer, pending in steps)
     assert results[True][0] == results[False][0]
     assert results[True][1] == pytest.approx(results[False][1], abs=1e-5)
+
+
+def test_a_failed_step_leaves_both_sides_clean(tiny_model_dir):
+    """A step that raises while another is in flight: generate() raises, every page comes back, and
+    the engine serves the next requests (a scoring one, synchronous, among them) as a fresh one does."""
+    path = tiny_model_dir("llama")
+    rng = random.Random()
+    prompts = prompts_for(rng, 3, rag=True)
+    sp = SamplingParams(max_tokens=6, ignore_eos=True)
+    eng = cpu_engine(path, "lazy", overlap_schedule=True)
+    runner, calls = eng.runner, []
+    execute = runner.execute
+
+    def flaky(plan):
+        calls.append(1)
+        if len(calls) == 4:  # a decode step, launched while the previous one is in flight
+            raise RuntimeError("injected")
+        return execute(plan)
+
+    runner.execute = flaky
+    with pytest.raises(RuntimeError, match="injected"):
+        eng.generate(prompts, sp)
+    assert not eng.core.has_work
+    assert_no_leaked_pages(eng)
+    runner.execute = execute
+    fresh = cpu_engine(path, "lazy", overlap_schedule=True)
+    # first a scoring step (synchronous: the worker must not think a deferred step is still out)
+    scored = [eng.score(prompts[0], [" yes", " no"]), fresh.score(prompts[0], [" yes", " no"])]
+    assert scored[0] == pytest.approx(scored[1], abs=1e-5)
+    want = [o["token_ids"] for o in fresh.generate(prompts, sp)]
+    assert [o["token_ids"] for o in eng.generate(prompts, sp)] == want

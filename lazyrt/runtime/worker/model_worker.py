@@ -106,6 +106,14 @@ class ModelWorker:
         )
 
     def execute(self, msg: StepMsg) -> StepResult:
+        try:
+            return self._execute(msg)
+        except BaseException:
+            # the scheduler drops its step in flight and aborts the requests: start clean
+            self._deferred, self.runner.prev_tokens = None, None
+            raise
+
+    def _execute(self, msg: StepMsg) -> StepResult:
         for rid in msg.release:
             self._generators.pop(rid, None)
         plan = self._decoder.decode(msg)
