@@ -100,6 +100,15 @@ def test_shared_segments_groups_runs_and_declines_when_nothing_is_shared():
     assert by_pages[(14,)] == (2, [(0, 16), (1, 23), (2, 19), (3, 19)])
     assert by_pages[(100, 200)] == (6, [(0, 30)])
     assert by_pages[(102, 202)] == (6, [(2, 30), (3, 30)])
+    # with interned piece keys (the runner's): the same segments; equal pieces are one object
+    for it in plan.items:
+        for g in it.segments:
+            g.pieces = None
+    intern: dict = {}
+    assert shared_segments(plan, s, ps, piece_tokens=8, intern=intern) == segs
+    assert len(intern) == 6  # 3 document pieces + 3 own runs
+    keys = [k for it in plan.items for g in it.segments[:1] for k, _ in g.pieces[1]]
+    assert all(a is b for a, b in zip(keys[:3], keys[3:6])) and keys[0] is not keys[1]
     alone = StepPlan(items=[_item(1, [at(doc, 0), own[0]])])
     assert shared_segments(alone, StepInputs.from_plan(alone, ps), ps) is None  # nothing to share
 

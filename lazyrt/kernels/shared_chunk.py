@@ -160,15 +160,20 @@ class PieceKey:
         )
 
 
-def run_pieces(pages: Sequence[int], n: int, page_size: int, piece_tokens: int) -> list[tuple[PieceKey, int]]:
+def run_pieces(
+    pages: Sequence[int], n: int, page_size: int, piece_tokens: int, intern: dict | None = None
+) -> list[tuple[PieceKey, int]]:
     """A run of n tokens on `pages` (all full but the last; extra pages ignored) cut into pieces of
-    piece_tokens (rounded down to whole pages): (key, offset of its first token in the run)."""
+    piece_tokens (rounded down to whole pages): (key, offset of its first token in the run). intern:
+    a dict that makes equal keys one object (group_segments' lookups then match by identity instead
+    of comparing page tuples: each request's copy of a document's run has its own keys)."""
     piece_pages = max(1, piece_tokens // page_size)
     n_pages = -(-n // page_size)
     out = []
     for k in range(0, n_pages, piece_pages):
         m = min(n, (k + piece_pages) * page_size) - k * page_size
-        out.append((PieceKey(tuple(pages[k : min(n_pages, k + piece_pages)]), m), k * page_size))
+        key = PieceKey(tuple(pages[k : min(n_pages, k + piece_pages)]), m)
+        out.append((intern.setdefault(key, key) if intern is not None else key, k * page_size))
     return out
 
 

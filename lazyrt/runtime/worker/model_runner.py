@@ -33,6 +33,7 @@ class ModelRunner:
         c = model.config
         self.shared_block_pairs = max(1, 64 // (c.num_heads // c.num_kv_heads))  # ~64 query rows per item
         self.shared_steps = 0  # steps run through shared-chunk attention (tests, stats)
+        self._piece_keys: dict = {}  # interned PieceKeys (shared_chunk.run_pieces); cleared when large
         self.pool = pool
         self.device = model.device
         self.rope = RopeCache.build(model.config, max_positions, self.device)
@@ -120,7 +121,9 @@ class ModelRunner:
         if not self.shared_chunk_attention:
             return None
         if s.shared is False:
-            s.shared = shared_segments(plan, s, self.pool.page_size)
+            if len(self._piece_keys) > 1 << 16:
+                self._piece_keys.clear()
+            s.shared = shared_segments(plan, s, self.pool.page_size, intern=self._piece_keys)
         return s.shared
 
     def step_metadata(self, plan: StepPlan, s: StepInputs) -> tuple[torch.Tensor, AttentionMetadata]:

@@ -177,27 +177,28 @@ SHARED_MIN_SAVING = 1.25
 
 
 def shared_segments(
-    plan: StepPlan, s: StepInputs, page_size: int, piece_tokens: int | None = None
+    plan: StepPlan, s: StepInputs, page_size: int, piece_tokens: int | None = None, intern: dict | None = None
 ) -> list | None:
-    """The step's segments for SharedChunkMeta.build when sharing pays (see above), else None."""
+    """The step's segments for SharedChunkMeta.build when sharing pays (see above), else None.
+    intern: kept by the caller across steps (run_pieces)."""
     if s.entry_logit_scale is not None or s.num_seqs < 2 or s.max_q_len > SHARED_MAX_Q_LEN:
         return None  # one sequence has nobody to share with: skip the grouping on batch-1 steps
     if piece_tokens is None:
         piece_tokens = SHARED_PIECE_TOKENS // (2 if s.num_seqs <= SHARED_SMALL_BATCH else 1)
     qo, ps, pt = s.qo_indptr, page_size, piece_tokens
     seqs = [
-        (range(qo[i], qo[i + 1]), [segment_run(g, ps, pt) for g in it.segments if g.num_tokens])
+        (range(qo[i], qo[i + 1]), [segment_run(g, ps, pt, intern) for g in it.segments if g.num_tokens])
         for i, it in enumerate(plan.items)
     ]
     segments, per_request, shared = group_segments(seqs, page_size, piece_tokens)
     return segments if per_request >= SHARED_MIN_SAVING * shared else None
 
 
-def segment_run(seg: Segment, page_size: int, piece_tokens: int) -> tuple:
+def segment_run(seg: Segment, page_size: int, piece_tokens: int, intern: dict | None = None) -> tuple:
     """(pages, num_tokens, start_pos, pieces) of a segment for group_segments; the pieces are cached
     on it while its length holds (a document's run is the same every step; grouping 64 requests x
     5 documents re-cut them each step cost ~1.5 ms of host time)."""
     key = (seg.num_tokens, len(seg.pages), piece_tokens)
     if seg.pieces is None or seg.pieces[0] != key:
-        seg.pieces = (key, run_pieces(seg.pages, seg.num_tokens, page_size, piece_tokens))
+        seg.pieces = (key, run_pieces(seg.pages, seg.num_tokens, page_size, piece_tokens, intern))
     return seg.pages, seg.num_tokens, seg.start_pos, seg.pieces[1]
