@@ -98,6 +98,20 @@ def test_program_with_docs_gen_select_same_state_on_both_backends(backends, ref)
     assert b.metas["verdict"]["scores"] == pytest.approx(
         dict(zip(["yes", "no", "not sure"], scores)), abs=1e-3
     )
+    # document options reach the engine: gen with them = the reference engine with the same params
+    doc_opts = dict(doc_attention_scale=0.5, doc_attention_temperature=0.8, doc_positions="parallel")
+
+    @function
+    def qa_docs(s, docs, question):
+        s += system("Answer briefly.")
+        for d in docs:
+            s += doc(d)
+        s += user(question)
+        s += gen("answer", max_tokens=6, **doc_opts)
+
+    got = qa_docs.run(docs=DOCS, question="What is the capital of Arvania?", backend=backends["engine"])
+    assert got["answer"] == ref.generate(gen_prompt, SamplingParams(max_tokens=6, **doc_opts))[0]["text"]
+    assert got["answer"] != a["answer"]  # (the options change this answer: they were not dropped)
     # the same docs in another order: every doc is a chunk hit (the gen meta reports it)
     again = qa_check.run(docs=DOCS[::-1], question="How tall is Mount Feller?", backend=backends["http"])
     assert again.metas["answer"]["chunk_hits"] == 3

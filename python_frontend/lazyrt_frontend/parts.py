@@ -74,13 +74,19 @@ def gen(
     top_p: float = 1.0,
     top_k: int = -1,
     seed: int | None = None,
+    doc_attention_temperature: float | None = None,
+    doc_attention_scale: float | None = None,
+    doc_positions: str | None = None,
 ) -> Gen:
-    """Generate into the assistant turn; the text is stored as s[name]. temperature 0 = greedy."""
+    """Generate into the assistant turn; the text is stored as s[name]. temperature 0 = greedy.
+    doc_attention_temperature / doc_attention_scale / doc_positions: the program's documents as
+    lazyrt.SamplingParams takes them (None: the engine's setting)."""
     sampling: dict = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k}
     if stop:
         sampling["stop"] = [stop] if isinstance(stop, str) else list(stop)
-    if seed is not None:
-        sampling["seed"] = seed
+    optional = {"seed": seed, "doc_attention_temperature": doc_attention_temperature,
+                "doc_attention_scale": doc_attention_scale, "doc_positions": doc_positions}  # fmt: skip
+    sampling.update({k: v for k, v in optional.items() if v is not None})
     return Gen(_text("gen", name), sampling)
 
 
