@@ -127,6 +127,7 @@ def measure(B: int, args, rng: random.Random, rope: RopeCache, scale: float, ben
     """One step of B requests: each path timed, with the KV bytes it reads."""
     from lazyrt.kernels.triton_attention import lazy_attention_triton
     from lazyrt.kernels.triton_shared_chunk import (
+        KEY_TABLES,
         merge_parts_triton,
         persistent_programs,
         shared_chunk_attention_triton,
@@ -148,7 +149,8 @@ def measure(B: int, args, rng: random.Random, rope: RopeCache, scale: float, ben
         sh = functools.partial(shared_chunk_attention_triton, q, kv, full.positions, shared, sm_scale=scale)
         no_rope = RopeCache(rope.cos[:, :0], rope.sin[:, :0])  # rotary_dim 0: plain attention
         t["v_no_rope"] = bench(lambda: sh(rope=no_rope))
-        for tables in ("half", "kv"):  # the keys' cos/sin: fp16 [cos|sin] table / KV dtype + 16-bit math
+        # the keys' cos/sin other than the default: fp32 / fp16 [cos|sin] table / KV dtype + 16-bit math
+        for tables in [t for t in ("fp32", "half", "kv") if t != KEY_TABLES]:
             t[f"v_tables_{tables}"] = bench(functools.partial(sh, rope=rope, key_tables=tables))
             o_t, _ = sh(rope=rope, key_tables=tables)
             extra[f"tables_{tables}_rel_diff"] = float((o_t - o_s).norm() / o_s.norm())

@@ -135,11 +135,12 @@ def _shared_chunk_kernel(
 # Tiles and grid from `shared_chunk_bench.py --sweep` (H200, Llama-3.1-8B heads, Zipf 2.1 steps at
 # batch 16 and 64): 64-key blocks, 3 stages, 8 programs per SM, 16 pairs (64 rows) per item.
 PROGRAMS_PER_SM = 8  # persistent grid: programs per SM
-# The keys' cos/sin (see shared_chunk_attention_triton). Rotating them is ~27% of the kernel (H100,
-# batch-64 decode step: 218.6 us, 160.1 us without RoPE); the per-request kernel found fp16 tables
-# 13% faster than fp32 ones at batch 64. "half" and "kv" are not timed here yet
-# (`shared_chunk_bench.py --variants`), so fp32 stays the default.
-KEY_TABLES = "fp32"
+# The keys' cos/sin (see shared_chunk_attention_triton). H100, Llama-3.1-8B heads, Zipf 2.1 decode
+# step at batch 64, one layer (`shared_chunk_bench.py --variants`, 1e3e9f1, 2026-11-23): fp32 tables
+# 221.2 us, "half" 181.5, "kv" 168.0, no RoPE at all 161.2 (batch 16: 113.7 / 93.8 / 86.2 / 82.8).
+# "kv" moves the output by 0.29% (relative norm) from the fp32 tables, inside bf16's own error
+# against an fp32 reference (0.45%): the default.
+KEY_TABLES = "kv"
 
 
 def persistent_programs(device: torch.device) -> int:
