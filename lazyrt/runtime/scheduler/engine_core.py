@@ -41,6 +41,8 @@ class EngineCore:
         self._release: list[int] = []  # finished rids the worker may still hold state for
         self._encoder = StepEncoder()
         self._in_flight: StepPlan | None = None  # the deferred step whose tokens have not come back
+        self._planned: StepPlan | None = None  # the step being planned, sent and applied now
+        self.failed_rids: list[int] = []  # the requests the last failed step aborted: tell their clients
         # steps sent (overlapped: of them, deferred), and the worker's shared-chunk step count
         self.step_counts = {"steps": 0, "overlapped_steps": 0, "shared_chunk_steps": 0}
 
@@ -63,15 +65,31 @@ class EngineCore:
         return True
 
     def step(self) -> list[TokenOut]:
-        """Runs one step; returns the tokens that came back (with overlap: the previous step's)."""
+        """Runs one step; returns the tokens that came back (with overlap: the previous step's).
+        If the step fails (the worker raised), every running request is aborted (their rids in
+        `failed_rids`, their KV not cached) before the exception propagates; waiting ones stay."""
         try:
             return self._step()
+        except NoProgress:
+            raise  # nothing was sent: the running requests are intact
         except BaseException:
-            self._in_flight = None  # its tokens are lost with the worker's answer: callers abort
+            self._fail_running()
             raise
+        finally:
+            self._planned = None
+
+    def _fail_running(self) -> None:
+        # The step in flight's tokens are lost with the failed one: neither step's KV is trusted.
+        plans = [p for p in (self._planned, self._in_flight) if p is not None]
+        self._planned = self._in_flight = None
+        self.failed_rids = []
+        for req in self.scheduler.fail_running(plans):
+            self.requests.pop(req.rid, None)
+            self._release.append(req.rid)
+            self.failed_rids.append(req.rid)
 
     def _step(self) -> list[TokenOut]:
-        plan = self.scheduler.schedule()
+        plan = self._planned = self.scheduler.schedule()
         if not plan.items and not plan.probes:
             if self._in_flight is not None:  # e.g. every running request waits on its last token
                 return self._collect()

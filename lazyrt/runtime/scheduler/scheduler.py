@@ -553,8 +553,9 @@ class Scheduler:
                     if x is not None:
                         self.chunks.release(x)
 
-    def finish(self, req: Request, reason: str) -> None:
-        """Release everything the request holds. Plain prompts leave their full pages in the radix."""
+    def finish(self, req: Request, reason: str, keep_kv: bool = True) -> None:
+        """Release everything the request holds. Plain prompts leave their full pages in the radix,
+        unless keep_kv is False (a failed step may not have written the KV its tokens count)."""
         if req.state is RequestState.FINISHED:
             return
         if req.state is RequestState.WAITING:
@@ -566,7 +567,10 @@ class Scheduler:
             self.pool.free(req.copied_pages)
             self.pool.free(req.recomputed_pages)
             own = req.own.pages if req.own else []
-            if req.radix_node is not None:
+            if req.radix_node is not None and not keep_kv:
+                self.radix.unlock(req.radix_node)
+                self.pool.free(own)
+            elif req.radix_node is not None:
                 # KV exists for the prompt and every output token but the last (never fed back).
                 tokens = (req.prompt_ids + req.output_ids)[: req.own.start_pos + req.own.num_tokens]
                 full = len(tokens) // self.page_size
@@ -583,6 +587,27 @@ class Scheduler:
         req.probe_docs, req.recompute_reserve, req.probe_scores = None, [], []
         req.finish_reason = reason
         req.state = RequestState.FINISHED
+
+    def fail_running(self, plans: list[StepPlan]) -> list[Request]:
+        """A step failed: `plans` are the steps whose KV can no longer be trusted (the failed one and,
+        with overlap, the one in flight with it). Finishes every running request without caching
+        its KV (its state went with the step), and drops the chunks those steps computed (marked
+        ready at a deferred submit, or still held by their job) and every pending chunk job, so no
+        later request reads their KV. Waiting requests hold nothing yet: they stay queued."""
+        failed = list(self.running)
+        for req in failed:
+            self.finish(req, "error", keep_kv=False)
+        jobs = {id(j): j for j in self.jobs + [it.job for p in plans for it in p.items if it.job]}
+        self.jobs = []
+        for job in jobs.values():
+            if not job.chunk.ready:  # on_step_done has not released the job's refs
+                for x in (job.chunk, job.cond):
+                    if x is not None:
+                        self.chunks.release(x)
+            job.chunk.ready = False
+        for c in [c for c in self.chunks if not c.ready and c.ref_count == 0]:
+            self.pool.free(self.chunks.remove(c))
+        return failed
 
     def flush(self) -> int:
         """Drop every cached page no running request holds; returns how many pages were freed."""

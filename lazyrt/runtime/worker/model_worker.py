@@ -108,9 +108,11 @@ class ModelWorker:
     def execute(self, msg: StepMsg) -> StepResult:
         try:
             return self._execute(msg)
-        except BaseException:
+        except BaseException as e:
             # the scheduler drops its step in flight and aborts the requests: start clean
             self._deferred, self.runner.prev_tokens = None, None
+            if isinstance(e, torch.cuda.OutOfMemoryError) and torch.cuda.is_available():
+                torch.cuda.empty_cache()  # hand the failed step's cached blocks back before the next
             raise
 
     def _execute(self, msg: StepMsg) -> StepResult:
