@@ -129,6 +129,16 @@ class StepResult:
 
 @message
 @dataclass(slots=True)
+class StepFailed:
+    """The worker's answer instead of a StepResult when the step raised: it has dropped the step
+    (and any deferred one) and serves on; the scheduler fails the requests that were in them."""
+
+    error: str  # "ExceptionType: message", for the log and the clients' error message
+    kind: str = "error"  # "oom" (device out of memory) | "error"
+
+
+@message
+@dataclass(slots=True)
 class WorkerReady:
     model_id: str
     tokenizer_path: str

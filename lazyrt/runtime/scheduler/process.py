@@ -21,6 +21,7 @@ from lazyrt.runtime.ipc.messages import (
     ControlReq,
     ControlResp,
     ErrorOut,
+    StepFailed,
     StepMsg,
     StepResult,
     TokenBatch,
@@ -43,6 +44,20 @@ from lazyrt.runtime.scheduler.scheduler import RequestRejected, Scheduler
 
 logger = logging.getLogger("lazyrt.scheduler")
 
+# What a client whose request died with a device out-of-memory step can tell the operator.
+OOM_HINT = (
+    "; the device ran out of memory: a smaller --max-running-requests or --max-step-tokens, or a "
+    "lower --kv-cache-memory-fraction, leaves more room for a step"
+)
+
+
+class WorkerStepError(RuntimeError):
+    """The model worker could not run a step (it answered StepFailed) and serves on."""
+
+    def __init__(self, error: str, kind: str):
+        super().__init__(error)
+        self.error, self.kind = error, kind
+
 
 class ZmqWorkerLink:
     """EngineCore's worker, over ZMQ: send the step, wait for the sampled tokens."""
@@ -54,7 +69,10 @@ class ZmqWorkerLink:
         send(self.to_worker, msg)
         while not poll([self.from_worker], PARENT_CHECK_MS):
             self.watch.check()  # a dead worker is noticed by the parent, which stops us
-        return recv(self.from_worker)
+        result = recv(self.from_worker)
+        if isinstance(result, StepFailed):
+            raise WorkerStepError(result.error, result.kind)
+        return result
 
 
 def run_scheduler_process(cfg: EngineConfig, ipc: IpcPaths, log_level: str) -> None:
@@ -102,6 +120,9 @@ class SchedulerLoop:
             except NoProgress:
                 self.fail_waiting("the scheduler could not make progress on this request")
                 continue
+            except WorkerStepError as e:
+                self.fail_step(e)  # EngineCore has aborted the requests; new ones are served
+                continue
             if outs:
                 send(self.to_detok, TokenBatch(outs))
 
@@ -125,6 +146,15 @@ class SchedulerLoop:
             send(self.to_detok, ControlResp(msg.rid, data))
         else:
             logger.error("unexpected message %s", type(msg).__name__)
+
+    def fail_step(self, e: WorkerStepError) -> None:
+        """Answers every request the failed step aborted (core.failed_rids) with a 5xx error."""
+        rids = self.core.failed_rids
+        logger.error("model step failed (%s): failing %d running request(s)", e.error, len(rids))
+        oom = e.kind == "oom"
+        why = f"the model step failed: {e.error}" + (OOM_HINT if oom else "")
+        for rid in rids:
+            send(self.to_detok, ErrorOut(rid, why, None, 503 if oom else 500, "server_error"))
 
     def fail_waiting(self, why: str) -> None:
         for req in list(self.core.scheduler.waiting):

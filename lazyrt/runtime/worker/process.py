@@ -7,6 +7,7 @@ import logging
 import zmq
 
 from lazyrt.config import EngineConfig
+from lazyrt.runtime.ipc.messages import StepFailed
 from lazyrt.runtime.ipc.sockets import PARENT_CHECK_MS, IpcPaths, child_setup, poll, recv, send, socket
 
 logger = logging.getLogger("lazyrt.worker")
@@ -14,7 +15,9 @@ logger = logging.getLogger("lazyrt.worker")
 
 def run_worker_process(cfg: EngineConfig, ipc: IpcPaths, log_level: str) -> None:
     watch = child_setup("worker", log_level)
-    from lazyrt.runtime.worker.model_worker import ModelWorker  # heavy import after setup
+    import torch  # heavy imports after setup
+
+    from lazyrt.runtime.worker.model_worker import ModelWorker
 
     ctx = zmq.Context()
     inbox = socket(ctx, zmq.PULL, ipc.worker_in, bind=True)
@@ -27,4 +30,20 @@ def run_worker_process(cfg: EngineConfig, ipc: IpcPaths, log_level: str) -> None
         if not poll([inbox], PARENT_CHECK_MS):
             watch.check()
             continue
-        send(outbox, worker.execute(recv(inbox)))
+        msg = recv(inbox)
+        try:
+            answer = worker.execute(msg)
+        except Exception as e:
+            # A step that raises (e.g. CUDA out of memory on a large batch) fails its requests, not
+            # the server: ModelWorker has dropped the step; the scheduler aborts what was in it.
+            logger.exception("model step failed; answering StepFailed and serving on")
+            oom = isinstance(e, torch.cuda.OutOfMemoryError)
+            answer = StepFailed(_describe(e), "oom" if oom else "error")
+        send(outbox, answer)
+
+
+def _describe(e: BaseException, limit: int = 300) -> str:
+    """`Type: first line of the message`, short enough for a client's error message."""
+    lines = str(e).strip().splitlines()
+    text = f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
