@@ -16,6 +16,7 @@ CPU smoke:  python benchmarks/decode_profile.py --model tiny-llama --device cpu 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import json
@@ -85,13 +86,22 @@ def main() -> None:
     overlaps = (True, False) if args.compare_overlap else (args.overlap_schedule,)
     for b, overlap in ((b, o) for b in args.batches for o in overlaps):
         eng.core.overlap = overlap
-        wall_us = decode_step_seconds(eng, prompts(b), args.steps) * 1e6
+        graphs = {}
+
+        @contextlib.contextmanager
+        def count_graphs(graphs=graphs):  # steps of the timed window replayed from a CUDA graph
+            before = eng.runner.graph_steps
+            yield
+            graphs["n"] = eng.runner.graph_steps - before
+
+        wall_us = decode_step_seconds(eng, prompts(b), args.steps, around_steps=count_graphs) * 1e6
         prof = profile(activities=activities)
         decode_step_seconds(eng, prompts(b), args.steps, around_steps=lambda p=prof: p)
         per_step = {k: v / args.steps for k, v in kernel_times(prof, dev).items()}
         busy_us = sum(per_step.values())
         print(f"\n== batch {b}, context {args.context}, overlap {overlap}: pure decode step wall "
-              f"{wall_us / 1e3:.2f} ms, device busy {busy_us / 1e3:.2f} ms ({busy_us / wall_us:.0%})")
+              f"{wall_us / 1e3:.2f} ms, device busy {busy_us / 1e3:.2f} ms ({busy_us / wall_us:.0%}), "
+              f"{graphs['n']}/{args.steps} steps from CUDA graphs")
         top = sorted(per_step.items(), key=lambda kv: -kv[1])[: args.top]
         for name, us in top:
             print(f"  {us / 1e3:8.3f} ms  {us / busy_us:5.1%}  {name[:110]}")
@@ -103,6 +113,7 @@ def main() -> None:
                                     "alpha": args.alpha, "shared": args.shared_chunk_attention,
                                     "overlap": overlap,
                                     "wall_ms": wall_us / 1e3, "busy_ms": busy_us / 1e3,
+                                    "graph_steps": graphs["n"],
                                     "top": [(n, us / 1e3) for n, us in top]}) + "\n")
 
 

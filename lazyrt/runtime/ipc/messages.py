@@ -125,6 +125,7 @@ class StepResult:
     scores: dict | None = None  # rid -> logprobs of its scored tokens (items with score_len > 0)
     probe_scores: list[list[float]] | None = None  # per probe: each page's K/V deviation
     shared_chunk_steps: int = 0  # steps the worker has run with shared-chunk attention so far
+    graph_steps: int = 0  # steps the worker has replayed from CUDA graphs so far
 
 
 @message

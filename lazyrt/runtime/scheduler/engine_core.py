@@ -44,7 +44,7 @@ class EngineCore:
         self._planned: StepPlan | None = None  # the step being planned, sent and applied now
         self.failed_rids: list[int] = []  # the requests the last failed step aborted: tell their clients
         # steps sent (overlapped: of them, deferred), and the worker's shared-chunk step count
-        self.step_counts = {"steps": 0, "overlapped_steps": 0, "shared_chunk_steps": 0}
+        self.step_counts = {"steps": 0, "overlapped_steps": 0, "shared_chunk_steps": 0, "graph_steps": 0}
 
     @property
     def has_work(self) -> bool:
@@ -117,6 +117,7 @@ class EngineCore:
         self._release = []
         result = self.worker.execute(msg)
         self.step_counts["shared_chunk_steps"] = result.shared_chunk_steps
+        self.step_counts["graph_steps"] = result.graph_steps
         return self._apply(plan, result)
 
     def _count(self, result: StepResult, deferred: bool) -> None:
@@ -124,6 +125,7 @@ class EngineCore:
         c["steps"] += 1
         c["overlapped_steps"] += deferred
         c["shared_chunk_steps"] = result.shared_chunk_steps
+        c["graph_steps"] = result.graph_steps
 
     def _apply(self, plan: StepPlan, result: StepResult) -> list[TokenOut]:
         sampled = [it.request for it in plan.items if it.request is not None]

@@ -51,6 +51,7 @@ class _CacheCollector(Collector):
                                         "overlapped_steps"),
             "lazyrt_shared_chunk_steps": ("steps that read each shared document once for all its users",
                                           "shared_chunk_steps"),
+            "lazyrt_graph_steps": ("steps replayed from a CUDA graph", "graph_steps"),
         }
         for name, (doc, key) in counters.items():
             yield CounterMetricFamily(name, doc, value=s[key])

@@ -33,6 +33,7 @@ class ModelRunner:
         c = model.config
         self.shared_block_pairs = max(1, 64 // (c.num_heads // c.num_kv_heads))  # ~64 query rows per item
         self.shared_steps = 0  # steps run through shared-chunk attention (tests, stats)
+        self.graph_steps = 0  # steps replayed from a CUDA graph (the rest launch eagerly)
         self._piece_keys: dict = {}  # interned PieceKeys (shared_chunk.run_pieces); cleared when large
         self.pool = pool
         self.device = model.device
@@ -161,10 +162,12 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.fits(s):
             shared = self._shared(plan, s)
             if shared is None:
+                self.graph_steps += 1
                 return self.graphs.run(s)
             arrays = build_arrays(shared, ps, len(s.input_ids), self.shared_block_pairs)
             if self.graphs.fits_shared(s, arrays):
                 self.shared_steps += 1
+                self.graph_steps += 1
                 return self.graphs.run(s, arrays)
         input_ids, meta = self.step_metadata(plan, s)
         hidden = self.model.forward(input_ids, meta, self.rope, self.backend)

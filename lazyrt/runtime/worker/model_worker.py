@@ -148,6 +148,7 @@ class ModelWorker:
 
     def _answer(self, result: StepResult) -> StepResult:
         result.shared_chunk_steps = self.runner.shared_steps
+        result.graph_steps = self.runner.graph_steps
         return result
 
     @torch.inference_mode()
