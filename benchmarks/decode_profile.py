@@ -39,6 +39,29 @@ def kernel_times(prof, device_type: str) -> dict[str, float]:
     return out
 
 
+GAP_US = 20.0  # idle device time between kernels: launch gaps inside a graph replay are shorter
+
+
+def device_gaps(prof) -> tuple[float, float, float]:
+    """(span, short gaps, long gaps) in us over the profiled window: from the first kernel's start to
+    the last one's end, and the idle time between kernels, split at GAP_US (long gaps: the device
+    waited for the host)."""
+    spans = sorted((ev.time_range.start, ev.time_range.end) for ev in prof.events()
+                   if ev.device_type == torch.autograd.DeviceType.CUDA)  # fmt: skip
+    if not spans:
+        return 0.0, 0.0, 0.0
+    short = long = 0.0
+    end = spans[0][1]
+    for start, stop in spans[1:]:
+        gap = start - end
+        if gap >= GAP_US:
+            long += gap
+        elif gap > 0:
+            short += gap
+        end = max(end, stop)
+    return end - spans[0][0], short, long
+
+
 class _CProfile:
     def __init__(self, prof: cProfile.Profile):
         self.prof = prof
@@ -99,9 +122,13 @@ def main() -> None:
         decode_step_seconds(eng, prompts(b), args.steps, around_steps=lambda p=prof: p)
         per_step = {k: v / args.steps for k, v in kernel_times(prof, dev).items()}
         busy_us = sum(per_step.values())
+        span, short, long = (x / args.steps for x in device_gaps(prof)) if dev == "cuda" else (0.0,) * 3
         print(f"\n== batch {b}, context {args.context}, overlap {overlap}: pure decode step wall "
               f"{wall_us / 1e3:.2f} ms, device busy {busy_us / 1e3:.2f} ms ({busy_us / wall_us:.0%}), "
               f"{graphs['n']}/{args.steps} steps from CUDA graphs")
+        if dev == "cuda":  # profiled window, per step: where the wall time the kernels do not fill goes
+            print(f"   device span {span / 1e3:.2f} ms a step: kernels {busy_us / 1e3:.2f}, gaps under "
+                  f"{GAP_US:.0f} us {short / 1e3:.2f}, longer gaps (waiting on the host) {long / 1e3:.2f}")
         top = sorted(per_step.items(), key=lambda kv: -kv[1])[: args.top]
         for name, us in top:
             print(f"  {us / 1e3:8.3f} ms  {us / busy_us:5.1%}  {name[:110]}")
@@ -113,7 +140,8 @@ def main() -> None:
                                     "alpha": args.alpha, "shared": args.shared_chunk_attention,
                                     "overlap": overlap,
                                     "wall_ms": wall_us / 1e3, "busy_ms": busy_us / 1e3,
-                                    "graph_steps": graphs["n"],
+                                    "graph_steps": graphs["n"], "span_ms": span / 1e3,
+                                    "short_gaps_ms": short / 1e3, "long_gaps_ms": long / 1e3,
                                     "top": [(n, us / 1e3) for n, us in top]}) + "\n")
 
 
