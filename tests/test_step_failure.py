@@ -5,6 +5,7 @@ read again, waiting requests are served, and later requests get a fresh engine's
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 import torch
@@ -119,3 +120,38 @@ def test_worker_out_of_memory_frees_the_cache_and_raises(monkeypatch, tiny_model
     with pytest.raises(torch.cuda.OutOfMemoryError):
         eng.generate([[5, 6, 7]], SamplingParams(max_tokens=2))
     assert emptied == [1]
+
+
+def test_engine_loop_fails_only_the_failed_steps_requests(tiny_model_dir):
+    """EngineLoop (the in-process server loop): the requests of a failed step get its exception, a
+    request still waiting then is served with a fresh engine's tokens."""
+    from lazyrt.runtime.engine.engine_loop import EngineLoop
+
+    path = tiny_model_dir("llama")
+    rng = random.Random()
+    prompts = [ids(rng, 30), ids(rng, 33), ids(rng, 29)]
+    sp = SamplingParams(max_tokens=4, ignore_eos=True)
+    eng = cpu_engine(path, "prefix", max_running_requests=2)
+    execute, calls = eng.runner.execute, []
+
+    def flaky(plan):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected")
+        return execute(plan)
+
+    eng.runner.execute = flaky
+    reqs = [eng._make_request(p, sp) for p in prompts]
+    loop, gate = EngineLoop(eng), threading.Event()
+
+    def first():  # holds the loop's admission until all three are queued: one step holds two
+        gate.wait(timeout=60)
+        return reqs[0]
+
+    futures = [loop.submit(first)] + [loop.submit(lambda r=r: r) for r in reqs[1:]]
+    gate.set()
+    for f in futures[:2]:
+        with pytest.raises(RuntimeError, match="injected"):
+            f.result(timeout=300)
+    fresh = cpu_engine(path, "prefix")
+    assert futures[2].result(timeout=300)["token_ids"] == fresh.generate([prompts[2]], sp)[0]["token_ids"]

@@ -15,6 +15,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from lazyrt.runtime.engine.engine import Engine, PromptLike
+from lazyrt.runtime.scheduler.engine_core import NoProgress
 from lazyrt.runtime.scheduler.request import Request, RequestState
 from lazyrt.runtime.tokenizer.detokenizer import IncrementalDetokenizer
 from lazyrt.sampling_params import SamplingParams
@@ -84,11 +85,17 @@ class EngineLoop:
                 continue
             try:
                 outs = core.step()
-            except Exception as e:  # fail what is running; the loop keeps serving new requests
-                for rid, lv in live.items():
-                    core.abort(rid)
-                    lv.future.set_exception(e)
-                live.clear()
+            except Exception as e:  # fail what the step held; the loop keeps serving the rest
+                # A failed step has aborted its running requests (core.failed_rids); waiting ones
+                # stay queued. Otherwise (NoProgress, or a failure that held no request) fail all:
+                # an error that would repeat must not leave anyone waiting forever.
+                failed = core.failed_rids if not isinstance(e, NoProgress) else []
+                rids = failed or list(live)
+                for rid in rids:
+                    lv = live.pop(rid, None)
+                    if lv is not None:
+                        core.abort(rid)
+                        lv.future.set_exception(e)
                 continue
             for out in outs:
                 lv = live.get(out.rid)
