@@ -1,6 +1,7 @@
 """The model worker process: the only owner of the device, the weights and the KV page tensors.
 
-- process.py: the process loop: one StepMsg in, one StepResult (sampled tokens) out.
+- process.py: the process loop: one StepMsg in, one StepResult (sampled tokens) out, or StepFailed
+  when the step raised (the worker serves on).
 - model_worker.py: ModelWorker: loads the model, sizes the KV pool, executes a step, samples.
 - model_runner.py: ModelRunner: a StepPlan -> attention metadata -> forward -> logits.
 - step_inputs.py: a StepPlan flattened to host int arrays (token ids, page tables, store slots).
