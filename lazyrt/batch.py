@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from tqdm import tqdm
 
 from lazyrt.batch_input import Job, key, parse_line
-from lazyrt.config import RECOMPUTE_POLICIES
+from lazyrt.config import RECOMPUTE_POLICIES, EngineConfig, check_host_kv_cache_tokens
 
 EXAMPLE = """\
 example:
@@ -73,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="local engine device: auto (default), cpu, cuda")
     p.add_argument("--cache-mode", default=None, help="local engine: lazy (default), block, prefix, none")
     p.add_argument("--kv-cache-tokens", type=int, default=None, help="local engine KV budget in tokens")
+    p.add_argument("--host-kv-cache-tokens", type=int, default=None,
+                   help="local engine, lazy/block: host-memory KV tier for evicted documents (0 = off)")
     p.add_argument("--recompute-policy", default=None, choices=RECOMPUTE_POLICIES,
                    help="local engine selective recompute (lazy/block; see python -m lazyrt.launch --help)")
     p.add_argument("--recompute-pages", type=int, default=None, help="recompute budget: pages per later doc")
@@ -150,8 +152,8 @@ def make_runner(args: argparse.Namespace):
     from lazyrt.batch_runners import LocalRunner
     from lazyrt.runtime.engine.engine import Engine
 
-    opts = ("kv_cache_tokens", "recompute_policy", "recompute_pages", "recompute_ratio")
-    opts += ("shared_chunk_attention", "overlap_schedule")
+    opts = ("kv_cache_tokens", "host_kv_cache_tokens", "recompute_policy", "recompute_pages")
+    opts += ("recompute_ratio", "shared_chunk_attention", "overlap_schedule")
     kw = {k: getattr(args, k) for k in opts if getattr(args, k) is not None}
     engine = Engine(args.model, device=args.device or "auto", cache_mode=args.cache_mode or "lazy", **kw)
     return LocalRunner(engine, args.concurrency or 32)
@@ -168,8 +170,9 @@ def results(runner, jobs: list[Job]) -> Iterator[tuple[Job, dict]]:
 
 
 # Options of the local engine: a running server (--endpoint) has its own, set on lazyrt.launch.
-LOCAL_ENGINE_OPTIONS = ("model", "device", "cache_mode", "kv_cache_tokens", "recompute_policy",
-                        "recompute_pages", "recompute_ratio", "shared_chunk_attention", "overlap_schedule")
+LOCAL_ENGINE_OPTIONS = ("model", "device", "cache_mode", "kv_cache_tokens", "host_kv_cache_tokens",
+                        "recompute_policy", "recompute_pages", "recompute_ratio", "shared_chunk_attention",
+                        "overlap_schedule")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -180,6 +183,12 @@ def main(argv: list[str] | None = None) -> int:
         if given:
             parser.error(f"{', '.join(given)} configure the local engine; with --endpoint the server's own "
                          "settings apply (pass them to python -m lazyrt.launch)")
+    if args.host_kv_cache_tokens is not None:  # fail before reading the input or loading a model
+        try:
+            mode, page_size = args.cache_mode or "lazy", EngineConfig.page_size
+            check_host_kv_cache_tokens(mode, args.host_kv_cache_tokens, page_size)
+        except ValueError as e:
+            parser.error(f"--host-kv-cache-tokens: {e}")
     defaults = {
         "max_tokens": args.max_tokens,
         "temperature": args.temperature,

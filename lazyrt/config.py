@@ -27,6 +27,10 @@ class EngineConfig:
     # fewest document tokens under a tight KV budget (docs/benchmarks.md, issue 6).
     eviction_policy: str = "lfu"
     kv_cache_tokens: int | None = None  # KV budget in tokens; None = from memory
+    # Host-memory KV tier (lazy/block only): document chunks evicted from the device pool move to
+    # this many tokens of (pinned, on CUDA) host memory and are copied back when reused instead of
+    # recomputed; 0 = off (evicted chunks are dropped).
+    host_kv_cache_tokens: int = 0
     kv_cache_memory_gb: float = 2.0  # CPU budget when kv_cache_tokens is None
     # CUDA budget when kv_cache_tokens is None: this share of the memory free once the weights are
     # loaded (the rest is for activations, CUDA graphs, other engines in the process)
@@ -79,6 +83,7 @@ class EngineConfig:
             raise ValueError(f"page_size={self.page_size}: must be a power of two")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.page_size:
             raise ValueError(f"kv_cache_tokens={self.kv_cache_tokens}: must hold at least one page")
+        check_host_kv_cache_tokens(self.cache_mode, self.host_kv_cache_tokens, self.page_size)
         f = self.kv_cache_memory_fraction
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 < f <= 0.95:
             raise ValueError(f"kv_cache_memory_fraction={f!r}: must be a number in (0, 0.95]")
@@ -122,6 +127,22 @@ def check_recompute_options(
             )
         return "head", head_pages, 0.0
     return policy, pages, float(ratio)
+
+
+def check_host_kv_cache_tokens(cache_mode: str, tokens: int, page_size: int) -> None:
+    """Validates host_kv_cache_tokens (ValueError naming the option): an integer >= 0; when on, it
+    holds at least one page and needs a mode with document chunks (only chunks move to the host)."""
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+        raise ValueError(f"host_kv_cache_tokens={tokens!r}: must be an integer >= 0 (0 = no host KV tier)")
+    if tokens and tokens < page_size:
+        raise ValueError(
+            f"host_kv_cache_tokens={tokens}: must hold at least one page ({page_size} tokens) or be 0 (off)"
+        )
+    if tokens and cache_mode not in ("lazy", "block"):
+        raise ValueError(
+            f"host_kv_cache_tokens={tokens}: needs cache_mode lazy or block (the host tier holds "
+            f"document chunks); cache_mode is {cache_mode!r}"
+        )
 
 
 def check_doc_attention(cache_mode: str, temperature: float, scale: float) -> None:

@@ -46,6 +46,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="KV cache size in tokens; default: from memory",
     )
     p.add_argument(
+        "--host-kv-cache-tokens",
+        type=int,
+        default=d.host_kv_cache_tokens,
+        help="lazy/block: host-memory KV tier in tokens (pinned on CUDA); document chunks evicted from the "
+        "device KV cache move there and are copied back when reused instead of recomputed; 0 = off",
+    )
+    p.add_argument(
         "--kv-cache-memory-gb",
         type=float,
         default=d.kv_cache_memory_gb,
@@ -145,6 +152,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def flag_error(parser: argparse.ArgumentParser, message: str) -> str:
+    """EngineConfig's 'option=value: why', prefixed with the command-line flag that sets the option."""
+    name = message.split("=", 1)[0]
+    flag = "--" + name.replace("_", "-")
+    known = {s for a in parser._actions for s in a.option_strings}
+    return f"{flag}: {message}" if name.isidentifier() and flag in known else message
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     cfg = EngineConfig(
@@ -155,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         cache_mode=args.cache_mode,
         eviction_policy=args.eviction_policy,
         kv_cache_tokens=args.kv_cache_tokens,
+        host_kv_cache_tokens=args.host_kv_cache_tokens,
         kv_cache_memory_gb=args.kv_cache_memory_gb,
         kv_cache_memory_fraction=args.kv_cache_memory_fraction,
         max_running_requests=args.max_running_requests,
@@ -176,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg.validate()
     except ValueError as e:
-        build_parser().error(str(e))
+        build_parser().error(flag_error(build_parser(), str(e)))
     opts = ServerOptions(args.host, args.port, args.api_key, args.log_level, args.served_model_name)
     return serve(cfg, opts)
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 import hashlib
 import heapq
 from array import array
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 
 from lazyrt.cache.eviction import Access, EvictionPolicy, make_policy
+from lazyrt.cache.page_pool import OutOfPages, PagePool
 
 
 @dataclass(slots=True, eq=False)
@@ -16,13 +17,15 @@ class Chunk:
     key: bytes  # content hash
     cond_tokens: tuple[int, ...]  # conditioning prefix the chunk's KV was computed after (may be empty)
     tokens: tuple[int, ...]  # the chunk's own tokens
-    pages: list[int]  # ceil(len(tokens)/page_size) pages; chunk starts at slot 0 of pages[0]
-    ready: bool = False  # KV has been computed into pages
+    pages: list[int]  # device pages, ceil(len(tokens)/page_size); [] while only on the host tier
+    ready: bool = False  # the device pages hold its KV (or will before any later-planned kernel)
     ref_count: int = 0  # requests currently using it
     last_used: int = 0  # logical clock tick
     hits: int = 0
     priority: float = 0.0  # eviction priority set by the table's policy: lowest is evicted first
     heap_seq: int = -1  # seq of the chunk's live eviction-heap entry; -1 once out of the table
+    host_pages: list[int] = field(default_factory=list)  # its copy in the host tier; [] = none
+    loading: bool = False  # a load from the host is queued and not yet taken into a step
 
     @property
     def num_tokens(self) -> int:
@@ -31,22 +34,54 @@ class Chunk:
 
 @dataclass(slots=True)
 class ChunkTableStats:
-    hits: int = 0
+    hits: int = 0  # device_hits + host_hits
     misses: int = 0
-    evictions: int = 0
+    evictions: int = 0  # chunks evicted from the device pool (moved to the host tier or dropped)
+    device_hits: int = 0
+    host_hits: int = 0  # found only in the host tier: copied back instead of recomputed
+    offloads: int = 0  # chunks copied device -> host
+    loads: int = 0  # chunks copied host -> device
+    offload_pages: int = 0
+    load_pages: int = 0
+    host_evictions: int = 0  # host copies dropped to make room in the host tier
+
+
+@dataclass(slots=True, eq=False)
+class Transfer:
+    """A chunk's pages copied between the tiers: src[i] -> dst[i], every layer. Offloads go device ->
+    host, loads host -> device. `chunk` is None on the worker side (ids are all it needs)."""
+
+    chunk: Chunk | None
+    src: list[int]
+    dst: list[int]
 
 
 class ChunkTable:
     """Content-addressed store of chunk KV. key = hash(model_id, cond_tokens, tokens).
 
-    The table owns the page ids of its chunks but never allocates or frees them: ``evict``/``remove``
-    return page ids and the caller gives them back to the PagePool. Which chunks ``evict`` drops is
-    up to the eviction policy (lazyrt/cache/eviction.py): lru, lfu or gdsf.
+    The table owns the device page ids of its chunks but never allocates or frees them: ``evict``/
+    ``remove`` return page ids and the caller gives them back to the PagePool (shared with the radix
+    cache and requests). Which chunks ``evict`` drops is up to the eviction policy
+    (lazyrt/cache/eviction.py): lru, lfu or gdsf.
+
+    Host tier (``host_pool``, page ids only): a chunk evicted from the device keeps its identity and
+    moves to the host when its pages fit there (host chunks of lower priority make room; otherwise it
+    is dropped). Only chunks live in the host tier, so the table allocates and frees host page ids
+    itself. A chunk found only on the host is copied back by ``load``. The copies the worker owes are
+    handed out by ``take_transfers``; the caller puts them at the start of the next step it sends.
     """
 
-    def __init__(self, model_id: str, page_size: int, eviction_policy: str = "lru") -> None:
+    def __init__(
+        self, model_id: str, page_size: int, eviction_policy: str = "lru", host_pool: PagePool | None = None
+    ) -> None:
         if page_size <= 0:
             raise ValueError("page_size must be positive")
+        if host_pool is not None and host_pool.page_size != page_size:
+            raise ValueError("the host pool's page size differs from the table's")
+        self.host_pool = host_pool
+        # copies not yet taken into a step: device -> host for evicted chunks, host -> device for hits
+        self._offloads: list[Transfer] = []
+        self._loads: list[Transfer] = []
         self.policy: EvictionPolicy = make_policy(eviction_policy)
         self.eviction_policy = eviction_policy
         # Min-heap of (priority, seq, chunk) over every chunk (evictable or not). An entry is live
@@ -86,12 +121,16 @@ class ChunkTable:
         return chunk
 
     def record_use(self, chunk: Chunk | None) -> None:
-        """Count one use: a hit on `chunk`, or a miss when it is None."""
+        """Count one use: a hit on `chunk` (in the tier it is in now), or a miss when it is None."""
         if chunk is None:
             self.stats.misses += 1
             return
         self._check_member(chunk)
         self.stats.hits += 1
+        if chunk.pages:
+            self.stats.device_hits += 1
+        else:
+            self.stats.host_hits += 1
         chunk.hits += 1
         self._touch(chunk, "hit")
 
@@ -136,27 +175,139 @@ class ChunkTable:
         return sum(len(c.pages) for c in self if c.ready and c.ref_count == 0)
 
     def evict(self, num_pages: int) -> list[int]:
-        """Evict unreferenced ready chunks, lowest policy priority first, until >= num_pages pages are
-        freed or none remain. A chunk is evicted whole, so more than num_pages may come back."""
+        """Evict unreferenced ready chunks from the device, lowest policy priority first, until >=
+        num_pages device pages are freed or none remain; returns those pages. A chunk is evicted whole,
+        so more than num_pages may come back. With a host tier it moves there (an offload is queued
+        unless it already has a host copy, which is never stale: a chunk's KV never changes)."""
         if num_pages <= 0:
             return []
         freed: list[int] = []
-        skipped: list[tuple[float, int, Chunk]] = []  # live entries of chunks in use or not ready
-        heap = self._heap
-        while len(freed) < num_pages and heap:
+        victims = self._lowest(num_pages, lambda c: bool(c.pages) and c.ready and not c.ref_count, _device)
+        for chunk in victims:
+            self.policy.on_evict(chunk)
+            self.stats.evictions += 1
+            if not chunk.host_pages and not self._to_host(chunk):
+                freed += self._drop(chunk)
+                continue
+            freed += chunk.pages
+            self._owned.difference_update(chunk.pages)
+            chunk.pages, chunk.ready = [], False
+        return freed
+
+    def load(self, chunk: Chunk, pages: list[int]) -> None:
+        """A chunk found only on the host goes back to the device `pages` (allocated by the caller):
+        the load is queued, and the chunk is ready for any kernel of the step that takes it or later
+        (take_transfers: copies run before the step's kernels). Its host copy stays."""
+        self._check_member(chunk)
+        if chunk.pages or not chunk.host_pages:
+            raise ValueError("load: the chunk is not (only) in the host tier")
+        if len(pages) != len(chunk.host_pages) or not self._owned.isdisjoint(pages):
+            raise ValueError(f"load: pages {pages} do not fit the chunk or are held by another chunk")
+        chunk.pages, chunk.ready, chunk.loading = pages, True, True
+        self._owned.update(pages)
+        self._loads.append(Transfer(chunk, chunk.host_pages, pages))
+        self.stats.loads += 1
+        self.stats.load_pages += len(pages)
+
+    def take_transfers(self) -> tuple[list[Transfer], list[Transfer]]:
+        """(offloads, loads) owed since the last call, for the step about to be sent: the worker
+        runs offloads before loads (a load may land in device pages an offload of the same step
+        reads, or read host pages one fills), both before the step's kernels. Copies whose chunk has
+        since left that tier are dropped (their pages may belong to another copy by now)."""
+        # identity, not equality: a page list is replaced whenever a chunk's copy in a tier changes
+        offloads = [t for t in self._offloads if t.chunk.host_pages is t.dst and t.chunk.heap_seq >= 0]
+        loads = [t for t in self._loads if t.chunk.pages is t.dst and t.chunk.heap_seq >= 0]
+        for t in self._loads:
+            t.chunk.loading = False
+        self._offloads, self._loads = [], []
+        return offloads, loads
+
+    def drop_unfinished(self, offloads: list[Transfer], loads: list[Transfer]) -> list[int]:
+        """Copies that a failed step was to make may not have happened: forget the copy each made
+        (a chunk left in neither tier leaves the table). Returns device pages for the caller to
+        free. Every chunk involved must be unreferenced."""
+        freed: list[int] = []
+        for t in offloads:
+            c = t.chunk
+            if c.host_pages is t.dst and c.heap_seq >= 0:
+                self._free_host(c)
+                if not c.pages:
+                    self._drop(c)
+        for t in loads:
+            c = t.chunk
+            if c.pages is t.dst and c.heap_seq >= 0:
+                freed += c.pages
+                if c.host_pages:
+                    self._owned.difference_update(c.pages)
+                    c.pages, c.ready = [], False
+                else:
+                    self._drop(c)
+        return freed
+
+    def _to_host(self, chunk: Chunk) -> bool:
+        """Give the evicted chunk a host copy (queueing its offload) if it fits, making room by
+        dropping host copies of lower priority; False if it does not fit."""
+        host = self.host_pool
+        n = len(chunk.pages)
+        if host is None or n > host.num_pages:
+            return False
+        short = n - host.num_free
+        if short > 0:
+            # Host copies of no higher priority make room (the same policy across both tiers); never
+            # one a queued load reads, nor one of a chunk in use (an admission holds a host-only chunk
+            # before it loads it).
+            victims = self._lowest(
+                short,
+                lambda c: bool(c.host_pages) and not c.loading and not c.ref_count,
+                _host,
+                upto=chunk.priority,
+            )
+            if sum(map(_host, victims)) < short:
+                return False
+            for c in victims:
+                self.policy.on_evict(c)
+                self.stats.host_evictions += 1
+                self._free_host(c)
+                if not c.pages:
+                    self._drop(c)
+        try:
+            chunk.host_pages = host.alloc(n)
+        except OutOfPages:
+            return False
+        self._offloads.append(Transfer(chunk, chunk.pages, chunk.host_pages))
+        self.stats.offloads += 1
+        self.stats.offload_pages += n
+        return True
+
+    def _free_host(self, chunk: Chunk) -> None:
+        if chunk.host_pages:
+            self.host_pool.free(chunk.host_pages)
+            chunk.host_pages = []
+
+    def _lowest(
+        self,
+        num_pages: int,
+        eligible: Callable[[Chunk], bool],
+        size: Callable[[Chunk], int],
+        upto: float = float("inf"),
+    ) -> list[Chunk]:
+        """Eligible chunks, lowest priority first (none above `upto`), until their sizes reach
+        num_pages or none remain. The heap is left as it was: the caller drops or moves them."""
+        picked: list[Chunk] = []
+        popped: list[tuple[float, int, Chunk]] = []
+        heap, total = self._heap, 0
+        while total < num_pages and heap and heap[0][0] <= upto:
             entry = heapq.heappop(heap)
             chunk = entry[2]
             if chunk.heap_seq != entry[1]:
                 continue  # stale: the chunk was re-prioritized or has left the table
-            if not chunk.ready or chunk.ref_count:
-                skipped.append(entry)
-                continue
-            self.policy.on_evict(chunk)
-            freed += self._drop(chunk)
-            self.stats.evictions += 1
-        for entry in skipped:
-            heapq.heappush(heap, entry)
-        return freed
+            popped.append(entry)
+            if eligible(chunk):
+                picked.append(chunk)
+                total += size(chunk)
+        for entry in popped:
+            heapq.heappush(heap, entry)  # dropped chunks' entries go stale (heap_seq = -1)
+        return picked
 
     def clear_unreferenced(self) -> list[int]:
         """Flush: evict every unreferenced chunk, ready or not."""
@@ -168,7 +319,12 @@ class ChunkTable:
 
     @property
     def num_pages(self) -> int:
+        """Device pages held by chunks."""
         return len(self._owned)
+
+    @property
+    def num_host_pages(self) -> int:
+        return self.host_pool.num_pages - self.host_pool.num_free if self.host_pool is not None else 0
 
     def __len__(self) -> int:
         return self._count
@@ -194,6 +350,7 @@ class ChunkTable:
         if not bucket:
             del self._buckets[chunk.key]
         self._owned.difference_update(chunk.pages)
+        self._free_host(chunk)
         self._count -= 1
         chunk.heap_seq = -1  # its heap entries are stale from now on
         return list(chunk.pages)
@@ -209,6 +366,14 @@ class ChunkTable:
                 # Drop stale entries; live ones keep their seq, so they stay valid.
                 self._heap = [(c.priority, c.heap_seq, c) for c in self]
                 heapq.heapify(self._heap)
+
+
+def _device(chunk: Chunk) -> int:
+    return len(chunk.pages)
+
+
+def _host(chunk: Chunk) -> int:
+    return len(chunk.host_pages)
 
 
 def _as_tuple(tokens: Sequence[int]) -> tuple[int, ...]:

@@ -52,7 +52,10 @@ class Engine:
         self.pool = self.worker.pool
         self.runner = self.worker.runner
         self.eos_ids = self.worker.eos_ids
-        self.scheduler = Scheduler.from_config(self.pool, cfg, self.model_id)
+        info = self.worker.ready_info()
+        self.scheduler = Scheduler.from_config(
+            self.pool, cfg, self.model_id, info.host_pages, info.page_bytes
+        )
         self.core = EngineCore(self.scheduler, self.worker, self.eos_ids, overlap=cfg.overlap_schedule)
         self._rids = itertools.count()
         # a popular document's text is tokenized once (as in the server's tokenizer process)

@@ -116,6 +116,10 @@ class StepMsg:
     # (an empty message without defer collects the last one). A token id of plan.PENDING_TOKEN =
     # the token the previous step samples for that item's request, filled in on the device.
     defer: bool = False
+    # Host KV tier, run before `copies` and the kernels: [device pages, host pages] offloads, then
+    # [host pages, device pages] loads.
+    offloads: list[list] = field(default_factory=list)
+    loads: list[list] = field(default_factory=list)
 
 
 @message
@@ -149,6 +153,8 @@ class WorkerReady:
     vocab_size: int
     eos_ids: list[int]
     device: str
+    host_pages: int = 0  # pages of the host KV tier (0 = off)
+    page_bytes: int = 0  # bytes of one KV page, all layers (host tier traffic in /cache_stats)
 
 
 # ---- scheduler -> detokenizer -> HTTP ----------------------------------------------------------

@@ -167,6 +167,7 @@ class EngineCore:
             "chunk_hits": s.chunks.stats.hits,
             "chunk_misses": s.chunks.stats.misses,
             "chunk_evictions": s.chunks.stats.evictions,
+            **host_tier_stats(s),
             "radix_hit_tokens": s.radix.stats.hit_tokens,
             **self.step_counts,
             "running_requests": len(s.running),
@@ -179,6 +180,23 @@ class EngineCore:
         if len(req.output_ids) >= req.max_new_tokens:
             return "length"
         return None
+
+
+def host_tier_stats(s: Scheduler) -> dict:
+    """Chunk hits per tier and the host KV tier's size and traffic (zeros when it is off)."""
+    st, host = s.chunks.stats, s.chunks.host_pool
+    return {
+        "chunk_device_hits": st.device_hits,
+        "chunk_host_hits": st.host_hits,
+        "host_total_pages": host.num_pages if host is not None else 0,
+        "host_free_pages": host.num_free if host is not None else 0,
+        "host_chunk_pages": s.chunks.num_host_pages,
+        "chunk_offloads": st.offloads,
+        "chunk_loads": st.loads,
+        "chunk_host_evictions": st.host_evictions,
+        "host_offload_bytes": st.offload_pages * s.page_bytes,
+        "host_load_bytes": st.load_pages * s.page_bytes,
+    }
 
 
 def request_timings(req: Request, first_token_at: float) -> dict:

@@ -1,15 +1,15 @@
 """The step plan: what the scheduler asks the model worker to run in one forward step.
 
 A StepPlan is the contract between the scheduler (which builds it) and the model worker (which runs
-it): token ids and the KV segments each item attends to, plus block mode's page copies. It crosses
-the process boundary as a StepMsg (step_wire.py).
+it): token ids and the KV segments each item attends to, plus block mode's page copies and the host
+tier's page moves. It crosses the process boundary as a StepMsg (step_wire.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lazyrt.cache.chunk_table import Chunk
+from lazyrt.cache.chunk_table import Chunk, Transfer
 from lazyrt.runtime.scheduler.request import Request, Segment
 
 # A decode item's input token while the step that samples it is still running (overlapped
@@ -53,10 +53,18 @@ class PageCopy:
 class StepPlan:
     items: list[ForwardItem] = field(default_factory=list)
     copies: list[PageCopy] = field(default_factory=list)
+    # Host KV tier (ChunkTable.take_transfers): evicted chunks' pages device -> host, then reused
+    # chunks' pages host -> device; the worker runs both before the block copies and the kernels.
+    offloads: list[Transfer] = field(default_factory=list)
+    loads: list[Transfer] = field(default_factory=list)
     # Deviation recompute probes (recompute.py): documents run in context through the first layers,
     # writing no KV; the worker returns each one's per-page K/V deviation. Run after the items.
     probes: list[ForwardItem] = field(default_factory=list)
     probe_for: list[tuple[Request, int]] = field(default_factory=list)  # scheduler side: (request, doc)
+
+    @property
+    def has_copies(self) -> bool:
+        return bool(self.copies or self.offloads or self.loads)
 
     @property
     def num_tokens(self) -> int:

@@ -86,7 +86,7 @@ def run_scheduler_process(cfg: EngineConfig, ipc: IpcPaths, log_level: str) -> N
         watch.check()
     ready: WorkerReady = recv(from_worker)
     pool = PagePool(1, ready.num_pages, ready.page_size, 1, 1, torch.float32, "meta")
-    sched = Scheduler.from_config(pool, cfg, ready.model_id)
+    sched = Scheduler.from_config(pool, cfg, ready.model_id, ready.host_pages, ready.page_bytes)
     link = ZmqWorkerLink(to_worker, from_worker, watch)
     core = EngineCore(sched, link, set(ready.eos_ids), overlap=cfg.overlap_schedule)
     send(to_detok, ready)

@@ -13,6 +13,8 @@ import math
 import time
 from collections import deque
 
+import torch
+
 from lazyrt.cache.chunk_table import Chunk, ChunkTable
 from lazyrt.cache.page_pool import PagePool
 from lazyrt.cache.radix_cache import RadixCache
@@ -21,6 +23,7 @@ from lazyrt.config import (
     EngineConfig,
     check_doc_attention,
     check_doc_positions,
+    check_host_kv_cache_tokens,
     check_recompute_options,
 )
 from lazyrt.runtime.scheduler.plan import PENDING_TOKEN, ChunkJob, ForwardItem, PageCopy, StepPlan
@@ -59,13 +62,21 @@ class Scheduler:
         doc_attention_temperature: float = 1.0,
         doc_attention_scale: float = 1.0,
         doc_positions: str = "sequential",
+        host_kv_pages: int = 0,
+        page_bytes: int = 0,
     ):
         if cache_mode not in CACHE_MODES:
             raise ValueError(f"cache_mode={cache_mode!r}: must be one of {', '.join(CACHE_MODES)}")
         self.pool = pool
         self.page_size = pool.page_size
         self.cache_mode = cache_mode
-        self.chunks = ChunkTable(model_id, pool.page_size, eviction_policy)
+        check_host_kv_cache_tokens(cache_mode, host_kv_pages * pool.page_size, pool.page_size)
+        # Host KV tier: page ids only (the worker holds the bytes), handed out by the chunk table.
+        host = None
+        if host_kv_pages:
+            host = PagePool(1, host_kv_pages, pool.page_size, 1, 1, torch.float32, "meta")
+        self.page_bytes = page_bytes  # one KV page, all layers: host tier traffic in cache_stats
+        self.chunks = ChunkTable(model_id, pool.page_size, eviction_policy, host_pool=host)
         self.radix = RadixCache(pool.page_size)
         self.max_running = max_running_requests
         self.max_step_tokens = max_step_tokens
@@ -84,7 +95,10 @@ class Scheduler:
     # ---- intake -------------------------------------------------------------------------------
 
     @classmethod
-    def from_config(cls, pool: PagePool, cfg: EngineConfig, model_id: str) -> Scheduler:
+    def from_config(
+        cls, pool: PagePool, cfg: EngineConfig, model_id: str, host_kv_pages: int = 0, page_bytes: int = 0
+    ) -> Scheduler:
+        """host_kv_pages and page_bytes: as the worker reports them (WorkerReady)."""
         return cls(
             pool,
             cfg.cache_mode,
@@ -99,6 +113,8 @@ class Scheduler:
             doc_attention_temperature=cfg.doc_attention_temperature,
             doc_attention_scale=cfg.doc_attention_scale,
             doc_positions=cfg.doc_positions,
+            host_kv_pages=host_kv_pages,
+            page_bytes=page_bytes,
         )
 
     @property
@@ -258,7 +274,8 @@ class Scheduler:
         held = [c for c in found.values() if c is not None]
         for c in held:
             self.chunks.acquire(c)  # protect hits from the eviction below
-        new_pages = sum(self.pages_for(len(t)) for (_, t), c in found.items() if c is None)
+        # new chunks, and chunks found only in the host tier (copied back, not recomputed)
+        new_pages = sum(self.pages_for(len(t)) for (_, t), c in found.items() if c is None or not c.pages)
         own_pages = self.pages_for(len(req.suffix) + req.max_new_tokens)
         need = new_pages + own_pages + self._per_use_pages(req)
         self._make_room(need)
@@ -272,6 +289,8 @@ class Scheduler:
                 c = self.chunks.insert(key[0], key[1], self.pool.alloc(self.pages_for(len(key[1]))))
                 self.chunks.acquire(c)
                 found[key] = c
+            elif not c.pages:  # ready for this step's kernels: its load runs before them
+                self.chunks.load(c, self.pool.alloc(self.pages_for(c.num_tokens)))
         # Jobs for new chunks; each job holds its own refs until its KV is written.
         prefix_chunk = found[((), prefix)] if prefix else None
         for (cond, _), c in found.items():
@@ -368,6 +387,12 @@ class Scheduler:
         for item in plan.items:
             if item.request is not None:
                 item.request.pending_tokens += 1  # EngineCore applies it when the step's tokens arrive
+        if plan.items or plan.probes:
+            # Host tier copies owed by this schedule's evictions and hits (and any earlier one that
+            # sent no step): before this step's kernels, the first that can write the device pages
+            # the evictions freed or read the pages the loads fill (steps run in order on the device,
+            # so an earlier step still in flight reads the evicted pages before they are reused).
+            plan.offloads, plan.loads = self.chunks.take_transfers()
         return plan
 
     def _plan_prefill(self, req: Request, plan: StepPlan, budget: int) -> int:
@@ -605,7 +630,14 @@ class Scheduler:
                     if x is not None:
                         self.chunks.release(x)
             job.chunk.ready = False
-        for c in [c for c in self.chunks if not c.ready and c.ref_count == 0]:
+        # Host tier copies those steps (or the next one, not yet sent: its offloads may read pages
+        # those steps wrote) were to make may not have happened: each chunk keeps only the copy it
+        # had before them, or leaves the table.
+        offloads, loads = self.chunks.take_transfers()
+        offloads += [t for p in plans for t in p.offloads]
+        loads += [t for p in plans for t in p.loads]
+        self.pool.free(self.chunks.drop_unfinished(offloads, loads))
+        for c in [c for c in self.chunks if not c.ready and c.pages and c.ref_count == 0]:
             self.pool.free(self.chunks.remove(c))
         return failed
 

@@ -9,6 +9,7 @@ rebuilds the ForwardItem from what it kept. Finished rids (StepMsg.release) are 
 
 from __future__ import annotations
 
+from lazyrt.cache.chunk_table import Transfer
 from lazyrt.runtime.ipc.messages import StepItem, StepMsg
 from lazyrt.runtime.scheduler.plan import ForwardItem, PageCopy, StepPlan
 from lazyrt.runtime.scheduler.request import Request, Segment
@@ -26,7 +27,9 @@ class StepEncoder:
         items = [self._item(it) for it in plan.items]
         copies = [[list(c.src), list(c.dst), c.delta] for c in plan.copies]
         probes = [self._item(it) for it in plan.probes]  # no request: segments always sent
-        return StepMsg(items, copies, list(release), probes, defer)
+        offloads = [[list(t.src), list(t.dst)] for t in plan.offloads]
+        loads = [[list(t.src), list(t.dst)] for t in plan.loads]
+        return StepMsg(items, copies, list(release), probes, defer, offloads, loads)
 
     def _item(self, it: ForwardItem) -> StepItem:
         req = it.request
@@ -102,6 +105,8 @@ class StepDecoder:
                 )
             )
         plan.copies = [PageCopy(list(s), list(d), delta) for s, d, delta in msg.copies]
+        plan.offloads = [Transfer(None, list(s), list(d)) for s, d in msg.offloads]
+        plan.loads = [Transfer(None, list(s), list(d)) for s, d in msg.loads]
         return plan
 
 

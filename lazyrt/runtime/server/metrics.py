@@ -32,6 +32,8 @@ class _CacheCollector(Collector):
             "lazyrt_kv_pages_held": ("KV pages held by running requests", "held_pages"),
             "lazyrt_kv_pages_chunk": ("KV pages holding document chunks", "chunk_pages"),
             "lazyrt_kv_pages_radix": ("KV pages in the radix prefix cache", "radix_pages"),
+            "lazyrt_host_kv_pages_total": ("pages of the host KV tier (0 = off)", "host_total_pages"),
+            "lazyrt_host_kv_pages_free": ("free pages of the host KV tier", "host_free_pages"),
         }
         for name, (doc, key) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=s[key])
@@ -41,7 +43,15 @@ class _CacheCollector(Collector):
         counters = {
             "lazyrt_chunk_hits": ("document chunks served from the chunk table", "chunk_hits"),
             "lazyrt_chunk_misses": ("document chunks that had to be computed", "chunk_misses"),
-            "lazyrt_chunk_evictions": ("document chunks evicted", "chunk_evictions"),
+            "lazyrt_chunk_evictions": ("document chunks evicted from the device KV cache", "chunk_evictions"),
+            "lazyrt_chunk_device_hits": ("document chunks found in the device KV cache", "chunk_device_hits"),
+            "lazyrt_chunk_host_hits": ("document chunks found in the host KV tier", "chunk_host_hits"),
+            "lazyrt_chunk_offloads": ("document chunks copied to the host KV tier", "chunk_offloads"),
+            "lazyrt_chunk_loads": ("document chunks copied from the host KV tier", "chunk_loads"),
+            "lazyrt_chunk_host_evictions": ("document chunks dropped from the host KV tier",
+                                            "chunk_host_evictions"),
+            "lazyrt_host_offload_bytes": ("KV bytes copied device -> host", "host_offload_bytes"),
+            "lazyrt_host_load_bytes": ("KV bytes copied host -> device", "host_load_bytes"),
             "lazyrt_radix_hit_tokens": (
                 "prompt tokens served from the radix prefix cache",
                 "radix_hit_tokens",

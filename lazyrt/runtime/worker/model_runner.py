@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from lazyrt.cache.host_pool import HostKVPool
 from lazyrt.cache.page_pool import PagePool
 from lazyrt.kernels.attention_ref import copy_rerotate_pages_ref
 from lazyrt.kernels.backend import make_backend
@@ -26,8 +27,10 @@ class ModelRunner:
         max_positions: int,
         rotate_keys: bool,
         shared_chunk_attention: bool = False,
+        host_kv: HostKVPool | None = None,
     ):
         self.model = model
+        self.host_kv = host_kv  # the host KV tier's pages (None = off)
         # lazy only: the shared kernel rotates keys by their local index (pages hold unrotated keys)
         self.shared_chunk_attention = shared_chunk_attention and rotate_keys
         c = model.config
@@ -151,10 +154,24 @@ class ModelRunner:
         self._copy_rerotate(self.pool.kv_all, src_t, dst_t, delta_t, self.rope)
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> torch.Tensor | None:
-        """Runs the step; returns fp32 logits [n_sampled, vocab] for items with a request, in order."""
+    def run_copies(self, plan: StepPlan) -> None:
+        """The step's page copies, queued on the device stream before its kernels (and after every
+        earlier step's): host tier offloads, then loads (a load may refill device pages an offload
+        of this step reads, or read host pages one fills), then block mode's copies (which may read
+        a chunk this step loads)."""
+        if (plan.offloads or plan.loads) and self.host_kv is None:
+            raise RuntimeError("a step moves pages to or from the host tier, but this worker has none")
+        for t in plan.offloads:
+            self.host_kv.offload(t.src, t.dst)
+        for t in plan.loads:
+            self.host_kv.load(t.src, t.dst)
         if plan.copies:
             self.copy_pages(plan.copies)
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> torch.Tensor | None:
+        """Runs the step; returns fp32 logits [n_sampled, vocab] for items with a request, in order."""
+        self.run_copies(plan)
         if not plan.items:
             return None
         ps = self.pool.page_size

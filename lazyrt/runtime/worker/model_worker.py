@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from lazyrt.cache.host_pool import HostKVPool
 from lazyrt.cache.page_pool import PagePool
 from lazyrt.config import EngineConfig
 from lazyrt.models.llama import LlamaModel
@@ -60,12 +61,15 @@ class ModelWorker:
             dev,
             scratch_pages=1,
         )
+        host_pages = cfg.host_kv_cache_tokens // cfg.page_size
+        self.host_kv = HostKVPool(self.pool, host_pages) if host_pages else None
         self.runner = ModelRunner(
             self.model,
             self.pool,
             self.max_context,
             rotate_keys=cfg.cache_mode == "lazy",
             shared_chunk_attention=cfg.shared_chunk_attention,
+            host_kv=self.host_kv,
         )
         if self.model.device.type == "cuda" and cfg.cuda_graph_max_batch > 0:
             # A server configured with document attention uses it in every step: capture those graphs
@@ -103,6 +107,11 @@ class ModelWorker:
             vocab_size=self.model_config.vocab_size,
             eos_ids=sorted(self.eos_ids),
             device=str(self.model.device),
+            host_pages=self.host_kv.num_pages if self.host_kv is not None else 0,
+            page_bytes=PagePool.bytes_per_page(
+                self.pool.num_layers, self.pool.page_size, self.pool.num_kv_heads, self.pool.head_dim,
+                self.pool.dtype,
+            ),
         )
 
     def execute(self, msg: StepMsg) -> StepResult:
@@ -120,7 +129,7 @@ class ModelWorker:
             self._generators.pop(rid, None)
         plan = self._decoder.decode(msg)
         if self._deferred is not None and not msg.defer:
-            if plan.items or plan.probes or plan.copies:
+            if plan.items or plan.probes or plan.has_copies:
                 raise RuntimeError("a synchronous step was sent while a deferred one is in flight")
             prev, self._deferred = self._deferred, None  # a collect: the deferred step's tokens
             return self._answer(prev.result())
@@ -156,7 +165,7 @@ class ModelWorker:
         """ModelRunner.execute, but keeping every row's hidden state: a scoring item's last score_len
         tokens get log P(token | everything before it) from the row before each. Same model path;
         rare (select), so it skips CUDA graphs."""
-        self.runner.execute(StepPlan(copies=plan.copies))  # block-mode page copies only
+        self.runner.run_copies(plan)  # host tier moves and block-mode page copies
         plan = StepPlan(items=plan.items)
         s = self.runner.step_inputs(plan)
         input_ids, meta = self.runner.step_metadata(plan, s)
