@@ -19,7 +19,12 @@ Per policy and budget: chunk hit ratio = doc hits / (doc hits + doc misses) over
 each request's meta, counted once at admission; a doc being computed for another request counts as a
 hit), chunk evictions, and recomputed chunk tokens (every chunk prefill the worker was asked for).
 
+`--host-tier M ...` (issue 15): each point also with a host KV tier of M x the device budget
+(`host_kv_cache_tokens`): chunks evicted from the device move to the host and come back by a copy
+(a host hit) instead of a recompute; the table then compares recomputed tokens per host size.
+
     python benchmarks/eviction_sweep.py --out eviction_sweep.jsonl
+    python benchmarks/eviction_sweep.py --policies lfu --host-tier 0 1 4
 """
 
 from __future__ import annotations
@@ -73,9 +78,11 @@ def make_docs(num_docs: int, max_tokens: int, min_tokens: int, seed: int) -> lis
     return docs
 
 
-def run_point(args, policy: str, budget: int, requests, docs) -> dict:
+def run_point(args, policy: str, budget: int, requests, docs, host_tier: float = 0.0) -> dict:
     pool = PagePool(1, budget // args.page_size, args.page_size, 1, 1, torch.float32, "meta")
-    sched = Scheduler(pool, "lazy", "sim", max_step_tokens=args.max_step_tokens, eviction_policy=policy)
+    host_pages = int(budget * host_tier) // args.page_size
+    sched = Scheduler(pool, "lazy", "sim", max_step_tokens=args.max_step_tokens, eviction_policy=policy,
+                      host_kv_pages=host_pages)  # fmt: skip
     worker = NullWorker()
     core = EngineCore(sched, worker, eos_ids=set())
     params = SamplingParams(max_tokens=args.output_tokens, temperature=0.0, ignore_eos=True)
@@ -106,9 +113,19 @@ def run_point(args, policy: str, budget: int, requests, docs) -> dict:
     assert sched.held_pages() == 0 and pool.num_free + sched.chunks.num_pages + sched.radix.num_pages == (
         pool.num_pages
     )
+    st = sched.chunks.stats
+    # every chunk's first computation (the prefix chunk and each document used) no cache can save
+    first_use = len(prefix) + sum(len(docs[i]) for i in {i for r in requests for i in r.doc_ids})
     return {
+        "first_use_tokens": first_use,
         "policy": policy,
         "kv_cache_tokens": budget,
+        "host_kv_cache_tokens": host_pages * args.page_size,
+        "host_tier": host_tier,
+        "chunk_host_hits": st.host_hits,
+        "chunk_offloads": st.offloads,
+        "chunk_loads": st.loads,
+        "host_evictions": st.host_evictions,
         "chunk_hit_ratio": hits / max(hits + misses, 1),
         "chunk_hits": hits,
         "chunk_misses": misses,
@@ -138,6 +155,33 @@ def markdown(rows: list[dict], policies: list[str]) -> str:
     return "\n".join(lines)
 
 
+def host_markdown(rows: list[dict], policy: str, tiers: list[float]) -> str:
+    """Per device budget and host tier size: hit ratio (both tiers), host hits, chunk tokens computed
+    again after an eviction (all computed tokens minus each chunk's first computation), and how many
+    times fewer than with no host tier."""
+    head = "| KV budget (tokens) | " + " | ".join(
+        f"host {m:g}x: hit ratio | host {m:g}x: host hits | host {m:g}x: tokens recomputed after eviction"
+        + (f" | host {m:g}x: fewer" if m else "")
+        for m in tiers
+    )
+    lines = [head + " |", "|" + "---:|" * (1 + sum(4 if m else 3 for m in tiers))]
+    by = {(r["host_tier"], r["kv_cache_tokens"]): r for r in rows if r["policy"] == policy}
+    for b in sorted({r["kv_cache_tokens"] for r in rows}):
+        base = by.get((0.0, b))
+        cells = []
+        for m in tiers:
+            r = by[(m, b)]
+            redo = r["recomputed_chunk_tokens"] - r["first_use_tokens"]
+            cells += [f"{r['chunk_hit_ratio']:.3f}", str(r["chunk_host_hits"]), str(redo)]
+            if m and base:  # against the same budget without a host tier
+                was = base["recomputed_chunk_tokens"] - base["first_use_tokens"]
+                cells.append("-" if was == 0 else f"{was / redo:.1f}x" if redo else "all")
+            elif m:
+                cells.append("")
+        lines.append(f"| {b} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--policies", nargs="+", default=list(EVICTION_POLICIES), choices=EVICTION_POLICIES)
@@ -155,6 +199,8 @@ def parse_args(argv=None):
     p.add_argument("--max-step-tokens", type=int, default=8192)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="append one JSON line per point")
+    p.add_argument("--host-tier", type=float, nargs="+", default=[0.0],
+                   help="host KV tier sizes, as multiples of each device budget (0 = none)")
     return p.parse_args(argv)
 
 
@@ -177,33 +223,37 @@ def main(argv=None) -> list[dict]:
     machine = f"{cpu}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
     rows = []
     t = time.perf_counter()
-    for policy in args.policies:
-        for budget in args.kv_budgets:
-            row = run_point(args, policy, budget, requests, docs)
-            row.update(
-                num_requests=args.num_requests,
-                num_docs=args.docs,
-                doc_tokens=args.doc_tokens,
-                doc_tokens_min=args.doc_tokens_min,
-                zipf_alpha=args.zipf_alpha,
-                concurrency=args.concurrency,
-                output_tokens=args.output_tokens,
-                page_size=args.page_size,
-                seed=args.seed,
-                machine=machine,
-            )
-            rows.append(row)
-            print(
-                f"[evict] {policy:5s} budget={budget:7d} hit={row['chunk_hit_ratio']:.3f} "
-                f"evictions={row['chunk_evictions']} recomputed={row['recomputed_chunk_tokens']} "
-                f"({row['sim_s']:.1f}s)",
-                flush=True,
-            )
-            if args.out:
-                with open(args.out, "a") as f:
-                    f.write(json.dumps(row) + "\n")
+    for policy, tier, budget in ((p, m, b) for p in args.policies for m in args.host_tier
+                                 for b in args.kv_budgets):  # fmt: skip
+        row = run_point(args, policy, budget, requests, docs, tier)
+        row.update(
+            num_requests=args.num_requests,
+            num_docs=args.docs,
+            doc_tokens=args.doc_tokens,
+            doc_tokens_min=args.doc_tokens_min,
+            zipf_alpha=args.zipf_alpha,
+            concurrency=args.concurrency,
+            output_tokens=args.output_tokens,
+            page_size=args.page_size,
+            seed=args.seed,
+            machine=machine,
+        )
+        rows.append(row)
+        print(
+            f"[evict] {policy:5s} host={tier:g}x budget={budget:7d} hit={row['chunk_hit_ratio']:.3f} "
+            f"host_hits={row['chunk_host_hits']} "
+            f"evictions={row['chunk_evictions']} recomputed={row['recomputed_chunk_tokens']} "
+            f"({row['sim_s']:.1f}s)",
+            flush=True,
+        )
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(row) + "\n")
     print()
-    print(markdown(rows, args.policies))
+    if args.host_tier == [0.0]:
+        print(markdown(rows, args.policies))
+    for policy in args.policies if args.host_tier != [0.0] else []:
+        print(f"{policy}:\n" + host_markdown(rows, policy, args.host_tier))
     print(f"\n[evict] {len(rows)} points in {time.perf_counter() - t:.1f}s on {machine}")
     return rows
 
