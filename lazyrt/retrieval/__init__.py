@@ -1,0 +1,14 @@
+"""Retrieval attention over position-free chunks (issue 15; RetrievalAttention, arXiv 2409.10516).
+
+- key_index.py: KeyIndex: one chunk's keys (one layer, every KV head), rotated at chunk-local
+  positions, in inverted lists (faiss k-means); search for each query's top-k keys.
+- attention.py: attention of queries over a chunk's sink keys and retrieved keys, with the lse for
+  merging with the exact parts of a step (torch reference).
+
+May import: lazyrt.kernels (RoPE).
+"""
+
+from lazyrt.retrieval.attention import retrieval_attention_ref
+from lazyrt.retrieval.key_index import KeyIndex, build_key_index, search_key_index
+
+__all__ = ["KeyIndex", "build_key_index", "retrieval_attention_ref", "search_key_index"]

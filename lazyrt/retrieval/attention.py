@@ -1,0 +1,50 @@
+"""Attention of queries over one chunk's sink keys and their retrieved top-k keys (torch reference).
+
+Returns the output and the natural log-sum-exp of the scores, so the part merges with the exact
+parts of the step (device pages, other chunks) by lse weights, as shared-chunk attention's parts do.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lazyrt.kernels.rope import RopeCache, apply_rope_ref
+from lazyrt.retrieval.key_index import KeyIndex, search_key_index
+
+
+def retrieval_attention_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    index: KeyIndex | None,
+    rope: RopeCache,
+    sm_scale: float,
+    top_k: int,
+    scan: float = 0.05,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [m, q_heads, d] in the chunk's frame (turned by p - pos_base); k, v [n, kv_heads, d]: the
+    chunk's keys as stored (unrotated) and values. Each query head attends to the sink keys and its
+    top_k retrieved keys; with top_k >= the indexed keys (or index None) to every key: exact
+    attention over the chunk. Returns (o [m, q_heads, d] fp32, lse [m, q_heads] fp32)."""
+    n, kv_heads, d = k.shape
+    m, q_heads, _ = q.shape
+    group = q_heads // kv_heads
+    if q_heads != group * kv_heads or q.shape[2] != d or v.shape != k.shape:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not match")
+    local = apply_rope_ref(k.float(), torch.arange(n, device=k.device), rope)  # the keys at local slots
+    if index is None or top_k >= index.num_indexed:
+        slots = torch.arange(n).expand(m, q_heads, n)
+    else:
+        if index.num_keys != n:
+            raise ValueError(f"the index covers {index.num_keys} keys, the chunk has {n}")
+        found, _ = search_key_index(index, local, q, top_k, scan)
+        sinks = torch.arange(index.sink).expand(m, q_heads, index.sink)
+        slots = torch.cat([sinks, found], -1)
+    head = (torch.arange(q_heads) // group).view(1, q_heads, 1)
+    valid = slots >= 0
+    s = slots.clamp(min=0)
+    scores = (q.float().unsqueeze(2) * local[s, head]).sum(-1) * sm_scale  # [m, q_heads, keys]
+    scores = scores.masked_fill(~valid, float("-inf"))
+    lse = torch.logsumexp(scores, -1)
+    o = (torch.softmax(scores, -1).unsqueeze(-1) * v.float()[s, head]).sum(-2)
+    return o, lse
