@@ -109,9 +109,11 @@ def test_bad_arguments_name_the_problem():
         search_key_index(index, k, torch.randn(1, 1, 8), 0, scan=0.5)
 
 
-def test_recall_on_the_default_models_real_keys_and_queries(default_model):
-    """A 1,024-token chunk of real text; the queries of the 256 tokens after it. The index must find
-    most of each query's exact top-10 keys scanning 10% of them (random lists would find ~10%)."""
+@pytest.fixture(scope="module")
+def real_chunk(default_model):
+    """A 1,024-token chunk of real prose (the project's own docs) on the default model: per layer of
+    [3, 15, 27], its keys and own prefill queries rotated at local positions 0..1023, and the queries
+    of the 256 tokens after it (pos_base 0: already in the chunk's frame). HF transformers forward."""
     from transformers import AutoModelForCausalLM
 
     from lazyrt.models.gguf_convert import ensure_converted
@@ -122,7 +124,7 @@ def test_recall_on_the_default_models_real_keys_and_queries(default_model):
     tok = default_model.tokenizer
     root = Path(__file__).resolve().parents[1]
     text = "\n\n".join(p.read_text() for p in [root / "README.md", *sorted((root / "docs").glob("*.md"))])
-    ids = tok(text)["input_ids"][:1280]  # real prose: the project's own docs
+    ids = tok(text)["input_ids"][:1280]
     L = 1024
     qs, ks = {}, {}
     layers = [3, 15, 27]
@@ -141,16 +143,70 @@ def test_recall_on_the_default_models_real_keys_and_queries(default_model):
         rope_scaling, rotary_dim = None, d
 
     rope = RopeCache.build(Cfg, 4096)
-    recalls = []
+    out = []
     for i in layers:
         k_local = apply_rope_ref(ks[i][:L].view(L, kv_heads, d), torch.arange(L), rope)
-        q = apply_rope_ref(qs[i][L:].view(-1, heads, d), torch.arange(L, len(ids)), rope)  # pos_base 0
-        index = build_key_index(k_local, sink=4)
-        found, share = search_key_index(index, k_local, q, 10, scan=0.10)
+        own = apply_rope_ref(qs[i][:L].view(L, heads, d), torch.arange(L), rope)
+        q = apply_rope_ref(qs[i][L:].view(-1, heads, d), torch.arange(L, len(ids)), rope)
+        out.append((k_local, own, q))
+    return out, rope
+
+
+def _recall(index, k_local, q, top_k, scan):
+    found, share = search_key_index(index, k_local, q, top_k, scan)
+    heads, kv_heads = q.shape[1], k_local.shape[1]
+    head = torch.arange(heads) // (heads // kv_heads)
+    s = index.sink
+    exact = torch.einsum("mhd,nhd->mhn", q, k_local[s:, head]).topk(top_k, -1).indices + s
+    return (found[..., :, None] == exact[..., None, :]).any(-1).float().mean().item(), share
+
+
+def test_recall_on_the_default_models_real_keys_and_queries(real_chunk):
+    """The index must find most of each query's exact top-10 keys scanning 10% of them (random lists
+    would find ~10%)."""
+    recalls = []
+    for k_local, _, q in real_chunk[0]:
+        r, share = _recall(build_key_index(k_local, sink=4), k_local, q, 10, scan=0.10)
         assert share < 0.15
-        head = torch.arange(heads) // (heads // kv_heads)
-        exact = torch.einsum("mhd,nhd->mhn", q, k_local[4:, head]).topk(10, -1).indices + 4
-        recalls.append((found[..., :, None] == exact[..., None, :]).any(-1).float().mean().item())
-    print("recall@10 at 10% scan, layers", layers, recalls)
+        recalls.append(r)
+    print("recall@10 at 10% scan, layers [3, 15, 27]", recalls)
     assert min(recalls) > 0.7 and sum(recalls) / len(recalls) > 0.8, recalls
     assert math.isfinite(sum(recalls))
+
+
+def test_attention_aware_build_finds_more_of_the_top_k_at_the_same_scan(real_chunk):
+    """Built with the chunk's own prefill queries (never the held-out ones), the index finds more of
+    the held-out queries' exact top-10 at the same scanned share than the keys-only index."""
+    chunks, rope = real_chunk
+    plain, aware = [], []
+    for k_local, own, q in chunks:
+        r0, share0 = _recall(build_key_index(k_local, sink=4), k_local, q, 10, scan=0.05)
+        r1, share1 = _recall(build_key_index(k_local, sink=4, queries=own, rope=rope), k_local, q, 10, 0.05)
+        assert share1 <= share0 + 0.005  # no more keys scanned
+        plain.append(r0)
+        aware.append(r1)
+    print("recall@10 at 5% scan, layers [3, 15, 27]: keys only", plain, "attention-aware", aware)
+    assert sum(aware) / 3 > sum(plain) / 3 + 0.02, (plain, aware)
+    assert min(a - p for a, p in zip(aware, plain)) > -0.01, (plain, aware)
+
+
+def test_attention_aware_build_is_exact_at_full_scan_and_checks_its_queries():
+    n, kv_heads, group, d, sink = 200, 2, 3, 16, 4
+    rope = RopeCache.build(_Cfg(d), 2048)
+    k = apply_rope_ref(torch.randn(n, kv_heads, d), torch.arange(n), rope)
+    own = apply_rope_ref(torch.randn(n, kv_heads * group, d), torch.arange(n), rope)
+    index = build_key_index(k, sink=sink, queries=own, rope=rope)
+    assert index.probes is not None and index.probes.shape == (kv_heads, index.centroids.shape[1], d + 1)
+    q = torch.randn(9, kv_heads * group, d)
+    found, share = search_key_index(index, k, q, 7, scan=1.0)
+    assert share == pytest.approx(1.0)
+    want = torch.einsum("mhd,nhd->mhn", q, k[sink:, torch.arange(kv_heads * group) // group]).topk(7, -1)
+    assert torch.equal(found.sort(-1).values, (want.indices + sink).sort(-1).values)
+    found, share = search_key_index(index, k, q, 7, scan=0.1)
+    assert share < 0.1 + 16 / (n - sink) and (found >= 0).sum(-1).min() >= 1
+    with pytest.raises(ValueError, match="rope"):
+        build_key_index(k, sink=sink, queries=own)
+    with pytest.raises(ValueError, match="rope covers"):
+        build_key_index(k, sink=sink, queries=own, rope=RopeCache.build(_Cfg(d), n))
+    with pytest.raises(ValueError, match="queries"):
+        build_key_index(k, sink=sink, queries=own[:, :5], rope=rope)
