@@ -48,6 +48,7 @@ def capture(model_dir: str, text: str, tokens: int) -> dict:
         "heads": c.num_attention_heads,
         "kv_heads": c.num_key_value_heads,
         "theta": float(theta),
+        "max_positions": int(getattr(c, "max_position_embeddings", 0) or 0),
     }
 
 
