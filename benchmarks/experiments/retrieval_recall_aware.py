@@ -4,18 +4,23 @@ on the default model's real keys and queries.
 Per text: the first `--chunk` tokens are the chunk (pos_base 0); its keys and its own prefill
 queries (rotated at local positions 0..chunk-1) build the index; the queries of the next `--queries`
 tokens are the held-out test queries (never used to build). Methods (lazyrt.retrieval.build_key_index):
-- key-IVF: k-means on the keys, lists probed in order of q . centroid (the build without queries);
+- key-IVF: k-means on the keys into lists of 8, probed in order of q . centroid (the build without
+  queries: the current method);
 - aware: the chunk's queries turned to offsets where later queries meet it (log-uniform in
   [chunk, model context)), keys clustered after whitening by their second moment, lists probed in
-  order of a least-squares probe q . p + b fit to each list's best score;
-- aware-no-probe (ablation): the aware lists probed by their means, as key-IVF probes.
+  order of a least-squares probe q . p + b fit to each list's best score. "aware 2-level" (the
+  default aware build): lists of 4 keys in groups of 16 lists, groups probed the same way first,
+  and only the lists of the best groups (holding 5x the keys to scan) scored; "aware flat": lists
+  of 8, one level;
+- whitened only (ablation): the aware flat lists probed by their means, as key-IVF probes.
 Columns: keys scanned = share of the indexed keys whose score a query head computes (mean); extra
-products = products per query head spent choosing lists (one per list), as a share of the indexed
-keys; recall@k = share of the exact top-k (over the indexed keys, sinks excluded) among the top-k
-found. "union/KV" = share of the keys that the 3 query heads of one KV head scan together (what one
-KV head's keys must be read for), and the recall@10 if every head of the group took its top-k from
-that union. "far" = the same held-out queries turned to offsets drawn uniformly in [chunk, model
-context) (a chunk placed earlier in a long prompt); exact top-k recomputed for them.
+products = products per query head spent choosing lists (one per list or group probe scored), as a
+share of the indexed keys; recall@k = share of the exact top-k (over the indexed keys, sinks
+excluded) among the top-k found. "union/KV" = share of the keys that the 3 query heads of one KV
+head scan together (what one KV head's keys must be read for), and the recall@10 if every head of
+the group took its top-k from that union. "far" = the same held-out queries turned to offsets drawn
+uniformly in [chunk, model context) (a chunk placed earlier in a long prompt); exact top-k
+recomputed for them.
 
     python benchmarks/experiments/retrieval_recall_aware.py --layer-step 5
 """
@@ -35,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from retrieval_recall import capture  # noqa: E402
 
 from lazyrt.kernels.rope import RopeCache, apply_rope_ref  # noqa: E402
-from lazyrt.retrieval.key_index import _probed_lists, build_key_index, search_key_index  # noqa: E402
+from lazyrt.retrieval.key_index import _probe, build_key_index, search_key_index  # noqa: E402
 
 
 def recall(found: torch.Tensor, exact: torch.Tensor) -> float:
@@ -47,7 +52,8 @@ def evaluate(index, keys, q, scan, top_ks, group) -> dict:
     m, heads, d = q.shape
     head = torch.arange(heads) // group
     scores = torch.einsum("mhd,nhd->mhn", q, keys[index.sink :, head])  # [m, heads, indexed]
-    out = {"lists": index.centroids.shape[1]}
+    groups = 0 if index.group_probes is None else index.group_probes.shape[1]
+    out = {"lists": index.centroids.shape[1], "groups": groups, "extra": 0.0}
     for k in top_ks:
         found, share = search_key_index(index, keys, q, k, scan)
         out[f"r{k}"] = recall(found, scores.topk(k, -1).indices + index.sink)
@@ -56,7 +62,9 @@ def evaluate(index, keys, q, scan, top_ks, group) -> dict:
     union_share, union_hits = 0.0, 0.0
     for h in range(keys.shape[1]):
         qh = q[:, h * group : (h + 1) * group].reshape(-1, d).float()
-        probed = _probed_lists(index, h, qh, scan).view(m, group, -1).any(1)  # [m, lists]
+        probed, products = _probe(index, h, qh, scan)
+        out["extra"] += products.mean().item() / index.num_indexed / keys.shape[1]
+        probed = probed.view(m, group, -1).any(1)  # [m, lists]
         cand = probed[:, index.list_of[h]]  # [m, indexed]
         union_share += cand.float().mean().item() / keys.shape[1]
         s = scores[:, h * group : (h + 1) * group]
@@ -78,7 +86,6 @@ def main(argv=None) -> None:
     ap.add_argument("--chunk", type=int, default=2048)
     ap.add_argument("--queries", type=int, default=512, help="query positions after the chunk")
     ap.add_argument("--sink", type=int, default=4)
-    ap.add_argument("--keys-per-list", type=int, default=8)
     ap.add_argument("--scan", type=float, nargs="+", default=[0.05, 0.10])
     ap.add_argument("--layer-step", type=int, default=5, help="every Nth layer")
     ap.add_argument("--threads", type=int, default=1, help="torch/faiss threads (build times)")
@@ -114,14 +121,20 @@ def main(argv=None) -> None:
             raw = D["q"][layer, L:].view(-1, H, d)
             tests = {"real": apply_rope_ref(raw, torch.arange(L, L + args.queries), rope),
                      "far": apply_rope_ref(raw, far_pos, rope)}  # fmt: skip
+            aware = {"queries": own, "rope": rope}
+            methods = [
+                ("key-IVF", {"keys_per_list": 8}),
+                ("aware flat", {**aware, "keys_per_list": 8, "lists_per_group": 1 << 30}),
+                ("whitened only", None),  # ablation: the aware flat lists, probed by their means
+                ("aware 2-level", aware),
+            ]
             index = None
-            methods = [("key-IVF", {}), ("aware", {"queries": own, "rope": rope}), ("aware-no-probe", {})]
             for method, kw in methods:
-                if index is not None and method == "aware-no-probe":  # ablation: aware lists, mean order
+                if kw is None and index is not None:
                     index = dataclasses.replace(index, probes=None)
                 else:
                     t0 = time.perf_counter()
-                    index = build_key_index(keys, args.sink, args.keys_per_list, **kw)
+                    index = build_key_index(keys, args.sink, **kw)
                     build_s = time.perf_counter() - t0
                 for scan in args.scan:
                     for name, q in tests.items():
@@ -130,20 +143,19 @@ def main(argv=None) -> None:
                         a = acc.setdefault((method, scan, name), {})
                         for key, v in r.items():
                             a[key] = a.get(key, 0.0) + v / len(layers)
-        n = L - args.sink
         print(f"\n### {spec}: {L}-token chunk, {args.queries} held-out queries, layers {layers}, "
               f"{KV} KV heads x {G} query heads, sink {args.sink}\n")  # fmt: skip
-        cols = ["method", "lists (keys/list)", "target scan", "keys scanned", "extra products", "recall@10",
+        cols = ["method", "lists / groups", "target scan", "keys scanned", "extra products", "recall@10",
                 "recall@32", "union/KV: keys", "union/KV: recall@10", "far recall@10", "far recall@32",
                 "build s / chunk-layer"]  # fmt: skip
         print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
-        for (method, scan, name), r in sorted(acc.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        for (method, scan, name), r in sorted(acc.items(), key=lambda kv: kv[0][1]):
             if name != "real":
                 continue
             f = acc[(method, scan, "far")]
             # fmt: off
-            row = [method, f"{r['lists']:.0f} ({args.keys_per_list})", f"{scan:.2f}", f"{r['scan']:.3f}",
-                   f"{r['lists'] / n:.3f}", f"{r['r10']:.3f}", f"{r['r32']:.3f}", f"{r['union']:.3f}",
+            row = [method, f"{r['lists']:.0f} / {r['groups']:.0f}", f"{scan:.2f}", f"{r['scan']:.3f}",
+                   f"{r['extra']:.3f}", f"{r['r10']:.3f}", f"{r['r32']:.3f}", f"{r['union']:.3f}",
                    f"{r['union_r']:.3f}", f"{f['r10']:.3f}", f"{f['r32']:.3f}", f"{r['build_s']:.2f}"]
             # fmt: on
             print("| " + " | ".join(row) + " |")

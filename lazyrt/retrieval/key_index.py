@@ -37,6 +37,8 @@ import torch
 from lazyrt.kernels.rope import RopeCache, apply_rope_ref
 
 KEYS_PER_LIST = 8  # lists of ~8 keys: finer lists gave higher recall at the same scanned share
+AWARE_KEYS_PER_LIST = 4  # attention-aware: lists of ~4 keys, 16 lists a group (two-level probing)
+LISTS_PER_GROUP = 16
 
 
 @dataclass
@@ -50,6 +52,11 @@ class KeyIndex:
     sink: int
     num_keys: int
     probes: torch.Tensor | None = None  # [kv_heads, lists, head_dim + 1] fp32: list score = q . p[:d] + p[d]
+    # two levels (attention-aware build): lists in groups; a query scores the groups' probes, then only
+    # the lists of its best groups, until those hold group_scan x the keys it will scan
+    group_probes: torch.Tensor | None = None  # [kv_heads, groups, head_dim + 1] fp32
+    group_of: torch.Tensor | None = None  # [kv_heads, lists] int64: the group of each list
+    group_scan: float = 5.0
 
     @property
     def num_indexed(self) -> int:
@@ -59,33 +66,39 @@ class KeyIndex:
 def build_key_index(
     keys: torch.Tensor,
     sink: int = 4,
-    keys_per_list: int = KEYS_PER_LIST,
+    keys_per_list: int | None = None,
     seed: int = 0,
     queries: torch.Tensor | None = None,
     rope: RopeCache | None = None,
     ridge: float = 1e-2,
+    lists_per_group: int = LISTS_PER_GROUP,
+    group_scan: float = 5.0,
 ) -> KeyIndex:
     """keys [num_keys, kv_heads, head_dim]: the chunk's keys rotated at local positions 0..n-1.
 
     queries [num_queries, q_heads, head_dim] (optional): the chunk's prefill queries rotated at local
     positions 0..num_queries-1, with `rope` (the cache they were rotated with; its length bounds the
-    offsets trained for): the attention-aware build (module docstring). Without them: k-means on the
-    keys, lists probed by centroid."""
-    import faiss  # optional dependency: pip install lazyrt[retrieval]
-
+    offsets trained for): the attention-aware build (module docstring): lists of `keys_per_list` keys
+    (default 4) in groups of `lists_per_group` lists (1: one level). Without them: k-means on the keys
+    into lists of `keys_per_list` keys (default 8), probed by centroid."""
     if keys.dim() != 3:
         raise ValueError(f"keys must be [num_keys, kv_heads, head_dim], got {tuple(keys.shape)}")
     n, kv_heads, d = keys.shape
     if not 0 <= sink < n:
         raise ValueError(f"sink={sink}: must be in [0, {n}) for a chunk of {n} keys")
+    if keys_per_list is None:
+        keys_per_list = KEYS_PER_LIST if queries is None else AWARE_KEYS_PER_LIST
     if keys_per_list < 1:
         raise ValueError(f"keys_per_list={keys_per_list}: must be >= 1")
+    if lists_per_group < 1 or group_scan < 1:
+        raise ValueError(f"lists_per_group={lists_per_group}, group_scan={group_scan}: must be >= 1")
     m = n - sink
     lists = max(1, m // keys_per_list)
+    groups = lists // lists_per_group if queries is not None else 0  # two levels: 2+ groups
     train = None
     if queries is not None:
         train = _training_queries(queries, rope, n, kv_heads, d, seed)  # [kv_heads, N, d]
-    cents, slots, offsets, list_of, probes = [], [], [], [], []
+    cents, slots, offsets, list_of, probes, group_probes, group_of = [], [], [], [], [], [], []
     for h in range(kv_heads):
         kh = keys[sink:, h].float().cpu()
         w = torch.eye(d)
@@ -93,17 +106,15 @@ def build_key_index(
             e, v = torch.linalg.eigh(train[h].T @ train[h] / train.shape[1])
             w = v * e.clamp(min=1e-6 * float(e.max())).sqrt()
         x = np.ascontiguousarray((kh @ w).numpy())
-        if lists > 1:
-            km = faiss.Kmeans(d, lists, niter=20, seed=seed, verbose=False, min_points_per_centroid=1)
-            km.train(x)
-            _, assign = km.index.search(x, 1)
-            a = torch.from_numpy(assign[:, 0].astype(np.int64))
+        if groups >= 2:
+            ga, a, go = _two_level_kmeans(x, groups, lists, seed)
+            group_probes.append(_fit_probes(train[h], kh, ga, torch.bincount(ga, minlength=groups), ridge))
+            group_of.append(go)
+            c = None
         else:
-            a = torch.zeros(m, dtype=torch.int64)
+            a, c = _kmeans(x, lists, seed)
         counts = torch.bincount(a, minlength=lists)
-        if train is None and lists > 1:
-            c = torch.from_numpy(km.centroids.copy())
-        else:  # the lists' means in the keys' space
+        if train is not None or c is None:  # the lists' means in the keys' space
             c = torch.zeros(lists, d).index_add_(0, a, kh) / counts.clamp(min=1)[:, None]
         if train is not None:
             probes.append(_fit_probes(train[h], kh, a, counts, ridge))
@@ -114,8 +125,53 @@ def build_key_index(
         list_of.append(a)
     stack = torch.stack
     return KeyIndex(
-        stack(cents), stack(slots), stack(offsets), stack(list_of), sink, n, stack(probes) if probes else None
+        stack(cents),
+        stack(slots),
+        stack(offsets),
+        stack(list_of),
+        sink,
+        n,
+        stack(probes) if probes else None,
+        stack(group_probes) if group_probes else None,
+        stack(group_of) if group_of else None,
+        group_scan,
     )
+
+
+def _kmeans(x: np.ndarray, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """faiss k-means of x [n, d] into k <= n clusters: (assignment [n] int64, centroids [k, d])."""
+    import faiss  # optional dependency: pip install lazyrt[retrieval]
+
+    if k <= 1:
+        return torch.zeros(x.shape[0], dtype=torch.int64), torch.from_numpy(x.mean(0, keepdims=True))
+    km = faiss.Kmeans(x.shape[1], k, niter=20, seed=seed, verbose=False, min_points_per_centroid=1)
+    km.train(x)
+    _, assign = km.index.search(x, 1)
+    return torch.from_numpy(assign[:, 0].astype(np.int64)), torch.from_numpy(km.centroids.copy())
+
+
+def _two_level_kmeans(x: np.ndarray, groups: int, lists: int, seed: int):
+    """k-means into `groups`, then each group into lists (their number in proportion to its size, in
+    all `lists`). Returns (group of each point, list of each point, group of each list)."""
+    ga, _ = _kmeans(x, groups, seed)
+    size = torch.bincount(ga, minlength=groups)
+    want = size.double() * lists / x.shape[0]
+    alloc = torch.minimum(want.floor().long().clamp(min=1), size)
+    alloc[size == 0] = 0
+    while int(alloc.sum()) < lists:  # largest remainders first, never more lists than keys
+        i = int(torch.where(alloc < size, want - alloc, float("-inf")).argmax())
+        alloc[i] += 1
+    while int(alloc.sum()) > lists:
+        i = int(torch.where(alloc > 1, alloc.double() - want, float("-inf")).argmax())
+        alloc[i] -= 1
+    a = torch.empty(x.shape[0], dtype=torch.int64)
+    first = torch.cat([torch.zeros(1, dtype=torch.int64), alloc.cumsum(0)])
+    for g in range(groups):
+        idx = (ga == g).nonzero()[:, 0]
+        if len(idx):
+            sub, _ = _kmeans(np.ascontiguousarray(x[idx.numpy()]), int(alloc[g]), seed)
+            a[idx] = sub + first[g]
+    return ga, a, torch.repeat_interleave(torch.arange(groups), alloc)
 
 
 def _training_queries(
@@ -162,16 +218,36 @@ def _fit_probes(q: torch.Tensor, keys: torch.Tensor, a: torch.Tensor, counts: to
 def _probed_lists(index: KeyIndex, h: int, qh: torch.Tensor, scan: float) -> torch.Tensor:
     """[queries, lists] bool: the lists each query of KV head h scans (best first until `scan` of the
     keys, at least one list)."""
+    return _probe(index, h, qh, scan)[0]
+
+
+def _probe(index: KeyIndex, h: int, qh: torch.Tensor, scan: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the lists each query scans [queries, lists] bool, the products each spent choosing [queries])."""
     sizes = index.offsets[h, 1:] - index.offsets[h, :-1]
+    budget = scan * index.num_indexed
     if index.probes is None:
         score = qh @ index.centroids[h].T
     else:
         p = index.probes[h]
         score = qh @ p[:, :-1].T + p[:, -1]
+    products = torch.full((qh.shape[0],), float(score.shape[1]))
+    allowed = None
+    if index.group_probes is not None:  # groups best first until they hold group_scan x the budget
+        gp, go = index.group_probes[h], index.group_of[h]
+        gsizes = torch.zeros(gp.shape[0], dtype=torch.int64).index_add_(0, go, sizes)
+        gorder = (qh @ gp[:, :-1].T + gp[:, -1]).argsort(-1, descending=True)
+        held = gsizes[gorder].cumsum(-1)
+        gtake = (held - gsizes[gorder]) < min(index.group_scan * budget, index.num_indexed)
+        gsel = torch.zeros_like(gtake).scatter(1, gorder, gtake)
+        allowed = gsel[:, go]  # [queries, lists]: only these lists' probes are scored
+        score = score.masked_fill(~allowed, float("-inf"))
+        products = gp.shape[0] + allowed.sum(-1).float()
     order = score.argsort(-1, descending=True)
-    take = sizes[order].cumsum(-1) <= scan * index.num_indexed
+    take = sizes[order].cumsum(-1) <= budget
     take[:, 0] = True
-    return torch.zeros_like(take).scatter(1, order, take)
+    if allowed is not None:
+        take &= allowed.gather(1, order)
+    return torch.zeros_like(take).scatter(1, order, take), products
 
 
 def search_key_index(
