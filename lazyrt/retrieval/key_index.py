@@ -17,13 +17,15 @@ queries and keys are differently distributed, and the centroid order is the weak
 in order of their true best key would find 99% of the top-10 at the same scan). The chunk's queries
 are turned to the offsets where later queries will meet the chunk (log-uniform in [n, the RoPE
 cache's positions)); keys are clustered after whitening by those queries' second moment (k-means
-then groups keys whose scores differ little for such queries); and each list gets a probe vector
-and bias fit by least squares so that q . probe + bias predicts the list's best score q . k (centred
-per query). On two texts (6 layers, 2,048-token chunk), at 4.7% of the keys scanned, 0.92 of the
-exact top-10 vs 0.86-0.87 for the plain build (whitening alone: 0.90); top-32: 0.77-0.82 vs
-0.73-0.77 (`benchmarks/experiments/retrieval_recall_aware.py`). Either way each query also takes one
-product per list (lists / keys = 1/8 of the keys' products). Build: ~0.5 s per chunk-layer (3 KV
-heads, one CPU thread) vs 0.05 s.
+then groups keys whose scores differ little for such queries), two levels deep: lists of ~4 keys in
+groups of 16 lists; each group and each list gets a probe vector and bias fit by least squares so
+that q . probe + bias predicts its best score q . k (centred per query). A query scores the group
+probes, then the list probes of its best groups only (those holding 5x the keys it will scan), and
+scans lists in that order. On two texts (6 layers, 2,048-token chunk), at 4.9% of the keys scanned:
+0.94-0.95 of the exact top-10 (plain build 0.86-0.87 at 4.7%), top-32 0.83-0.87 (0.73-0.77), with
+8% of the keys' count in probe products (plain: 12.5%, one per centroid); one level with lists of 8:
+0.92; whitening alone: 0.90 (`benchmarks/experiments/retrieval_recall_aware.py`). Build: ~0.8 s per
+chunk-layer (3 KV heads, one CPU thread) vs 0.07 s.
 """
 
 from __future__ import annotations
