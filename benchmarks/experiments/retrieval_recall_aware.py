@@ -11,16 +11,18 @@ tokens are the held-out test queries (never used to build). Methods (lazyrt.retr
   order of a least-squares probe q . p + b fit to each list's best score. "aware 2-level" (the
   default aware build): lists of 4 keys in groups of 16 lists, groups probed the same way first,
   and only the lists of the best groups (holding 5x the keys to scan) scored; "aware flat": lists
-  of 8, one level;
+  of 8, one level; --aware-configs adds 2-level builds of other shapes (keys/list, lists/group,
+  group_scan);
 - whitened only (ablation): the aware flat lists probed by their means, as key-IVF probes.
 Columns: keys scanned = share of the indexed keys whose score a query head computes (mean); extra
 products = products per query head spent choosing lists (one per list or group probe scored), as a
 share of the indexed keys; recall@k = share of the exact top-k (over the indexed keys, sinks
 excluded) among the top-k found. "union/KV" = share of the keys that the 3 query heads of one KV
 head scan together (what one KV head's keys must be read for), and the recall@10 if every head of
-the group took its top-k from that union. "far" = the same held-out queries turned to offsets drawn
-uniformly in [chunk, model context) (a chunk placed earlier in a long prompt); exact top-k
-recomputed for them.
+the group took its top-k from that union. "shared/KV" = the recall@10 if the group's heads share ONE
+scan of `scan` of the keys (lists by their best rank over the group's heads): keys read per KV head
+= keys scanned. "far" = the same held-out queries turned to offsets drawn uniformly in [chunk,
+model context) (a chunk placed earlier in a long prompt); exact top-k recomputed for them.
 
     python benchmarks/experiments/retrieval_recall_aware.py --layer-step 5
 """
@@ -59,7 +61,7 @@ def evaluate(index, keys, q, scan, top_ks, group) -> dict:
         out[f"r{k}"] = recall(found, scores.topk(k, -1).indices + index.sink)
         out["scan"] = share
     # union over each KV head's group of query heads
-    union_share, union_hits = 0.0, 0.0
+    union_share, union_hits, shared_hits = 0.0, 0.0, 0.0
     for h in range(keys.shape[1]):
         qh = q[:, h * group : (h + 1) * group].reshape(-1, d).float()
         probed, products = _probe(index, h, qh, scan)
@@ -70,7 +72,19 @@ def evaluate(index, keys, q, scan, top_ks, group) -> dict:
         s = scores[:, h * group : (h + 1) * group]
         got = s.masked_fill(~cand[:, None], float("-inf")).topk(top_ks[0], -1).indices
         union_hits += recall(got, s.topk(top_ks[0], -1).indices) / keys.shape[1]
-    out["union"], out["union_r"] = union_share, union_hits
+        # one shared scan per KV head: lists by their best rank over the group's heads, until `scan`
+        score = qh @ index.centroids[h].T
+        if index.probes is not None:
+            score = qh @ index.probes[h, :, :-1].T + index.probes[h, :, -1]
+        best_rank = score.argsort(-1, descending=True).argsort(-1).view(m, group, -1).min(1).values
+        order = best_rank.argsort(-1)
+        sizes = index.offsets[h, 1:] - index.offsets[h, :-1]
+        take = sizes[order].cumsum(-1) <= scan * index.num_indexed
+        take[:, 0] = True
+        shared = torch.zeros_like(take).scatter(1, order, take)[:, index.list_of[h]]  # [m, indexed]
+        got = s.masked_fill(~shared[:, None], float("-inf")).topk(top_ks[0], -1).indices
+        shared_hits += recall(got, s.topk(top_ks[0], -1).indices) / keys.shape[1]
+    out["union"], out["union_r"], out["shared_r"] = union_share, union_hits, shared_hits
     return out
 
 
@@ -89,6 +103,12 @@ def main(argv=None) -> None:
     ap.add_argument("--scan", type=float, nargs="+", default=[0.05, 0.10])
     ap.add_argument("--layer-step", type=int, default=5, help="every Nth layer")
     ap.add_argument("--threads", type=int, default=1, help="torch/faiss threads (build times)")
+    ap.add_argument(
+        "--aware-configs",
+        nargs="*",
+        default=[],
+        help="more 2-level aware builds, each KEYS_PER_LIST/LISTS_PER_GROUP/GROUP_SCAN (e.g. 2/8/3)",
+    )
     args = ap.parse_args(argv)
     import faiss
 
@@ -128,6 +148,10 @@ def main(argv=None) -> None:
                 ("whitened only", None),  # ablation: the aware flat lists, probed by their means
                 ("aware 2-level", aware),
             ]
+            for cfg in args.aware_configs:
+                kpl, lpg, gs = cfg.split("/")
+                extra = {"keys_per_list": int(kpl), "lists_per_group": int(lpg), "group_scan": float(gs)}
+                methods.append((f"aware 2-level {cfg}", {**aware, **extra}))
             index = None
             for method, kw in methods:
                 if kw is None and index is not None:
@@ -146,8 +170,8 @@ def main(argv=None) -> None:
         print(f"\n### {spec}: {L}-token chunk, {args.queries} held-out queries, layers {layers}, "
               f"{KV} KV heads x {G} query heads, sink {args.sink}\n")  # fmt: skip
         cols = ["method", "lists / groups", "target scan", "keys scanned", "extra products", "recall@10",
-                "recall@32", "union/KV: keys", "union/KV: recall@10", "far recall@10", "far recall@32",
-                "build s / chunk-layer"]  # fmt: skip
+                "recall@32", "union/KV: keys", "union/KV: recall@10", "shared/KV: recall@10", "far recall@10",
+                "far recall@32", "build s / chunk-layer"]  # fmt: skip
         print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
         for (method, scan, name), r in sorted(acc.items(), key=lambda kv: kv[0][1]):
             if name != "real":
@@ -156,7 +180,8 @@ def main(argv=None) -> None:
             # fmt: off
             row = [method, f"{r['lists']:.0f} / {r['groups']:.0f}", f"{scan:.2f}", f"{r['scan']:.3f}",
                    f"{r['extra']:.3f}", f"{r['r10']:.3f}", f"{r['r32']:.3f}", f"{r['union']:.3f}",
-                   f"{r['union_r']:.3f}", f"{f['r10']:.3f}", f"{f['r32']:.3f}", f"{r['build_s']:.2f}"]
+                   f"{r['union_r']:.3f}", f"{r['shared_r']:.3f}", f"{f['r10']:.3f}", f"{f['r32']:.3f}",
+                   f"{r['build_s']:.2f}"]
             # fmt: on
             print("| " + " | ".join(row) + " |")
 
