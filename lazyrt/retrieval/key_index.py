@@ -217,14 +217,9 @@ def _fit_probes(q: torch.Tensor, keys: torch.Tensor, a: torch.Tensor, counts: to
     return torch.linalg.solve(gram, x.T @ y).T.contiguous()
 
 
-def _probed_lists(index: KeyIndex, h: int, qh: torch.Tensor, scan: float) -> torch.Tensor:
-    """[queries, lists] bool: the lists each query of KV head h scans (best first until `scan` of the
-    keys, at least one list)."""
-    return _probe(index, h, qh, scan)[0]
-
-
 def _probe(index: KeyIndex, h: int, qh: torch.Tensor, scan: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the lists each query scans [queries, lists] bool, the products each spent choosing [queries])."""
+    """(the lists each query of KV head h scans [queries, lists] bool: best first until `scan` of the
+    keys, at least one list; the products each spent choosing them [queries])."""
     sizes = index.offsets[h, 1:] - index.offsets[h, :-1]
     budget = scan * index.num_indexed
     if index.probes is None:
@@ -270,7 +265,7 @@ def search_key_index(
     scanned = 0
     for h in range(kv_heads):
         qh = q[:, h * group : (h + 1) * group].reshape(-1, d).float()  # [m * group, d]
-        probed = _probed_lists(index, h, qh, scan)
+        probed, _ = _probe(index, h, qh, scan)
         cand = probed[:, index.list_of[h]]  # [m * group, num_indexed]: slot sink + j scanned?
         qi, kj = cand.nonzero(as_tuple=True)
         scores = torch.full(cand.shape, float("-inf"))
