@@ -7,6 +7,11 @@ Same prompts (random token ids), same model shape, same dtype and device, fixed 
 GPU:  python benchmarks/offline_vs_hf.py              (llama-3.1-8b, bf16, batch 16, 2048 + 64 tokens)
 CPU smoke:  python benchmarks/offline_vs_hf.py --model tiny-llama --device cpu --batch 2 \
               --prompt-tokens 16 --output-tokens 4
+
+Physical floor (issue 14): prefill FLOPs (2 x matmul parameters x prompt tokens, plus causal
+attention's 2 x L^2 x hidden a layer) at the matmul rate measured here on a prefill-sized GEMM, plus
+the decode steps' bytes (weights + each request's KV at its mean length) at the measured copy
+bandwidth. lazyrt's time / floor is the fraction of the floor it reaches.
 """
 
 from __future__ import annotations
@@ -21,6 +26,46 @@ import torch
 def sync(device: str) -> None:
     if str(device).startswith("cuda"):
         torch.cuda.synchronize()
+
+
+def matmul_flops(device: str, dtype: torch.dtype, m: int, k: int, n: int) -> float:
+    """FLOP/s of one (m x k) @ (k x n) GEMM, the shape of a prefill's MLP projection."""
+    a = torch.randn(m, k, device=device, dtype=dtype)
+    b = torch.randn(k, n, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    sync(device)
+    reps = 10
+    t = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    sync(device)
+    return 2 * m * k * n * reps / (time.perf_counter() - t)
+
+
+def physical_floor(eng, args, dtype: torch.dtype) -> dict:
+    """Seconds the batch needs at least: prefill FLOPs at the matmul rate + decode bytes at the copy
+    bandwidth (see the module docstring)."""
+    from decode_roofline import copy_bandwidth
+
+    cfg, w = eng.model_config, eng.model.w
+    # matmul weights: every 2-D weight but the embedding table (a lookup); the lm_head runs on one
+    # row a prompt in prefill, so it is left out of the FLOPs and counted in the decode bytes
+    mm_params = sum(t.numel() for n, t in w.items() if t.dim() == 2 and "embed_tokens" not in n
+                    and n != "lm_head.weight")  # fmt: skip
+    step_tensors = {id(t): t for n, t in w.items() if "embed_tokens" not in n}
+    step_tensors[id(eng.model.lm_head)] = eng.model.lm_head
+    weight_bytes = sum(t.numel() * t.element_size() for t in step_tensors.values())
+    L, B, T = args.prompt_tokens, args.batch, args.output_tokens
+    prefill = 2 * mm_params * B * L + 2 * cfg.num_layers * cfg.hidden_size * L * L * B
+    kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * (
+        torch.finfo(dtype).bits // 8)  # fmt: skip
+    decode_bytes = (T - 1) * (weight_bytes + B * (L + T // 2) * kv_per_token)
+    flops = matmul_flops(args.device, dtype, min(B * L, 16384), cfg.hidden_size, cfg.intermediate_size)
+    bw = copy_bandwidth(args.device)
+    floor = prefill / flops + decode_bytes / bw
+    return {"matmul_tflops": flops / 1e12, "copy_gbs": bw / 1e9, "prefill_floor_s": prefill / flops,
+            "decode_floor_s": decode_bytes / bw, "floor_s": floor}
 
 
 def hf_model(args, dtype: torch.dtype):
@@ -93,6 +138,8 @@ def main(argv=None) -> dict:
         "lazyrt_s": t_eng,
         "lazyrt_out_tok_s": n_out / t_eng,
     }
+    row.update(physical_floor(eng, args, dtype))
+    row["floor_fraction"] = row["floor_s"] / t_eng
     del eng
     if not args.skip_hf:
         model = hf_model(args, dtype)
@@ -120,6 +167,13 @@ def main(argv=None) -> dict:
     print(
         f"| lazyrt | {args.batch} | {args.prompt_tokens} | {args.output_tokens} | {t_eng:.2f} | "
         f"{row['lazyrt_out_tok_s']:.1f} |"
+    )
+    r = row
+    print(
+        f"| physical floor | {args.batch} | {args.prompt_tokens} | {args.output_tokens} | "
+        f"{r['floor_s']:.2f} | {n_out / r['floor_s']:.1f} |  (prefill {r['prefill_floor_s']:.2f} s at "
+        f"{r['matmul_tflops']:.0f} TFLOP/s + decode {r['decode_floor_s']:.2f} s at {r['copy_gbs']:.0f} GB/s; "
+        f"lazyrt: {r['floor_fraction']:.0%})"
     )
     if "hf_s" in row:
         print(
