@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 
 from lazyrt.cache.eviction import EVICTION_POLICIES
@@ -31,6 +32,15 @@ class EngineConfig:
     # this many tokens of (pinned, on CUDA) host memory and are copied back when reused instead of
     # recomputed; 0 = off (evicted chunks are dropped).
     host_kv_cache_tokens: int = 0
+    # Retrieval attention (lazy + host tier; lazyrt/retrieval/): a document chunk found only in the
+    # host tier is attended where it lies instead of copied back when the device pool has no free
+    # pages for it: each query head attends exactly to the chunk's first retrieval_sink keys and to
+    # the retrieval_top_k keys an index over the chunk returns (scanning retrieval_scan of its
+    # keys), merged with the device part by log-sum-exp. top_k >= a chunk's keys: exact.
+    retrieval_attention: bool = False
+    retrieval_top_k: int = 128
+    retrieval_sink: int = 16
+    retrieval_scan: float = 0.05
     kv_cache_memory_gb: float = 2.0  # CPU budget when kv_cache_tokens is None
     # CUDA budget when kv_cache_tokens is None: this share of the memory free once the weights are
     # loaded (the rest is for activations, CUDA graphs, other engines in the process)
@@ -84,6 +94,7 @@ class EngineConfig:
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.page_size:
             raise ValueError(f"kv_cache_tokens={self.kv_cache_tokens}: must hold at least one page")
         check_host_kv_cache_tokens(self.cache_mode, self.host_kv_cache_tokens, self.page_size)
+        check_retrieval_options(self)
         f = self.kv_cache_memory_fraction
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 < f <= 0.95:
             raise ValueError(f"kv_cache_memory_fraction={f!r}: must be a number in (0, 0.95]")
@@ -142,6 +153,42 @@ def check_host_kv_cache_tokens(cache_mode: str, tokens: int, page_size: int) -> 
         raise ValueError(
             f"host_kv_cache_tokens={tokens}: needs cache_mode lazy or block (the host tier holds "
             f"document chunks); cache_mode is {cache_mode!r}"
+        )
+
+
+def check_retrieval_options(cfg: EngineConfig) -> None:
+    """Validates the retrieval attention options (ValueError naming the option)."""
+    for name in ("retrieval_top_k", "retrieval_sink"):
+        v, low = getattr(cfg, name), 1 if name == "retrieval_top_k" else 0
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise ValueError(f"{name}={v!r}: must be an integer >= {low}")
+    sc = cfg.retrieval_scan
+    if isinstance(sc, bool) or not isinstance(sc, (int, float)) or not 0.0 < sc <= 1.0:
+        raise ValueError(f"retrieval_scan={sc!r}: must be a number in (0, 1] (share of keys scanned)")
+    if not isinstance(cfg.retrieval_attention, bool):
+        raise ValueError(f"retrieval_attention={cfg.retrieval_attention!r}: must be true or false")
+    if not cfg.retrieval_attention:
+        return
+    if cfg.cache_mode != "lazy":
+        raise ValueError(
+            f"retrieval_attention: needs cache_mode lazy (keys stored unrotated, attended at any "
+            f"position); cache_mode is {cfg.cache_mode!r}"
+        )
+    if not cfg.host_kv_cache_tokens:
+        raise ValueError("retrieval_attention: needs a host KV tier (host_kv_cache_tokens > 0)")
+    if cfg.recompute_policy == "deviation" and (cfg.recompute_pages or cfg.recompute_ratio):
+        raise ValueError(
+            "retrieval_attention cannot be combined with recompute_policy='deviation' (its probe "
+            "reads the chunk's device pages)"
+        )
+    if cfg.doc_attention_temperature != 1 or cfg.doc_attention_scale != 1:
+        raise ValueError(
+            "retrieval_attention cannot be combined with doc_attention_temperature / "
+            "doc_attention_scale other than 1 (the retrieved keys are attended plainly)"
+        )
+    if importlib.util.find_spec("faiss") is None:
+        raise ValueError(
+            "retrieval_attention: needs faiss for its key indexes (pip install 'lazyrt[retrieval]')"
         )
 
 

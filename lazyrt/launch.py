@@ -53,6 +53,20 @@ def build_parser() -> argparse.ArgumentParser:
         "device KV cache move there and are copied back when reused instead of recomputed; 0 = off",
     )
     p.add_argument(
+        "--retrieval-attention",
+        action=argparse.BooleanOptionalAction,
+        default=d.retrieval_attention,
+        help="lazy + host tier: attend to document chunks found only in the host tier where they lie "
+        "(exact sink keys + top-k retrieved keys per chunk) instead of copying them back when the device "
+        "KV cache has no free pages for them",
+    )
+    p.add_argument("--retrieval-top-k", type=int, default=d.retrieval_top_k,
+                   help="keys retrieved per host-tier chunk and query head (>= the chunk's keys: exact)")
+    p.add_argument("--retrieval-sink", type=int, default=d.retrieval_sink,
+                   help="first keys of each host-tier chunk always attended exactly")
+    p.add_argument("--retrieval-scan", type=float, default=d.retrieval_scan,
+                   help="share of a host-tier chunk's keys the index search scans, in (0, 1]")
+    p.add_argument(
         "--kv-cache-memory-gb",
         type=float,
         default=d.kv_cache_memory_gb,
@@ -171,6 +185,10 @@ def main(argv: list[str] | None = None) -> int:
         eviction_policy=args.eviction_policy,
         kv_cache_tokens=args.kv_cache_tokens,
         host_kv_cache_tokens=args.host_kv_cache_tokens,
+        retrieval_attention=args.retrieval_attention,
+        retrieval_top_k=args.retrieval_top_k,
+        retrieval_sink=args.retrieval_sink,
+        retrieval_scan=args.retrieval_scan,
         kv_cache_memory_gb=args.kv_cache_memory_gb,
         kv_cache_memory_fraction=args.kv_cache_memory_fraction,
         max_running_requests=args.max_running_requests,

@@ -36,6 +36,8 @@ class TorchAttentionBackend:
         if meta.shared is not None:
             sh = meta.shared
             o, lse = shared_chunk_attention_torch(q, kv, meta.positions, sh, self.rope, self.sm_scale)
+            if meta.host is not None:
+                meta.host.fill(layer, q, o, lse)
             return merge_parts_ref(o, lse, sh).to(q.dtype)
         return lazy_attention_ref(q, kv, meta, self.rope, self.sm_scale)
 
@@ -65,6 +67,8 @@ class TritonAttentionBackend:
         if meta.shared is not None:
             sh = meta.shared
             o, lse = self._shared(q, kv, meta.positions, sh, self.rope, self.sm_scale, programs=sh.programs)
+            if meta.host is not None:
+                meta.host.fill(layer, q, o, lse)
             return self._merge(o, lse, sh, q.dtype)
         return self._attend(
             q,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -43,6 +44,9 @@ class AttentionMetadata:
     # segments (the same keys as the page table, each distinct run of pages read once for all its
     # queries) instead of per sequence; the page table still describes the step.
     shared: SharedChunkMeta | None = None
+    # Retrieval attention (lazyrt/retrieval/host_attention.py): parts of `shared` past its segments'
+    # pairs that the backend fills per layer with `host.fill(layer, q, o, lse)` before the merge.
+    host: Any = None
 
     @property
     def has_entry_logits(self) -> bool:

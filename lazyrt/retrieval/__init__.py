@@ -5,6 +5,8 @@
   build from the chunk's own prefill queries: whitened two-level lists with least-squares probes.
 - attention.py: attention of queries over a chunk's sink keys and retrieved keys, with the lse for
   merging with the exact parts of a step (torch reference).
+- host_attention.py: the engine's use: a step's host-tier segments attended on the CPU layer by
+  layer (HostAttention, filled into the shared-chunk parts before the merge), indexes cached.
 
 May import: lazyrt.kernels (RoPE).
 """

@@ -221,7 +221,7 @@ class Engine:
         return [self._result(r, detoks[r.rid]) for r in reqs]
 
     def _result(self, req: Request, detok: IncrementalDetokenizer) -> dict:
-        return {
+        out = {
             "text": detok.take(final=True),
             "token_ids": list(req.output_ids),
             "meta": {
@@ -236,6 +236,9 @@ class Engine:
                 "finish_reason": "stop" if detok.stopped else req.finish_reason,
             },
         }
+        if req.host_chunks:  # retrieval attention: documents attended in the host tier
+            out["meta"]["host_attended_chunks"] = req.host_chunks
+        return out
 
     # ---- cache management ---------------------------------------------------------------------
     def cache_stats(self) -> dict:

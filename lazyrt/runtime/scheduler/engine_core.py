@@ -188,6 +188,7 @@ def host_tier_stats(s: Scheduler) -> dict:
     return {
         "chunk_device_hits": st.device_hits,
         "chunk_host_hits": st.host_hits,
+        "chunk_host_attended": s.host_attended,  # retrieval attention: uses attended in the host tier
         "host_total_pages": host.num_pages if host is not None else 0,
         "host_free_pages": host.num_free if host is not None else 0,
         "host_chunk_pages": s.chunks.num_host_pages,
@@ -219,6 +220,8 @@ def request_meta(req: Request) -> dict:
         "chunk_misses": req.chunk_misses,
         "recomputed_tokens": req.recomputed_tokens,
     }
+    if req.host_chunks:
+        meta["host_attended_chunks"] = req.host_chunks
     if req.score_logprobs is not None:
         meta["continuation_logprobs"] = req.score_logprobs
     return meta

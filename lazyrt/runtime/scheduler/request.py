@@ -18,6 +18,8 @@ class Segment:
     start_pos: int
     num_tokens: int
     is_doc: bool = False  # a document's tokens (chunk pages, their block copies, recomputed pages)
+    # pages are HOST tier page ids: a chunk attended where it lies (retrieval attention)
+    host: bool = False
     # (key, arrays) of its page table, built by step_inputs.segment_table; valid while key holds
     table: tuple | None = field(default=None, repr=False, compare=False)
     # (key, pieces) for shared-chunk grouping, built by step_inputs.segment_run; valid while key holds
@@ -51,6 +53,10 @@ class Request:
     segments: list[Segment] = field(default_factory=list)
     own: Segment | None = None
     chunks: list[Chunk] = field(default_factory=list)  # chunk refs held (released at finish)
+    # retrieval attention: host-only chunks it counted on when added (held until admitted, so the
+    # host tier keeps them); host_chunks: how many of its chunks it attends in the host tier
+    host_pins: list[Chunk] = field(default_factory=list)
+    host_chunks: int = 0
     copied_pages: list[int] = field(default_factory=list)  # block mode: per-use copies of doc pages
     # pending block copies: (chunk pages to copy, destination pages, position delta to re-rotate by)
     copies: list[tuple[list[int], list[int], int]] = field(default_factory=list)

@@ -64,6 +64,7 @@ class Scheduler:
         doc_positions: str = "sequential",
         host_kv_pages: int = 0,
         page_bytes: int = 0,
+        retrieval_attention: bool = False,
     ):
         if cache_mode not in CACHE_MODES:
             raise ValueError(f"cache_mode={cache_mode!r}: must be one of {', '.join(CACHE_MODES)}")
@@ -76,6 +77,12 @@ class Scheduler:
         if host_kv_pages:
             host = PagePool(1, host_kv_pages, pool.page_size, 1, 1, torch.float32, "meta")
         self.page_bytes = page_bytes  # one KV page, all layers: host tier traffic in cache_stats
+        if retrieval_attention and (cache_mode != "lazy" or host is None):
+            raise ValueError("retrieval_attention: needs cache_mode lazy and a host KV tier")
+        # Retrieval attention: a chunk found only on the host is attended there (host segments)
+        # when the pool has no free pages to load it; host_attended counts those chunk uses.
+        self.retrieval = retrieval_attention
+        self.host_attended = 0
         self.chunks = ChunkTable(model_id, pool.page_size, eviction_policy, host_pool=host)
         self.radix = RadixCache(pool.page_size)
         self.max_running = max_running_requests
@@ -115,6 +122,7 @@ class Scheduler:
             doc_positions=cfg.doc_positions,
             host_kv_pages=host_kv_pages,
             page_bytes=page_bytes,
+            retrieval_attention=cfg.retrieval_attention,
         )
 
     @property
@@ -130,7 +138,8 @@ class Scheduler:
         own = self.pages_for(len(req.suffix) + req.max_new_tokens)
         if not (req.is_rag and self.uses_chunks):
             return self.pages_for(req.prompt_len + req.max_new_tokens)
-        doc_pages = sum(self.pages_for(len(d)) for d in req.docs)
+        pinned = self._host_only_docs(req)  # attended in the host tier: no device pages
+        doc_pages = sum(self.pages_for(len(d)) for d in req.docs if tuple(d) not in pinned)
         return self.pages_for(len(req.prefix)) + doc_pages + self._per_use_pages(req) + own
 
     def recompute_selection(self, req: Request) -> list[list[int]]:
@@ -184,10 +193,39 @@ class Scheduler:
             )
 
     def add(self, req: Request) -> None:
-        self.check_fits(req)
+        self._pin_host_docs(req)
+        try:
+            self.check_fits(req)
+        except RequestRejected:
+            self._unpin(req)
+            raise
         req.doc_logits = self.doc_logits_for(req)
         req.parallel_docs = self.parallel_docs_for(req)
         self.waiting.append(req)
+
+    def _host_only(self, req: Request) -> list[Chunk]:
+        """Retrieval attention: the request's document chunks found only in the host tier now."""
+        if not (self.retrieval and req.is_rag) or req.score_len:
+            return []
+        prefix = tuple(req.prefix)
+        found = (self.chunks.lookup(prefix, d, record=False) for d in {tuple(d) for d in req.docs})
+        return [c for c in found if c is not None and not c.pages and c.host_pages]
+
+    def _host_only_docs(self, req: Request) -> set[tuple[int, ...]]:
+        chunks = req.host_pins if req.host_pins else self._host_only(req)
+        return {c.tokens for c in chunks}
+
+    def _pin_host_docs(self, req: Request) -> None:
+        """Retrieval attention: hold the request's documents found only in the host tier until it is
+        admitted (they need no device pages, so it may be larger than the device pool)."""
+        for c in self._host_only(req):
+            self.chunks.acquire(c)
+            req.host_pins.append(c)
+
+    def _unpin(self, req: Request) -> None:
+        for c in req.host_pins:
+            self.chunks.release(c)
+        req.host_pins = []
 
     def parallel_docs_for(self, req: Request) -> bool:
         """Whether the request's documents all start right after the prefix (doc_positions).
@@ -215,6 +253,12 @@ class Scheduler:
                 )
         if temp == 1 and scale == 1:
             return None
+        if self.retrieval:
+            raise RequestRejected(
+                "sampling_params.doc_attention_temperature / doc_attention_scale: not supported with "
+                "retrieval_attention (the retrieved keys are attended plainly)",
+                "sampling_params.doc_attention_temperature",
+            )
         return (1.0 / temp, math.log(scale))
 
     @property
@@ -230,6 +274,34 @@ class Scheduler:
             short -= len(freed)
         if short > 0:
             self.pool.free(self.chunks.evict(short))
+
+    def _host_attended(self, req: Request, found: dict) -> set:
+        """Retrieval attention: the keys of `found` chunks (documents found only in the host tier)
+        the request attends where they lie: those the pool cannot also load (free pages plus pages
+        of chunks nobody holds), after the pages it needs anyway (the shared prefix is always
+        loaded: new chunks are computed over it)."""
+        if not self.retrieval or req.score_len:
+            return set()
+        prefix_key = ((), tuple(req.prefix))
+        host_only = [k for k, c in found.items()
+                     if k != prefix_key and c is not None and not c.pages and c.host_pages]  # fmt: skip
+        if not host_only:
+            return set()
+        other = sum(self.pages_for(len(k[1])) for k, c in found.items() if k not in host_only and
+                    (c is None or not c.pages))  # fmt: skip
+        # pages it could have by evicting what nobody holds (the popularity policy picks) count too:
+        # host attention is for contexts the device cannot hold, not a substitute for a load
+        room = self.pool.num_free + self.chunks.evictable_pages()
+        free = room - other - self.pages_for(len(req.suffix) + req.max_new_tokens)
+        free -= self._per_use_pages(req)
+        at_host = set()
+        for k in host_only:
+            n = self.pages_for(len(k[1]))
+            if n <= free:
+                free -= n
+            else:
+                at_host.add(k)
+        return at_host
 
     def _try_admit(self, req: Request) -> bool:
         if req.is_rag and self.uses_chunks:
@@ -275,7 +347,12 @@ class Scheduler:
         for c in held:
             self.chunks.acquire(c)  # protect hits from the eviction below
         # new chunks, and chunks found only in the host tier (copied back, not recomputed)
-        new_pages = sum(self.pages_for(len(t)) for (_, t), c in found.items() if c is None or not c.pages)
+        at_host = self._host_attended(req, found)
+        new_pages = sum(
+            self.pages_for(len(key[1]))
+            for key, c in found.items()
+            if c is None or (not c.pages and key not in at_host)
+        )
         own_pages = self.pages_for(len(req.suffix) + req.max_new_tokens)
         need = new_pages + own_pages + self._per_use_pages(req)
         self._make_room(need)
@@ -283,18 +360,22 @@ class Scheduler:
             for c in held:
                 self.chunks.release(c)
             return False
+        self._unpin(req)  # its admission holds its own refs now
+        req.host_chunks = len(at_host)
+        self.host_attended += len(at_host)
         for key, c in found.items():
             self.chunks.record_use(c)
             if c is None:
                 c = self.chunks.insert(key[0], key[1], self.pool.alloc(self.pages_for(len(key[1]))))
                 self.chunks.acquire(c)
                 found[key] = c
-            elif not c.pages:  # ready for this step's kernels: its load runs before them
+            elif not c.pages and key not in at_host:  # ready for this step's kernels: its load runs first
                 self.chunks.load(c, self.pool.alloc(self.pages_for(c.num_tokens)))
         # Jobs for new chunks; each job holds its own refs until its KV is written.
         prefix_chunk = found[((), prefix)] if prefix else None
-        for (cond, _), c in found.items():
-            if not c.ready and all(j.chunk is not c for j in self.jobs):
+        for key, c in found.items():
+            cond = key[0]
+            if not c.ready and key not in at_host and all(j.chunk is not c for j in self.jobs):
                 job = ChunkJob(c, prefix_chunk if cond else None)
                 for x in (job.chunk, job.cond):
                     if x is not None:
@@ -327,8 +408,12 @@ class Scheduler:
                     req.pending_recompute.append((len(req.segments), 0, list(d[lo : lo + n])))
                 else:
                     req.cached_tokens += n if hit else 0
-                    src = c.pages[lo // self.page_size : lo // self.page_size + self.pages_for(n)]
-                    if self.cache_mode == "block":
+                    on_host = (prefix, tuple(d)) in at_host
+                    pages = c.host_pages if on_host else c.pages
+                    src = pages[lo // self.page_size : lo // self.page_size + self.pages_for(n)]
+                    if on_host:  # attended where it lies (retrieval attention)
+                        seg = Segment(src, pos + lo, n, is_doc=True, host=True)
+                    elif self.cache_mode == "block":
                         seg = Segment(self.pool.alloc(len(src)), pos + lo, n, is_doc=True)
                         req.copied_pages += seg.pages
                         req.copies.append((src, seg.pages, pos - len(prefix)))
@@ -371,7 +456,8 @@ class Scheduler:
                 self.jobs.remove(job)
                 budget -= n
         for req in self.running:
-            if req.state is RequestState.CHUNKS and all(c.ready for c in req.chunks):
+            # (a chunk with only a host copy is complete: attended there, retrieval attention)
+            if req.state is RequestState.CHUNKS and all(c.ready or c.host_pages for c in req.chunks):
                 for src, dst, delta in req.copies:
                     plan.copies.append(PageCopy(src, dst, delta))
                 req.copies = []
@@ -585,6 +671,7 @@ class Scheduler:
             return
         if req.state is RequestState.WAITING:
             self.waiting.remove(req)
+            self._unpin(req)
         else:
             self.running.remove(req)
             for c in req.chunks:

@@ -12,10 +12,18 @@ from lazyrt.kernels.backend import make_backend
 from lazyrt.kernels.host_copy import to_device
 from lazyrt.kernels.metadata import AttentionMetadata
 from lazyrt.kernels.rope import RopeCache
-from lazyrt.kernels.shared_chunk import SharedChunkMeta, build_arrays
+from lazyrt.kernels.shared_chunk import SharedChunkMeta, build_arrays, group_segments
 from lazyrt.models.llama import LlamaModel
+from lazyrt.retrieval.host_attention import (
+    HostAttention,
+    HostIndexCache,
+    RetrievalOptions,
+    add_host_pairs,
+    host_rows,
+)
 from lazyrt.runtime.scheduler.plan import PENDING_TOKEN, ForwardItem, PageCopy, StepPlan
 from lazyrt.runtime.scheduler.recompute import PROBE_LAYER
+from lazyrt.runtime.worker.host_segments import has_host_segments, split_host_segments
 from lazyrt.runtime.worker.step_inputs import SHARED_PIECE_TOKENS, StepInputs, shared_segments
 
 
@@ -28,9 +36,15 @@ class ModelRunner:
         rotate_keys: bool,
         shared_chunk_attention: bool = False,
         host_kv: HostKVPool | None = None,
+        retrieval: RetrievalOptions | None = None,
     ):
         self.model = model
         self.host_kv = host_kv  # the host KV tier's pages (None = off)
+        # retrieval attention over host segments (None = off); its indexes; steps that used it
+        self.retrieval = retrieval
+        self.host_indexes = HostIndexCache()
+        self.retrieval_steps = 0
+        self._rope_cpu: RopeCache | None = None
         # lazy only: the shared kernel rotates keys by their local index (pages hold unrotated keys)
         self.shared_chunk_attention = shared_chunk_attention and rotate_keys
         c = model.config
@@ -162,6 +176,7 @@ class ModelRunner:
         if (plan.offloads or plan.loads) and self.host_kv is None:
             raise RuntimeError("a step moves pages to or from the host tier, but this worker has none")
         for t in plan.offloads:
+            self.host_indexes.invalidate(t.dst)  # those host pages now hold another chunk
             self.host_kv.offload(t.src, t.dst)
         for t in plan.loads:
             self.host_kv.load(t.src, t.dst)
@@ -174,6 +189,8 @@ class ModelRunner:
         self.run_copies(plan)
         if not plan.items:
             return None
+        if has_host_segments(plan):
+            return self._execute_host(plan)
         ps = self.pool.page_size
         s = self.step_inputs(plan)
         if self.graphs is not None and self.graphs.fits(s):
@@ -187,6 +204,37 @@ class ModelRunner:
                 self.graph_steps += 1
                 return self.graphs.run(s, arrays)
         input_ids, meta = self.step_metadata(plan, s)
+        hidden = self.model.forward(input_ids, meta, self.rope, self.backend)
+        if not s.sample_rows:
+            return None
+        return self.model.logits(hidden[to_device(np.array(s.sample_rows, dtype=np.int64), self.device)])
+
+    def _execute_host(self, plan: StepPlan) -> torch.Tensor | None:
+        """A step with host segments (retrieval attention): eager, through shared-chunk attention
+        over the device segments (every run its own segment where nothing repeats), with one more
+        part per (query row, host segment) that HostAttention fills layer by layer."""
+        if self.retrieval is None or self.host_kv is None or not self.rotate_keys:
+            raise RuntimeError("a step attends host-tier pages, but this worker has no retrieval attention")
+        device_plan, parts = split_host_segments(plan)
+        s = self.step_inputs(device_plan)
+        if s.entry_logit_scale is not None:
+            raise RuntimeError("retrieval attention does not support document attention (doc_attention_*)")
+        input_ids, meta = self.build_metadata(s)
+        ps, qo = self.pool.page_size, s.qo_indptr
+        items = device_plan.items
+        runs = [[(g.pages, g.num_tokens, g.start_pos) for g in it.segments if g.num_tokens] for it in items]
+        seqs = [(range(qo[i], qo[i + 1]), r) for i, r in enumerate(runs)]
+        segments, _, _ = group_segments(seqs, ps, SHARED_PIECE_TOKENS)
+        arrays = build_arrays(segments, ps, len(s.input_ids), self.shared_block_pairs)
+        host = host_rows(parts, qo)
+        add_host_pairs(arrays, host)
+        meta.shared = SharedChunkMeta.from_arrays(arrays, self.shared_block_pairs, self.device)
+        if self._rope_cpu is None:
+            self._rope_cpu = self.rope.to("cpu")
+        scale = self.model.config.head_dim**-0.5
+        opts, indexes = self.retrieval, self.host_indexes
+        meta.host = HostAttention(host, self.host_kv.kv, self._rope_cpu, scale, opts, indexes)
+        self.retrieval_steps += 1
         hidden = self.model.forward(input_ids, meta, self.rope, self.backend)
         if not s.sample_rows:
             return None

@@ -15,6 +15,7 @@ from lazyrt.cache.page_pool import PagePool
 from lazyrt.config import EngineConfig
 from lazyrt.models.llama import LlamaModel
 from lazyrt.models.loader import load_model
+from lazyrt.retrieval.host_attention import RetrievalOptions
 from lazyrt.runtime.ipc.messages import StepMsg, StepResult, WorkerReady
 from lazyrt.runtime.scheduler.plan import StepPlan
 from lazyrt.runtime.scheduler.step_wire import StepDecoder
@@ -70,6 +71,9 @@ class ModelWorker:
             rotate_keys=cfg.cache_mode == "lazy",
             shared_chunk_attention=cfg.shared_chunk_attention,
             host_kv=self.host_kv,
+            retrieval=RetrievalOptions(cfg.retrieval_top_k, cfg.retrieval_sink, cfg.retrieval_scan)
+            if cfg.retrieval_attention
+            else None,
         )
         if self.model.device.type == "cuda" and cfg.cuda_graph_max_batch > 0:
             # A server configured with document attention uses it in every step: capture those graphs
