@@ -36,7 +36,8 @@ class EngineConfig:
     # host tier is attended where it lies instead of copied back when the device pool has no free
     # pages for it: each query head attends exactly to the chunk's first retrieval_sink keys and to
     # the retrieval_top_k keys an index over the chunk returns (scanning retrieval_scan of its
-    # keys), merged with the device part by log-sum-exp. top_k >= a chunk's keys: exact.
+    # keys, and at least 2 x top_k), merged with the device part by log-sum-exp. top_k >= a chunk's
+    # keys: exact.
     retrieval_attention: bool = False
     retrieval_top_k: int = 128
     retrieval_sink: int = 16

@@ -126,9 +126,10 @@ class HostAttention:
             index = None
             if self.options.top_k < n - sink:  # else every key: exact
                 index = self.indexes.get((part.pages, n, layer, sink), self._builder(k, sink))
-            po, pl = retrieval_attention_ref(
-                qp, k, v, index, self.rope, self.sm_scale, self.options.top_k, self.options.scan
-            )
+            # scan at least 2 x top_k keys: top-k out of fewer candidates would be no choice at all
+            scan = min(1.0, max(self.options.scan, 2 * self.options.top_k / max(1, n - sink)))
+            top_k = self.options.top_k
+            po, pl = retrieval_attention_ref(qp, k, v, index, self.rope, self.sm_scale, top_k, scan)
             o[part.pair0 : part.pair0 + m] = po.to(o.device)
             lse[part.pair0 : part.pair0 + m] = pl.to(lse.device)
 
