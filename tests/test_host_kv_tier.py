@@ -267,6 +267,6 @@ def test_metrics_report_both_tiers(tiny_model_dir):
     eng = Engine(tiny_model_dir("llama"), device="cpu", kv_cache_tokens=1024, host_kv_cache_tokens=512)
     text = ServerMetrics().render(eng.cache_stats()).decode()
     for name in ("lazyrt_host_kv_pages_total 32.0", "lazyrt_chunk_host_hits_total",
-                 "lazyrt_chunk_loads_total",
+                 "lazyrt_chunk_loads_total", "lazyrt_chunk_host_attended_total",
                  "lazyrt_host_load_bytes_total", "lazyrt_chunk_device_hits_total"):
         assert name in text

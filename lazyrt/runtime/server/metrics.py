@@ -48,6 +48,8 @@ class _CacheCollector(Collector):
             "lazyrt_chunk_host_hits": ("document chunks found in the host KV tier", "chunk_host_hits"),
             "lazyrt_chunk_offloads": ("document chunks copied to the host KV tier", "chunk_offloads"),
             "lazyrt_chunk_loads": ("document chunks copied from the host KV tier", "chunk_loads"),
+            "lazyrt_chunk_host_attended": ("document chunk uses attended in the host KV tier (retrieval "
+                                           "attention)", "chunk_host_attended"),
             "lazyrt_chunk_host_evictions": ("document chunks dropped from the host KV tier",
                                             "chunk_host_evictions"),
             "lazyrt_host_offload_bytes": ("KV bytes copied device -> host", "host_offload_bytes"),
