@@ -190,6 +190,8 @@ class Scheduler:
             raise RequestTooLarge(
                 f"request needs {need} KV pages ({need * self.page_size} tokens incl. max_tokens) but the "
                 f"KV cache holds {self.pool.num_pages} pages; raise kv_cache_tokens or shorten the prompt"
+                + (" (with retrieval attention, only documents already in the host KV tier need no device "
+                   "pages: documents not yet computed must fit together)" if self.retrieval else "")
             )
 
     def add(self, req: Request) -> None:
