@@ -1,0 +1,124 @@
+"""Long context with most KV in host memory (issue 15): retrieval attention vs full attention.
+
+One request over `--docs` documents of `--doc-tokens` tokens (default 64 x 2,048 = 128K tokens) and a
+16-token question, batch 1 and `--batch` (the same documents, different questions), on two engines
+run one after the other in this process (dummy weights in the model's real shapes):
+  full       every document's KV resident on the device (a pool that holds the whole context);
+  retrieval  a device pool of `--device-share` of the context's KV and a host tier holding all of
+             it; documents are computed `--warm-docs` at a time (so the earlier ones move to the
+             host), then the request attends the host-resident ones through retrieval attention
+             (sink + top-k keys per document, `--top-k`, `--sink`, `--scan`).
+Reported per engine and batch: time to first token, decode seconds per token (the steps after the
+first token, wall clock, synchronized), output tokens/s, peak device memory (torch) and how many of
+the request's documents were attended in the host tier.
+
+GPU:  python benchmarks/long_context.py --out long_context.json
+CPU smoke:  python benchmarks/long_context.py --model tiny-llama --device cpu --docs 8 --doc-tokens 64 \\
+              --batch 2 --new-tokens 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="llama-3.1-8b")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--docs", type=int, default=64)
+    p.add_argument("--doc-tokens", type=int, default=2048)
+    p.add_argument("--new-tokens", type=int, default=16)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--device-share", type=float, default=0.125, help="device KV pool / the context's KV")
+    p.add_argument("--warm-docs", type=int, default=4, help="documents computed per warm-up request")
+    p.add_argument("--top-k", type=int, default=128)
+    p.add_argument("--sink", type=int, default=16)
+    p.add_argument("--scan", type=float, default=0.05)
+    p.add_argument("--modes", nargs="+", default=["full", "retrieval"], choices=["full", "retrieval"])
+    p.add_argument("--out", default=None, help="JSON with every row")
+    args = p.parse_args()
+
+    from lazyrt import Engine, RagPrompt, SamplingParams
+
+    cuda = args.device.startswith("cuda")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    gen = torch.Generator().manual_seed(0)
+    context = args.docs * (args.doc_tokens + 16) + 16
+    rows = []
+    for mode in args.modes:
+        extra = 64 + args.batch * (32 + args.new_tokens)  # prefix, questions, outputs
+        if mode == "full":
+            kw = dict(kv_cache_tokens=context + extra)
+        else:
+            dev = max(int(args.device_share * context), args.warm_docs * (args.doc_tokens + 16)) + extra
+            kw = dict(kv_cache_tokens=dev, host_kv_cache_tokens=context + 1024, retrieval_attention=True,
+                      retrieval_top_k=args.top_k, retrieval_sink=args.sink, retrieval_scan=args.scan)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        eng = Engine(args.model, device=args.device, load_format="dummy", max_running_requests=args.batch,
+                     **kw)  # fmt: skip
+        vocab = min(eng.model_config.vocab_size, 32000)
+        gen.manual_seed(0)  # the same documents and questions for every mode
+
+        def rand(n: int, vocab: int = vocab) -> list[int]:
+            return torch.randint(100, vocab, (n,), generator=gen).tolist()
+
+        prefix = rand(16)
+        docs = [rand(args.doc_tokens) for _ in range(args.docs)]
+        one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        t = time.perf_counter()
+        for i in range(0, args.docs, args.warm_docs):  # compute the documents, a few at a time
+            eng.generate(RagPrompt(prefix, docs[i : i + args.warm_docs], rand(4)), one)
+        sync()
+        warm_s = time.perf_counter() - t
+        for b in (1, args.batch):
+            prompts = [RagPrompt(prefix, docs, rand(16)) for _ in range(b)]
+            sync()
+            t = time.perf_counter()
+            first = eng.generate(prompts, one)
+            sync()
+            ttft = time.perf_counter() - t  # the batch's first tokens, together
+            sp = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+            prompts = [RagPrompt(prefix, docs, rand(16)) for _ in range(b)]
+            sync()
+            t = time.perf_counter()
+            outs = eng.generate(prompts, sp)
+            sync()
+            total = time.perf_counter() - t
+            decode = max(total - ttft, 1e-9) / (args.new_tokens - 1)
+            row = {
+                "mode": mode, "batch": b, "context_tokens": context, "ttft_s": ttft,
+                "decode_s_per_token": decode, "out_tok_s": b * args.new_tokens / total,
+                "host_attended": outs[0]["meta"].get("host_attended_chunks", 0),
+                "first_host_attended": first[0]["meta"].get("host_attended_chunks", 0),
+                "device_kv_tokens": eng.pool.num_pages * eng.pool.page_size,
+                "peak_device_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+                "warm_s": warm_s, "index_builds": eng.runner.host_indexes.builds,
+                "retrieval_steps": eng.runner.retrieval_steps,
+            }  # fmt: skip
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        del eng
+        if cuda:
+            torch.cuda.empty_cache()
+    print(f"\n{args.model}, {args.docs} x {args.doc_tokens}-token documents ({context} tokens), "
+          f"top-k {args.top_k}, sink {args.sink}, scan {args.scan}")
+    print("| mode | batch | device KV (tokens) | documents on host | TTFT (s) | decode (s/token) | "
+          "out tok/s | peak device GiB |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        gib = f"{r['peak_device_gib']:.1f}" if r["peak_device_gib"] is not None else "-"
+        print(f"| {r['mode']} | {r['batch']} | {r['device_kv_tokens']} | {r['host_attended']} | "
+              f"{r['ttft_s']:.3f} | {r['decode_s_per_token']:.4f} | {r['out_tok_s']:.1f} | {gib} |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
