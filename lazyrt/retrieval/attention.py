@@ -21,17 +21,21 @@ def retrieval_attention_ref(
     sm_scale: float,
     top_k: int,
     scan: float = 0.05,
+    local: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [m, q_heads, d] in the chunk's frame (turned by p - pos_base); k, v [n, kv_heads, d]: the
     chunk's keys as stored (unrotated) and values. Each query head attends to the sink keys and its
     top_k retrieved keys; with top_k >= the indexed keys (or index None) to every key: exact
-    attention over the chunk. Returns (o [m, q_heads, d] fp32, lse [m, q_heads] fp32)."""
+    attention over the chunk. local: the keys already turned to their local positions (any float
+    dtype; kept by a caller that searches the chunk often), else turned here.
+    Returns (o [m, q_heads, d] fp32, lse [m, q_heads] fp32)."""
     n, kv_heads, d = k.shape
     m, q_heads, _ = q.shape
     group = q_heads // kv_heads
     if q_heads != group * kv_heads or q.shape[2] != d or v.shape != k.shape:
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not match")
-    local = apply_rope_ref(k.float(), torch.arange(n, device=k.device), rope)  # the keys at local slots
+    if local is None:  # the keys at local slots
+        local = apply_rope_ref(k.float(), torch.arange(n, device=k.device), rope)
     if index is None or top_k >= index.num_indexed:
         slots = torch.arange(n).expand(m, q_heads, n)
     else:
@@ -43,8 +47,8 @@ def retrieval_attention_ref(
     head = (torch.arange(q_heads) // group).view(1, q_heads, 1)
     valid = slots >= 0
     s = slots.clamp(min=0)
-    scores = (q.float().unsqueeze(2) * local[s, head]).sum(-1) * sm_scale  # [m, q_heads, keys]
+    scores = (q.float().unsqueeze(2) * local[s, head].float()).sum(-1) * sm_scale  # [m, q_heads, keys]
     scores = scores.masked_fill(~valid, float("-inf"))
     lse = torch.logsumexp(scores, -1)
-    o = (torch.softmax(scores, -1).unsqueeze(-1) * v.float()[s, head]).sum(-2)
+    o = (torch.softmax(scores, -1).unsqueeze(-1) * v[s, head].float()).sum(-2)  # only the chosen values
     return o, lse

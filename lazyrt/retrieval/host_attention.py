@@ -68,13 +68,14 @@ def add_host_pairs(arrays: dict[str, np.ndarray], parts: list[HostPart]) -> None
 
 
 class HostIndexCache:
-    """KeyIndex per (host pages, tokens, layer), built on first use; dropped when a page is rewritten."""
+    """(KeyIndex, local keys) per (host pages, tokens, layer, sink), built on first use; dropped when
+    one of its pages is rewritten."""
 
     def __init__(self) -> None:
-        self._indexes: dict[tuple, KeyIndex] = {}
+        self._indexes: dict[tuple, tuple[KeyIndex, torch.Tensor]] = {}
         self.builds = 0
 
-    def get(self, key: tuple, build) -> KeyIndex:
+    def get(self, key: tuple, build) -> tuple[KeyIndex, torch.Tensor]:
         idx = self._indexes.get(key)
         if idx is None:
             idx = self._indexes[key] = build()
@@ -104,9 +105,14 @@ class HostAttention:
         self.sm_scale, self.options, self.indexes = sm_scale, options, indexes
 
     def _builder(self, k: torch.Tensor, sink: int):
-        """A KeyIndex builder over keys k [n, kv_heads, D] as stored (turned to local positions)."""
-        n = k.shape[0]
-        return lambda: build_key_index(apply_rope_ref(k.float(), torch.arange(n), self.rope), sink=sink)
+        """Builds (KeyIndex, the keys at local positions in k's dtype: kept, so a step does not turn
+        every key again; as much memory as the chunk's keys) from keys k [n, kv_heads, D] as stored."""
+
+        def build() -> tuple[KeyIndex, torch.Tensor]:
+            local = apply_rope_ref(k.float(), torch.arange(k.shape[0]), self.rope)
+            return build_key_index(local, sink=sink), local.to(k.dtype)
+
+        return build
 
     def fill(self, layer: int, q: torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> None:
         """Writes the host parts of o [P, H, D] / lse [P, H] (fp32) from q [T, H, D] rotated at the
@@ -119,17 +125,21 @@ class HostAttention:
             cos, sin = self.rope.cos[part.start_pos, :half], self.rope.sin[part.start_pos, :half]
             q1, q2 = qp[..., :half], qp[..., half:rd]  # turned back by start_pos: the segment's frame
             qp = torch.cat([q1 * cos + q2 * sin, q2 * cos - q1 * sin, qp[..., rd:]], dim=-1)
-            kv = self.host_kv[list(part.pages), layer]  # [pages, 2, page_size, kv_heads, D]
+            pages = part.pages  # a run of consecutive host pages (the usual case) is a view, not a copy
+            if pages[-1] - pages[0] == len(pages) - 1:
+                kv = self.host_kv[pages[0] : pages[-1] + 1, layer]  # [pages, 2, page_size, kv_heads, D]
+            else:
+                kv = self.host_kv[list(pages), layer]
             k = kv[:, 0].reshape(-1, *kv.shape[3:])[:n]
             v = kv[:, 1].reshape(-1, *kv.shape[3:])[:n]
             sink = min(self.options.sink, n - 1)
-            index = None
+            index = local = None
             if self.options.top_k < n - sink:  # else every key: exact
-                index = self.indexes.get((part.pages, n, layer, sink), self._builder(k, sink))
+                index, local = self.indexes.get((part.pages, n, layer, sink), self._builder(k, sink))
             # scan at least 2 x top_k keys: top-k out of fewer candidates would be no choice at all
             scan = min(1.0, max(self.options.scan, 2 * self.options.top_k / max(1, n - sink)))
             top_k = self.options.top_k
-            po, pl = retrieval_attention_ref(qp, k, v, index, self.rope, self.sm_scale, top_k, scan)
+            po, pl = retrieval_attention_ref(qp, k, v, index, self.rope, self.sm_scale, top_k, scan, local)
             o[part.pair0 : part.pair0 + m] = po.to(o.device)
             lse[part.pair0 : part.pair0 + m] = pl.to(lse.device)
 
