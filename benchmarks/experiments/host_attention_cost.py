@@ -25,7 +25,8 @@ def main() -> None:
     chunks, n, ps, kvh, d, qh = 8, 2048, 16, 8, 128, 32
     pages = n // ps
     kv = torch.randn(chunks * pages, 1, 2, ps, kvh, d, dtype=torch.bfloat16)
-    parts = [HostPart(range(0, 1), tuple(range(c * pages, (c + 1) * pages)), n, 16 + c * n, c) for c in range(chunks)]
+    runs = [tuple(range(c * pages, (c + 1) * pages)) for c in range(chunks)]
+    parts = [HostPart(range(0, 1), run, n, 16 + c * n, c) for c, run in enumerate(runs)]
     cache = HostIndexCache()
     ha = HostAttention(parts, kv, rope, d**-0.5, RetrievalOptions(128, 16, 0.05), cache)
     q = torch.randn(1, qh, d)
