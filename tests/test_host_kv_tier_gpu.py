@@ -65,3 +65,25 @@ def test_engine_reuses_documents_from_the_host(overlap):
     assert s["chunk_host_hits"] > 0 and s["chunk_offloads"] > 0 and s["held_pages"] == 0
     tight.flush_cache()
     assert tight.pool.num_free == tight.pool.num_pages and tight.scheduler.chunks.num_host_pages == 0
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_retrieval_attention_exact_on_cuda(overlap):
+    """Retrieval attention through the Triton shared-chunk kernel and merge: documents pushed to the
+    host tier and attended there with top-k covering every key give a roomy engine's tokens."""
+    pytest.importorskip("faiss")
+    rng = random.Random()
+    kw = dict(load_format="dummy", device="cuda", dtype="float32", overlap_schedule=overlap)
+    roomy = Engine("smollm2-135m", kv_cache_tokens=8192, **kw)
+    tight = Engine("smollm2-135m", kv_cache_tokens=16 * 14, host_kv_cache_tokens=16 * 64,
+                   retrieval_attention=True, retrieval_top_k=10**6, max_running_requests=1, **kw)  # fmt: skip
+    vocab = roomy.model_config.vocab_size
+    ids = lambda n: [rng.randrange(100, vocab) for _ in range(n)]  # noqa: E731
+    prefix, docs = ids(20), [ids(rng.randint(30, 44)) for _ in range(6)]
+    prompts = [RagPrompt(prefix, docs[:3], ids(4)), RagPrompt(prefix, docs[3:], ids(4))]
+    prompts += [RagPrompt(prefix, rng.sample(docs, 6), ids(5)) for _ in range(2)]
+    sp = SamplingParams(max_tokens=6, ignore_eos=True)
+    for p in prompts:
+        assert tight.generate(p, sp)[0]["token_ids"] == roomy.generate(p, sp)[0]["token_ids"]
+    s = tight.cache_stats()
+    assert s["chunk_host_attended"] >= 2 and s["held_pages"] == 0 and tight.runner.retrieval_steps > 0
