@@ -27,6 +27,9 @@ class SamplingParams:
     # Document positions (lazy/block; None = the engine's setting): "sequential" or "parallel" (every
     # document right after the shared prefix, APE-style; EngineConfig.doc_positions).
     doc_positions: str | None = None
+    # Retrieval attention (None = the engine's retrieval_top_k): keys retrieved per host-tier document
+    # and query head for this request; >= a document's keys attends to all of them (exact).
+    retrieval_top_k: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -54,6 +57,9 @@ class SamplingParams:
             v = getattr(self, name)
             if v is not None and not positive_number(v):
                 raise bad(name, "must be a finite number > 0, or None for the engine's setting")
+        k = self.retrieval_top_k
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+            raise bad("retrieval_top_k", "must be an integer >= 1, or None for the engine's setting")
         if self.doc_positions not in (None, "sequential", "parallel"):
             raise bad("doc_positions", "must be 'sequential', 'parallel', or None for the engine's setting")
 

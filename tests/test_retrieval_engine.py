@@ -199,3 +199,34 @@ def test_retrieval_flags_reach_the_config(capsys):
     assert (args.retrieval_attention, args.retrieval_top_k, args.retrieval_sink, args.retrieval_scan) == (
         True, 64, 8, 0.1,
     )  # fmt: skip
+
+
+def test_per_request_top_k(tiny_model_dir):
+    """A request's retrieval_top_k overrides the engine's: covering every key gives full attention's
+    tokens on an engine whose own top-k is 2; a server without retrieval refuses the field by name."""
+    path = tiny_model_dir("llama")
+    warm, big = _workload(random.Random())
+    exact = SamplingParams(max_tokens=6, ignore_eos=True, retrieval_top_k=10**6)
+    want = [o["token_ids"] for o in _run(Engine(path, device="cpu", kv_cache_tokens=8192), warm + big,
+                                         SamplingParams(max_tokens=6, ignore_eos=True))]  # fmt: skip
+    eng = _tight(path, 2)
+    got = _run(eng, warm + big, exact)
+    assert [o["token_ids"] for o in got] == want
+    assert eng.runner.host_indexes.builds == 0 and eng.cache_stats()["chunk_host_attended"] >= 2
+    with pytest.raises(ValueError, match="retrieval_top_k"):
+        SamplingParams(retrieval_top_k=0)
+    from lazyrt.runtime.scheduler.scheduler import RequestRejected
+
+    plain = Engine(path, device="cpu", kv_cache_tokens=1024)
+    with pytest.raises(RequestRejected, match="retrieval_top_k") as e:
+        plain.generate(big[0], exact)
+    assert e.value.param == "sampling_params.retrieval_top_k"
+
+
+def test_http_retrieval_top_k_is_parsed_and_checked():
+    from lazyrt.runtime.server.protocol import ApiError, parse_completion
+
+    body = {"prompt": "hi", "documents": ["a doc"], "retrieval_top_k": 32}
+    assert parse_completion(body, "m").req.sampling.retrieval_top_k == 32
+    with pytest.raises(ApiError, match="retrieval_top_k"):
+        parse_completion({**body, "retrieval_top_k": 0}, "m")

@@ -43,6 +43,7 @@ class HostPart:
     num_tokens: int
     start_pos: int
     pair0: int = 0
+    top_k: int | None = None  # the request's retrieval_top_k (None: the engine's)
 
 
 def add_host_pairs(arrays: dict[str, np.ndarray], parts: list[HostPart]) -> None:
@@ -133,12 +134,12 @@ class HostAttention:
             k = kv[:, 0].reshape(-1, *kv.shape[3:])[:n]
             v = kv[:, 1].reshape(-1, *kv.shape[3:])[:n]
             sink = min(self.options.sink, n - 1)
+            top_k = part.top_k or self.options.top_k
             index = local = None
-            if self.options.top_k < n - sink:  # else every key: exact
+            if top_k < n - sink:  # else every key: exact
                 index, local = self.indexes.get((part.pages, n, layer, sink), self._builder(k, sink))
             # scan at least 2 x top_k keys: top-k out of fewer candidates would be no choice at all
-            scan = min(1.0, max(self.options.scan, 2 * self.options.top_k / max(1, n - sink)))
-            top_k = self.options.top_k
+            scan = min(1.0, max(self.options.scan, 2 * top_k / max(1, n - sink)))
             po, pl = retrieval_attention_ref(qp, k, v, index, self.rope, self.sm_scale, top_k, scan, local)
             o[part.pair0 : part.pair0 + m] = po.to(o.device)
             lse[part.pair0 : part.pair0 + m] = pl.to(lse.device)

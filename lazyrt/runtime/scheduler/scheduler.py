@@ -195,14 +195,20 @@ class Scheduler:
             )
 
     def add(self, req: Request) -> None:
+        req.doc_logits = self.doc_logits_for(req)
+        req.parallel_docs = self.parallel_docs_for(req)
+        if req.params.retrieval_top_k is not None and not self.retrieval:
+            raise RequestRejected(
+                f"sampling_params.retrieval_top_k={req.params.retrieval_top_k}: needs a server started with "
+                "retrieval attention (--retrieval-attention)",
+                "sampling_params.retrieval_top_k",
+            )
         self._pin_host_docs(req)
         try:
             self.check_fits(req)
         except RequestRejected:
             self._unpin(req)
             raise
-        req.doc_logits = self.doc_logits_for(req)
-        req.parallel_docs = self.parallel_docs_for(req)
         self.waiting.append(req)
 
     def _host_only(self, req: Request) -> list[Chunk]:

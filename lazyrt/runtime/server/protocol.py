@@ -124,7 +124,11 @@ def _sampling(src: dict, prefix: str, default_max_tokens: int, default_temperatu
     doc_positions = src.get("doc_positions")
     if doc_positions not in (None, "sequential", "parallel"):
         raise bad(p("doc_positions"), f"must be 'sequential' or 'parallel', got {doc_positions!r}")
+    retrieval_top_k = src.get("retrieval_top_k")
+    if retrieval_top_k is not None and (not _is_int(retrieval_top_k) or retrieval_top_k < 1):
+        raise bad(p("retrieval_top_k"), f"must be an integer >= 1, got {retrieval_top_k!r}")
     return SamplingParams(
+        retrieval_top_k=retrieval_top_k,
         doc_positions=doc_positions,
         **doc_attention,
         max_tokens=max_tokens,

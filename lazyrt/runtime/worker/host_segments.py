@@ -19,6 +19,7 @@ def split_host_segments(plan: StepPlan) -> tuple[StepPlan, list[list[HostPart]]]
     items, parts = [], []
     for it in plan.items:
         host = [g for g in it.segments if g.host]
-        parts.append([HostPart(range(0), tuple(g.pages), g.num_tokens, g.start_pos) for g in host])
+        top_k = it.request.params.retrieval_top_k if it.request is not None else None
+        parts.append([HostPart(range(0), tuple(g.pages), g.num_tokens, g.start_pos, 0, top_k) for g in host])
         items.append(replace(it, segments=[g for g in it.segments if not g.host]) if host else it)
     return replace(plan, items=items), parts
