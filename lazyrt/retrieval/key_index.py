@@ -261,17 +261,16 @@ def search_key_index(
     kv_heads = index.centroids.shape[0]
     group = q_heads // kv_heads
     k = min(top_k, index.num_indexed)
+    qg = q.float().view(m, kv_heads, group, d).transpose(0, 1).reshape(kv_heads, m * group, d)
+    # the lists each query scans (per KV head: the probes differ), then every head's keys at once:
+    # all scores in one batched product, the unscanned ones masked (cheaper here than gathering)
+    probed = torch.stack([_probe(index, h, qg[h], scan)[0] for h in range(kv_heads)])  # [H, Q, lists]
+    n = index.num_indexed
+    cand = torch.gather(probed, 2, index.list_of[:, None, :].expand(kv_heads, m * group, n))
+    kk = keys[index.sink :].float().permute(1, 2, 0)  # [H, d, n]
+    scores = torch.bmm(qg, kk).masked_fill_(~cand, float("-inf"))
+    best = scores.topk(k, -1)
+    slots = torch.where(best.values > float("-inf"), best.indices + index.sink, -1)  # [H, Q, k]
     out = torch.full((m, q_heads, top_k), -1, dtype=torch.int64)
-    scanned = 0
-    for h in range(kv_heads):
-        qh = q[:, h * group : (h + 1) * group].reshape(-1, d).float()  # [m * group, d]
-        probed, _ = _probe(index, h, qh, scan)
-        cand = probed[:, index.list_of[h]]  # [m * group, num_indexed]: slot sink + j scanned?
-        qi, kj = cand.nonzero(as_tuple=True)
-        scores = torch.full(cand.shape, float("-inf"))
-        scores[qi, kj] = (qh[qi] * keys[kj + index.sink, h].float()).sum(-1)  # only the scanned keys
-        scanned += len(kj)
-        best = scores.topk(k, -1)
-        slots = torch.where(best.values > float("-inf"), best.indices + index.sink, -1)
-        out[:, h * group : (h + 1) * group, :k] = slots.view(m, group, k)
-    return out, scanned / max(1, m * q_heads * index.num_indexed)
+    out[:, :, :k] = slots.view(kv_heads, m, group, k).transpose(0, 1).reshape(m, q_heads, k)
+    return out, int(cand.sum()) / max(1, m * q_heads * n)
