@@ -121,3 +121,59 @@ def test_group_segments_counts_pages_and_never_merges_different_pages():
     )
     assert per_request == 9 and shared == 9  # same first pages, other last page or length: 3 segments
     assert [(p, n) for p, n, _ in segs] == [([1, 2, 3], 12), ([1, 2, 4], 12), ([1, 2, 3], 10)]
+
+
+def _canon_arrays(a: dict) -> list:
+    """A step's shared-chunk arrays as a sorted list of (pages, tokens, sorted pairs)."""
+    kp, pp = a["chunk_kv_indptr"], a["pair_indptr"]
+    rows, starts = a["pair_row"].tolist(), a["pair_start"].tolist()
+    return sorted(
+        (tuple(a["chunk_kv_indices"][kp[c] : kp[c + 1]].tolist()), int(a["chunk_len"][c]),
+         tuple(sorted(zip(rows[pp[c] : pp[c + 1]], starts[pp[c] : pp[c + 1]]))))
+        for c in range(len(a["chunk_len"]))
+    )  # fmt: skip
+
+
+def test_shared_arrays_reuse_the_document_grouping_across_decode_steps():
+    """shared_arrays keeps the grouping of the runs other than each item's own between steps; over
+    decode steps whose own runs grow (crossing pages), a request joining and one leaving, its arrays
+    describe the same segments and pairs as a from-scratch grouping (shared_segments) every step, and
+    the work items and per-row index match build_arrays over those segments."""
+    from lazyrt.kernels.shared_chunk import build_arrays
+    from lazyrt.runtime.worker.step_inputs import SharedGrouping, shared_arrays
+
+    rng = random.Random()
+    ps = 4
+    docs = [Segment(list(range(100 * d, 100 * d + rng.randint(2, 6))), 0, 0, is_doc=True) for d in range(4)]
+    for d in docs:
+        d.num_tokens = (len(d.pages) - 1) * ps + rng.randint(1, ps)
+
+    def request(r: int) -> list[Segment]:
+        pos, segs = 0, []
+        for d in rng.sample(docs, 3):
+            segs.append(Segment(d.pages, pos, d.num_tokens, is_doc=True))
+            pos += d.num_tokens
+        segs.append(Segment([1000 + 10 * r + i for i in range(8)], pos, rng.randint(1, 5)))  # own run
+        return segs
+
+    batch = {r: request(r) for r in range(3)}
+    cache, hits = SharedGrouping(), 0
+    for step in range(12):
+        if step == 4:
+            batch[3] = request(3)  # joins
+        if step == 8:
+            del batch[1]  # leaves
+        plan = StepPlan(items=[_item(1, segs) for segs in batch.values()])
+        s = StepInputs.from_plan(plan, ps)
+        key_before = cache.key
+        got = shared_arrays(plan, s, ps, 2, cache)
+        hits += key_before is not None and cache.key is key_before
+        want = shared_segments(plan, s, ps, piece_tokens=512)
+        assert (got is None) == (want is None)
+        if got is not None:
+            assert _canon_arrays(got) == _canon_arrays(build_arrays(want, ps, len(s.input_ids), 2))
+            T = len(s.input_ids)
+            assert got["row_part_indptr"][-1] == len(got["pair_row"]) and len(got["row_part_indptr"]) == T + 1
+        for segs in batch.values():
+            segs[-1].num_tokens += 1  # the decode step wrote one token
+    assert hits >= 8  # only the first step and the batch changes regroup the documents

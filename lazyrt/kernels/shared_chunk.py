@@ -97,8 +97,14 @@ def build_arrays(
 ) -> dict[str, np.ndarray]:
     """Host int32 arrays of SharedChunkMeta (see there) for `segments`; raises ValueError on a
     segment whose pages cannot hold its tokens."""
-    if block_pairs < 1:
-        raise ValueError(f"block_pairs={block_pairs}: must be >= 1")
+    return finish_arrays(flatten_segments(segments, page_size), num_rows, block_pairs)
+
+
+def flatten_segments(
+    segments: Sequence[tuple[Sequence[int], int, Sequence[tuple[int, int]]]], page_size: int
+) -> dict[str, np.ndarray]:
+    """The segments' pages, lengths and pairs as int32 arrays (kv_indptr, indices, lens, pair_indptr,
+    rows, starts); concat_flat joins two such parts (a step's cached document part and its own runs)."""
     kv_indptr, indices, lens, pair_indptr, rows, starts = [0], [], [], [0], [], []
     for pages, n, pairs in segments:
         if not 0 < n <= len(pages) * page_size or len(pages) != -(-n // page_size):
@@ -110,9 +116,33 @@ def build_arrays(
             rows.append(row)
             starts.append(start)
         pair_indptr.append(len(rows))
+    a = lambda x: np.asarray(x, dtype=np.int32)  # noqa: E731
+    return dict(kv_indptr=a(kv_indptr), indices=a(indices), lens=a(lens), pair_indptr=a(pair_indptr),
+                rows=a(rows), starts=a(starts))  # fmt: skip
+
+
+def concat_flat(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """a's segments then b's, as one flatten_segments result."""
+    cat = np.concatenate
+    return dict(
+        kv_indptr=cat([a["kv_indptr"], b["kv_indptr"][1:] + len(a["indices"])]),
+        indices=cat([a["indices"], b["indices"]]),
+        lens=cat([a["lens"], b["lens"]]),
+        pair_indptr=cat([a["pair_indptr"], b["pair_indptr"][1:] + len(a["rows"])]),
+        rows=cat([a["rows"], b["rows"]]),
+        starts=cat([a["starts"], b["starts"]]),
+    )
+
+
+def finish_arrays(
+    flat: dict[str, np.ndarray], num_rows: int | None, block_pairs: int
+) -> dict[str, np.ndarray]:
+    """SharedChunkMeta's arrays from flatten_segments' (work items longest segment first, the
+    merge's per-row index)."""
+    if block_pairs < 1:
+        raise ValueError(f"block_pairs={block_pairs}: must be >= 1")
     i32 = np.int32
-    lens_a = np.asarray(lens, dtype=i32)
-    pair_indptr_a = np.asarray(pair_indptr, dtype=i32)
+    lens_a, pair_indptr_a, rows_a = flat["lens"], flat["pair_indptr"], flat["rows"]
     npairs = np.diff(pair_indptr_a)
     blocks = -(-npairs // block_pairs)
     order = np.argsort(-lens_a, kind="stable")  # longest segments first
@@ -120,19 +150,18 @@ def build_arrays(
     first = np.concatenate([[0], np.cumsum(blocks[order])])[:-1]
     k = np.arange(len(work_chunk)) - np.repeat(first, blocks[order])  # block index within its segment
     work_pair = (pair_indptr_a[work_chunk] + k * block_pairs).astype(i32)
-    rows_a = np.asarray(rows, dtype=i32)
     T = int(rows_a.max(initial=-1)) + 1 if num_rows is None else num_rows
     if len(rows_a) and (rows_a.min() < 0 or rows_a.max() >= T):
         raise ValueError(f"pair rows must lie in [0, {T})")
     row_parts = np.argsort(rows_a, kind="stable").astype(i32)
     row_part_indptr = np.concatenate([[0], np.cumsum(np.bincount(rows_a, minlength=T))]).astype(i32)
     return dict(
-        chunk_kv_indptr=np.asarray(kv_indptr, dtype=i32),
-        chunk_kv_indices=np.asarray(indices, dtype=i32),
+        chunk_kv_indptr=flat["kv_indptr"],
+        chunk_kv_indices=flat["indices"],
         chunk_len=lens_a,
         pair_indptr=pair_indptr_a,
         pair_row=rows_a,
-        pair_start=np.asarray(starts, dtype=i32),
+        pair_start=flat["starts"],
         work_chunk=work_chunk,
         work_pair=work_pair,
         num_work=np.asarray([len(work_chunk)], dtype=i32),

@@ -24,7 +24,7 @@ from lazyrt.retrieval.host_attention import (
 from lazyrt.runtime.scheduler.plan import PENDING_TOKEN, ForwardItem, PageCopy, StepPlan
 from lazyrt.runtime.scheduler.recompute import PROBE_LAYER
 from lazyrt.runtime.worker.host_segments import has_host_segments, split_host_segments
-from lazyrt.runtime.worker.step_inputs import SHARED_PIECE_TOKENS, StepInputs, shared_segments
+from lazyrt.runtime.worker.step_inputs import SHARED_PIECE_TOKENS, SharedGrouping, StepInputs, shared_arrays
 
 
 class ModelRunner:
@@ -52,6 +52,7 @@ class ModelRunner:
         self.shared_steps = 0  # steps run through shared-chunk attention (tests, stats)
         self.graph_steps = 0  # steps replayed from a CUDA graph (the rest launch eagerly)
         self._piece_keys: dict = {}  # interned PieceKeys (shared_chunk.run_pieces); cleared when large
+        self._grouping = SharedGrouping()  # the last step's document-run grouping (shared_arrays)
         self.pool = pool
         self.device = model.device
         self.rope = RopeCache.build(model.config, max_positions, self.device)
@@ -134,24 +135,27 @@ class ModelRunner:
             input_ids[rows] = tokens[src]
         return input_ids, meta
 
-    def _shared(self, plan: StepPlan, s: StepInputs) -> list | None:
-        """The step's shared-chunk segments, cached on s (the graph check and the metadata ask)."""
+    def _shared(self, plan: StepPlan, s: StepInputs) -> dict | None:
+        """The step's shared-chunk arrays (step_inputs.shared_arrays), cached on s (the graph check
+        and the metadata ask); the grouping of the runs other than the items' own is reused from
+        the previous step when the batch repeats them."""
         if not self.shared_chunk_attention:
             return None
         if s.shared is False:
             if len(self._piece_keys) > 1 << 16:
                 self._piece_keys.clear()
-            s.shared = shared_segments(plan, s, self.pool.page_size, intern=self._piece_keys)
+            s.shared = shared_arrays(
+                plan, s, self.pool.page_size, self.shared_block_pairs, self._grouping, self._piece_keys
+            )
         return s.shared
 
     def step_metadata(self, plan: StepPlan, s: StepInputs) -> tuple[torch.Tensor, AttentionMetadata]:
         """build_metadata, with the step's shared-chunk segments when it has some worth sharing."""
         input_ids, meta = self.build_metadata(s)
-        shared = self._shared(plan, s)
-        if shared is not None:
+        arrays = self._shared(plan, s)
+        if arrays is not None:
             self.shared_steps += 1
-            ps, n = self.pool.page_size, len(s.input_ids)
-            meta.shared = SharedChunkMeta.build(shared, ps, n, self.shared_block_pairs, self.device)
+            meta.shared = SharedChunkMeta.from_arrays(arrays, self.shared_block_pairs, self.device)
         return input_ids, meta
 
     def copy_pages(self, copies: list[PageCopy]) -> None:
@@ -191,14 +195,12 @@ class ModelRunner:
             return None
         if has_host_segments(plan):
             return self._execute_host(plan)
-        ps = self.pool.page_size
         s = self.step_inputs(plan)
         if self.graphs is not None and self.graphs.fits(s):
-            shared = self._shared(plan, s)
-            if shared is None:
+            arrays = self._shared(plan, s)
+            if arrays is None:
                 self.graph_steps += 1
                 return self.graphs.run(s)
-            arrays = build_arrays(shared, ps, len(s.input_ids), self.shared_block_pairs)
             if self.graphs.fits_shared(s, arrays):
                 self.shared_steps += 1
                 self.graph_steps += 1

@@ -11,7 +11,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from lazyrt.kernels.shared_chunk import group_segments, run_pieces
+from lazyrt.kernels.shared_chunk import (
+    concat_flat,
+    finish_arrays,
+    flatten_segments,
+    group_segments,
+    run_pieces,
+)
 from lazyrt.runtime.scheduler.plan import StepPlan
 from lazyrt.runtime.scheduler.request import Segment
 
@@ -202,3 +208,54 @@ def segment_run(seg: Segment, page_size: int, piece_tokens: int, intern: dict | 
     if seg.pieces is None or seg.pieces[0] != key:
         seg.pieces = (key, run_pieces(seg.pages, seg.num_tokens, page_size, piece_tokens, intern))
     return seg.pages, seg.num_tokens, seg.start_pos, seg.pieces[1]
+
+
+@dataclass
+class SharedGrouping:
+    """The document part of a step's shared-chunk grouping, kept across steps (ModelRunner): in a run
+    of decode steps the batch's runs other than each item's own (prefix, documents, recomputed
+    pages) are the same objects at the same rows, so their grouping and flattened arrays are reused
+    and only the own runs, one token longer each step, are grouped again."""
+
+    key: tuple | None = None
+    flat: dict | None = None
+    per_request: int = 0
+    shared: int = 0
+
+
+def shared_arrays(
+    plan: StepPlan, s: StepInputs, page_size: int, block_pairs: int, cache: SharedGrouping,
+    intern: dict | None = None,
+) -> dict[str, np.ndarray] | None:  # fmt: skip
+    """build_arrays for the step's shared-chunk segments when sharing pays (as shared_segments), the
+    segments ordered: the other runs' (grouped, cached in `cache`), then the items' own runs."""
+    if s.entry_logit_scale is not None or s.num_seqs < 2 or s.max_q_len > SHARED_MAX_Q_LEN:
+        return None
+    ps, qo = page_size, s.qo_indptr
+    pt = SHARED_PIECE_TOKENS // (2 if s.num_seqs <= SHARED_SMALL_BATCH else 1)
+    rows = [range(int(qo[i]), int(qo[i + 1])) for i in range(len(plan.items))]
+    key = (pt, tuple(
+        (r.start, r.stop, tuple((id(g), g.num_tokens, g.start_pos, len(g.pages))
+                                for g in it.segments if g is not it.target and g.num_tokens))
+        for r, it in zip(rows, plan.items)
+    ))  # fmt: skip
+    if cache.key != key:
+        seqs = [
+            (r, [segment_run(g, ps, pt, intern) for g in it.segments if g is not it.target and g.num_tokens])
+            for r, it in zip(rows, plan.items)
+        ]
+        segments, cache.per_request, cache.shared = group_segments(seqs, ps, pt)
+        cache.flat, cache.key = flatten_segments(segments, ps), key
+    own_seqs = [
+        (r, [segment_run(it.target, ps, pt)] if it.target.num_tokens and _holds(it.segments, it.target)
+         else [])
+        for r, it in zip(rows, plan.items)
+    ]  # fmt: skip
+    own, per_request, shared = group_segments(own_seqs, ps, pt)
+    if cache.per_request + per_request < SHARED_MIN_SAVING * (cache.shared + shared):
+        return None
+    return finish_arrays(concat_flat(cache.flat, flatten_segments(own, ps)), len(s.input_ids), block_pairs)
+
+
+def _holds(segments: list[Segment], seg: Segment) -> bool:
+    return any(g is seg for g in segments)
