@@ -70,7 +70,8 @@ class DecodeGraphs:
                 "row_parts": torch.zeros(p, **i32),
             }  # fmt: skip
             self.shared_programs = persistent_programs(dev)
-        self.pool = torch.cuda.graph_pool_handle()
+        # (no pool off CUDA: benchmarks/experiments/host_step_e2e.py fills the buffers on the CPU)
+        self.pool = torch.cuda.graph_pool_handle() if dev.type == "cuda" else None
         for b in reversed(self.sizes):  # largest first: smaller graphs reuse its memory
             self.graphs[b] = self._capture(b, doc_logits=False)
             if doc_attention:
