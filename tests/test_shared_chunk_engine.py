@@ -34,6 +34,7 @@ def run(path: str, shared: bool, prompts, sps, **kw):
     stats = engine.cache_stats()
     assert stats["shared_chunk_steps"] == engine.runner.shared_steps  # reported to the scheduler side
     assert 0 < stats["overlapped_steps"] <= stats["steps"]  # deferred: every step of plain decodes
+    assert engine.runner._layout.hits > 0  # decode steps were patched from the last one's inputs
     return outs, engine.runner.shared_steps
 
 

@@ -24,7 +24,13 @@ from lazyrt.retrieval.host_attention import (
 from lazyrt.runtime.scheduler.plan import PENDING_TOKEN, ForwardItem, PageCopy, StepPlan
 from lazyrt.runtime.scheduler.recompute import PROBE_LAYER
 from lazyrt.runtime.worker.host_segments import has_host_segments, split_host_segments
-from lazyrt.runtime.worker.step_inputs import SHARED_PIECE_TOKENS, SharedGrouping, StepInputs, shared_arrays
+from lazyrt.runtime.worker.step_inputs import (
+    SHARED_PIECE_TOKENS,
+    DecodeLayout,
+    SharedGrouping,
+    StepInputs,
+    shared_arrays,
+)
 
 
 class ModelRunner:
@@ -53,6 +59,7 @@ class ModelRunner:
         self.graph_steps = 0  # steps replayed from a CUDA graph (the rest launch eagerly)
         self._piece_keys: dict = {}  # interned PieceKeys (shared_chunk.run_pieces); cleared when large
         self._grouping = SharedGrouping()  # the last step's document-run grouping (shared_arrays)
+        self._layout = DecodeLayout()  # the last step's batch and inputs (from_plan patches decode steps)
         self.pool = pool
         self.device = model.device
         self.rope = RopeCache.build(model.config, max_positions, self.device)
@@ -94,7 +101,7 @@ class ModelRunner:
 
     def step_inputs(self, plan: StepPlan) -> StepInputs:
         """StepInputs.from_plan, with the rows whose token is still in flight mapped to prev_tokens."""
-        s = StepInputs.from_plan(plan, self.pool.page_size)
+        s = StepInputs.from_plan(plan, self.pool.page_size, self._layout)
         rows = np.flatnonzero(s.input_ids == PENDING_TOKEN)
         if len(rows):
             items = np.searchsorted(s.qo_indptr, rows, side="right") - 1
@@ -145,7 +152,8 @@ class ModelRunner:
             if len(self._piece_keys) > 1 << 16:
                 self._piece_keys.clear()
             s.shared = shared_arrays(
-                plan, s, self.pool.page_size, self.shared_block_pairs, self._grouping, self._piece_keys
+                plan, s, self.pool.page_size, self.shared_block_pairs, self._grouping, self._piece_keys,
+                self._layout,
             )
         return s.shared
 
