@@ -19,11 +19,11 @@ class StepEncoder:
     """Scheduler side: turns plans into messages, sending each request's segments once."""
 
     def __init__(self) -> None:
-        self._sent: set[int] = set()
+        self._sent: dict[int, int] = {}  # rid -> its target's index in the segments sent
 
     def encode(self, plan: StepPlan, release: list[int], defer: bool = False) -> StepMsg:
         for rid in release:
-            self._sent.discard(rid)
+            self._sent.pop(rid, None)
         items = [self._item(it) for it in plan.items]
         copies = [[list(c.src), list(c.dst), c.delta] for c in plan.copies]
         probes = [self._item(it) for it in plan.probes]  # no request: segments always sent
@@ -33,13 +33,11 @@ class StepEncoder:
 
     def _item(self, it: ForwardItem) -> StepItem:
         req = it.request
-        segs = list(it.segments)
-        target = next((i for i, s in enumerate(segs) if s is it.target), None)
-        if target is None:
-            segs.append(it.target)
-            target = len(segs) - 1
-        doc_logits = list(it.doc_logits) if it.doc_logits is not None else None
         if req is not None and len(it.token_ids) == 1 and req.rid in self._sent:
+            target = self._sent[req.rid]  # where it was (no scan of 6 segments a request each step)
+            segs = it.segments
+            if not (target < len(segs) and segs[target] is it.target):
+                target = next((i for i, s in enumerate(segs) if s is it.target), len(segs))
             return StepItem(
                 list(it.token_ids),
                 it.start_pos,
@@ -48,8 +46,14 @@ class StepEncoder:
                 rid=req.rid,
                 target_tokens=it.target.num_tokens,
             )
+        segs = list(it.segments)
+        target = next((i for i, s in enumerate(segs) if s is it.target), None)
+        if target is None:
+            segs.append(it.target)
+            target = len(segs) - 1
+        doc_logits = list(it.doc_logits) if it.doc_logits is not None else None
         if req is not None:
-            self._sent.add(req.rid)
+            self._sent[req.rid] = target
         return StepItem(
             token_ids=list(it.token_ids),
             start_pos=it.start_pos,
