@@ -71,6 +71,7 @@ class ModelRunner:
         # the last deferred step's sampled tokens (device) and each request's row in them: a step
         # launched before they reach the host takes its PENDING_TOKEN inputs from here
         self.prev_tokens: tuple[torch.Tensor, dict[int, int]] | None = None
+        self._fill_memo: tuple | None = None  # (rows, src, their device tensors): _fill_index
         self.graphs = None
         if self.device.type == "cuda":
             from lazyrt.kernels.triton_kv import copy_rerotate_pages_triton
@@ -105,14 +106,24 @@ class ModelRunner:
         rows = np.flatnonzero(s.input_ids == PENDING_TOKEN)
         if len(rows):
             items = np.searchsorted(s.qo_indptr, rows, side="right") - 1
-            rids = [plan.items[i].request.rid if plan.items[i].request else None for i in items]
-            if self.prev_tokens is None or any(r not in self.prev_tokens[1] for r in rids):
+            reqs = [plan.items[i].request for i in items.tolist()]
+            rids = [r.rid if r is not None else None for r in reqs]
+            row_of = self.prev_tokens[1] if self.prev_tokens is not None else {}
+            src = np.fromiter((row_of.get(r, -1) for r in rids), np.int64, len(rids))
+            if self.prev_tokens is None or (src < 0).any():
                 raise RuntimeError(f"step items of requests {rids} wait on tokens no step in flight samples")
-            tokens, row_of = self.prev_tokens
-            src = to_device(np.array([row_of[r] for r in rids], dtype=np.int64), self.device)
-            s.fill = (to_device(rows, self.device, torch.long), src, tokens)
+            s.fill = (*self._fill_index(rows, src), self.prev_tokens[0])
             s.input_ids[rows] = 0  # any valid id until the device fills it in
         return s
+
+    def _fill_index(self, rows: np.ndarray, src: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """rows and src on the device; the last step's tensors when they are the same (a run of
+        overlapped decode steps over one batch: two host-to-device copies a step saved)."""
+        memo = self._fill_memo
+        if memo is None or not (np.array_equal(memo[0], rows) and np.array_equal(memo[1], src)):
+            memo = self._fill_memo = (rows, src, to_device(rows, self.device, torch.long),
+                                      to_device(src, self.device))  # fmt: skip
+        return memo[2], memo[3]
 
     def build_metadata(self, s: StepInputs) -> tuple[torch.Tensor, AttentionMetadata]:
         def t(x, dtype: torch.dtype) -> torch.Tensor:

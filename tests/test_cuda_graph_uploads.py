@@ -1,0 +1,101 @@
+"""DecodeGraphs.run's buffer fills (cuda_graph.Uploads), on the CPU: graphs stubbed, buffers on the
+host. Over decode steps patched from the last one (which share unchanged arrays: those are not
+copied again), batch changes, padded graph sizes and a capture in between, what each replay sees in
+the buffers equals the step's arrays, padded as before. stage=True runs the CUDA path's mirror logic
+(two sets of host mirrors, copies out of them) minus pinning and events, which only the GPU engine
+tests (test_engine_gpu.py) exercise."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from test_step_inputs_decode import Batch
+
+from lazyrt.runtime.worker.cuda_graph import DecodeGraphs, Uploads
+from lazyrt.runtime.worker.step_inputs import DecodeLayout, SharedGrouping, StepInputs, shared_arrays
+
+
+class _Replay:
+    def __init__(self, graphs: SnapshotGraphs, b: int):
+        self.graphs, self.b = graphs, b
+
+    def replay(self) -> None:
+        g = self.graphs
+        names = ("input_ids", "positions", "store_pages", "store_slots", "kv_indptr", "kv_indices",
+                 "pos_base", "valid_len")  # fmt: skip
+        g.seen = {k: getattr(g, k).clone() for k in names} | {k: v.clone() for k, v in g.sh.items()}
+        g.seen_b = self.b
+
+
+class SnapshotGraphs(DecodeGraphs):
+    """Graphs whose replay records the buffers."""
+
+    def _capture(self, b: int, doc_logits: bool, shared: bool = False):
+        self._uploads.forget()
+        self.kv_indptr.zero_()  # as a capture does: clobbers what was put
+        self.store_pages.fill_(self.scratch_page)
+        self.captures += 1
+        return _Replay(self, b), torch.zeros(b, 4)
+
+
+@pytest.mark.parametrize("stage", [False, True])
+def test_buffer_fills_equal_the_step_arrays_padded(stage):
+    """stage: through the two sets of host mirrors, as on CUDA (here unpinned, no events)."""
+    rng = random.Random(0)
+    ps = 4
+    runner = SimpleNamespace(device=torch.device("cpu"), rotate_keys=True)
+    SnapshotGraphs.captures = 0
+    graphs = SnapshotGraphs(runner, 16, 512, scratch_page=7, shared=(256 // ps, 2))
+    graphs._uploads = Uploads(runner.device, stage=stage)
+    captures0 = graphs.captures
+    b = Batch(rng, ps)
+    for _ in range(5):
+        b.join()
+    layout, grouping = DecodeLayout(), SharedGrouping()
+    skipped = 0
+    for step in range(60):
+        if step in (20, 40):
+            b.join()  # 6 then 7 requests: still the graph of 8
+        if step == 30:
+            del b.reqs[next(iter(b.reqs))]
+        if step == 45:  # a capture (a graph first needed) clobbers the buffers in between
+            graphs.doc_graphs.clear()
+            graphs.run(StepInputs.from_plan(b.plan(doc_logits=0), ps))
+        plan = b.plan()
+        s = StepInputs.from_plan(plan, ps, layout)
+        arrays = shared_arrays(plan, s, ps, 2, grouping, None, layout)
+        assert arrays is not None and graphs.fits(s) and graphs.fits_shared(s, arrays)
+        if step % 7 == 3:  # overlapped scheduling: row 0's token comes from the step in flight
+            s.fill = (torch.tensor([0]), torch.tensor([1]), torch.tensor([5, 999]))
+        last = dict(graphs._uploads._last)
+        graphs.run(s, arrays)
+        skipped += sum(1 for k, v in last.items() if graphs._uploads._last.get(k) is v)
+        n, bs = len(s.input_ids), graphs.seen_b
+        assert bs == next(x for x in graphs.sizes if x >= n)
+        pad = bs - n
+        e = len(s.kv_indices)
+        ids = s.input_ids.copy()
+        if s.fill is not None:
+            ids[0] = 999
+        want = {
+            "input_ids": np.concatenate([ids, np.zeros(pad, np.int64)]),
+            "positions": np.concatenate([s.positions, np.zeros(pad, np.int64)]),
+            "store_pages": np.concatenate([s.store_pages, np.full(pad, 7, np.int64)]),
+            "store_slots": np.concatenate([s.store_slots, np.zeros(pad, np.int64)]),
+            "kv_indptr": np.concatenate([s.kv_indptr, np.full(pad, e, np.int32)]),
+            "kv_indices": s.kv_indices,
+            "pos_base": s.pos_base,
+            "valid_len": s.valid_len,
+        }
+        for k, v in arrays.items():
+            want[k] = np.concatenate([v, np.full(pad, v[-1], v.dtype)]) if k == "row_part_indptr" else v
+        for k, v in want.items():
+            got = graphs.seen[k].numpy()[: len(v)]
+            assert np.array_equal(got, v), (step, k)
+        b.grow()
+    assert graphs.captures == captures0 + 1
+    assert skipped > 0  # unchanged arrays of patched steps were not copied again
