@@ -69,6 +69,8 @@ def test_buffer_fills_equal_the_step_arrays_padded(stage):
         s = StepInputs.from_plan(plan, ps, layout)
         arrays = shared_arrays(plan, s, ps, 2, grouping, None, layout)
         assert arrays is not None and graphs.fits(s) and graphs.fits_shared(s, arrays)
+        if step % 5 == 1 or 50 <= step < 54:  # a step replayed without sharing: the page tables
+            arrays = None
         if step % 7 == 3:  # overlapped scheduling: row 0's token comes from the step in flight
             s.fill = (torch.tensor([0]), torch.tensor([1]), torch.tensor([5, 999]))
         last = dict(graphs._uploads._last)
@@ -91,9 +93,11 @@ def test_buffer_fills_equal_the_step_arrays_padded(stage):
             "pos_base": s.pos_base,
             "valid_len": s.valid_len,
         }
-        for k, v in arrays.items():
+        for k, v in (arrays or {}).items():
             want[k] = np.concatenate([v, np.full(pad, v[-1], v.dtype)]) if k == "row_part_indptr" else v
         for k, v in want.items():
+            if k in ("kv_indptr", "kv_indices", "pos_base", "valid_len") and arrays is not None:
+                continue  # a shared step's graph reads the segments only: these are not put
             got = graphs.seen[k].numpy()[: len(v)]
             assert np.array_equal(got, v), (step, k)
         b.grow()

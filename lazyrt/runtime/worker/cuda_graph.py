@@ -155,7 +155,6 @@ class DecodeGraphs:
             assert shared is None, "shared graphs are captured up front"
             graphs[b] = self._capture(b, doc_logits)
         pad = b - n
-        e = len(s.kv_indices)
         up = self._uploads
         up.begin()
         up.put("input_ids", self.input_ids, s.input_ids, pad, 0)
@@ -166,10 +165,11 @@ class DecodeGraphs:
         up.put("positions", self.positions, s.positions, pad, 0)
         up.put("store_pages", self.store_pages, s.store_pages, pad, self.scratch_page)
         up.put("store_slots", self.store_slots, s.store_slots, pad, 0)
-        up.put("kv_indptr", self.kv_indptr, s.kv_indptr, pad, e)
-        up.put("kv_indices", self.kv_indices, s.kv_indices)
-        up.put("pos_base", self.pos_base, s.pos_base)
-        up.put("valid_len", self.valid_len, s.valid_len)
+        if shared is None:  # (attention with shared-chunk segments reads them instead of these tables)
+            up.put("kv_indptr", self.kv_indptr, s.kv_indptr, pad, len(s.kv_indices))
+            up.put("kv_indices", self.kv_indices, s.kv_indices)
+            up.put("pos_base", self.pos_base, s.pos_base)
+            up.put("valid_len", self.valid_len, s.valid_len)
         if doc_logits:
             up.put("entry_logit_scale", self.entry_logit_scale, s.entry_logit_scale)
             up.put("entry_log_mass", self.entry_log_mass, s.entry_log_mass)
