@@ -27,6 +27,7 @@ from lazyrt.sampling_params import SamplingParams
 
 FIELDS = ("input_ids", "positions", "store_pages", "store_slots", "qo_indptr", "kv_indptr", "kv_indices",
           "pos_base", "valid_len", "entry_logit_scale", "entry_log_mass")  # fmt: skip
+TABLES = ("kv_indices", "pos_base", "valid_len")  # made when read on a patched step
 
 
 def _fresh(plan: StepPlan) -> StepPlan:
@@ -126,6 +127,7 @@ def test_patched_decode_steps_equal_a_fresh_build(seed, monkeypatch):
         b.join()
     layout, grouping, intern = DecodeLayout(), SharedGrouping(), {}
     hits = shared_hits = 0
+    unread: list[tuple[int, StepInputs, StepInputs]] = []
     for step in range(80):
         event = rng.random()
         doc_logits = prefill = None
@@ -152,14 +154,27 @@ def test_patched_decode_steps_equal_a_fresh_build(seed, monkeypatch):
         elif event < 0.27:  # an own run's pages rewritten in place
             own = rng.choice(list(b.reqs.values()))[1]
             own.pages[:] = [next(b.pages) for _ in own.pages]
+        elif event < 0.30:  # an own run replaced by a new Segment elsewhere (same pages, length)
+            rid = rng.choice(list(b.reqs))
+            segs, own, req = b.reqs[rid]
+            segs[-1] = Segment(list(own.pages), own.start_pos + rng.randint(1, 5), own.num_tokens)
+            b.reqs[rid] = (segs, segs[-1], req)
         plan = b.plan(doc_logits, prefill)
         s = StepInputs.from_plan(plan, ps, layout)
         hits += layout.hit
         fresh = _fresh(plan)
         want = StepInputs.from_plan(fresh, ps)
         for f in FIELDS:
-            _same(getattr(s, f), getattr(want, f), (step, f))
+            if f not in TABLES:
+                _same(getattr(s, f), getattr(want, f), (step, f))
         assert s.sample_rows == want.sample_rows
+        # a patched step's page tables are made when read: read them now, later (after newer steps
+        # were patched from tables made before them) or never
+        unread.append((step, s, want))
+        for k in sorted(rng.sample(range(len(unread)), min(len(unread), rng.choice([0, 0, 1, 2]))))[::-1]:
+            at, old, old_want = unread.pop(k)
+            for f in TABLES:
+                _same(getattr(old, f), getattr(old_want, f), (step, at, f))
         if rng.random() < 0.1:  # a step the runner asks no grouping for: the kept one goes stale
             b.grow()
             continue
@@ -174,6 +189,9 @@ def test_patched_decode_steps_equal_a_fresh_build(seed, monkeypatch):
             segments = shared_segments(fresh, want, ps)
             assert _canon(got_arrays) == _canon(build_arrays(segments, ps, len(want.input_ids), 2))
         b.grow()
+    for at, old, old_want in unread:
+        for f in TABLES:
+            _same(getattr(old, f), getattr(old_want, f), (at, f))
     assert hits >= 30  # most steps were patched, not rebuilt
     assert shared_hits >= 10
 

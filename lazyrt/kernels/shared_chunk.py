@@ -141,33 +141,47 @@ def finish_arrays(
     merge's per-row index)."""
     if block_pairs < 1:
         raise ValueError(f"block_pairs={block_pairs}: must be >= 1")
-    i32 = np.int32
-    lens_a, pair_indptr_a, rows_a = flat["lens"], flat["pair_indptr"], flat["rows"]
-    npairs = np.diff(pair_indptr_a)
-    blocks = -(-npairs // block_pairs)
-    order = np.argsort(-lens_a, kind="stable")  # longest segments first
-    work_chunk = np.repeat(order, blocks[order]).astype(i32)
-    first = np.concatenate([[0], np.cumsum(blocks[order])])[:-1]
-    k = np.arange(len(work_chunk)) - np.repeat(first, blocks[order])  # block index within its segment
-    work_pair = (pair_indptr_a[work_chunk] + k * block_pairs).astype(i32)
+    rows_a = flat["rows"]
     T = int(rows_a.max(initial=-1)) + 1 if num_rows is None else num_rows
-    if len(rows_a) and (rows_a.min() < 0 or rows_a.max() >= T):
-        raise ValueError(f"pair rows must lie in [0, {T})")
-    row_parts = np.argsort(rows_a, kind="stable").astype(i32)
-    row_part_indptr = np.concatenate([[0], np.cumsum(np.bincount(rows_a, minlength=T))]).astype(i32)
+    row_parts, row_part_indptr = row_index(rows_a, T)
+    blocks = -(-np.diff(flat["pair_indptr"]) // block_pairs)
+    work_chunk, work_pair = work_items(flat["lens"], flat["pair_indptr"], blocks, block_pairs)
     return dict(
         chunk_kv_indptr=flat["kv_indptr"],
         chunk_kv_indices=flat["indices"],
-        chunk_len=lens_a,
-        pair_indptr=pair_indptr_a,
+        chunk_len=flat["lens"],
+        pair_indptr=flat["pair_indptr"],
         pair_row=rows_a,
         pair_start=flat["starts"],
         work_chunk=work_chunk,
         work_pair=work_pair,
-        num_work=np.asarray([len(work_chunk)], dtype=i32),
+        num_work=np.asarray([len(work_chunk)], dtype=np.int32),
         row_part_indptr=row_part_indptr,
         row_parts=row_parts,
     )
+
+
+def row_index(rows: np.ndarray, num_rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """(row_parts, row_part_indptr) of SharedChunkMeta for pairs on query rows `rows`."""
+    if len(rows) and (rows.min() < 0 or rows.max() >= num_rows):
+        raise ValueError(f"pair rows must lie in [0, {num_rows})")
+    row_parts = np.argsort(rows, kind="stable").astype(np.int32)
+    row_part_indptr = np.concatenate([[0], np.cumsum(np.bincount(rows, minlength=num_rows))]).astype(np.int32)
+    return row_parts, row_part_indptr
+
+
+def work_items(
+    lens: np.ndarray, pair_indptr: np.ndarray, blocks: np.ndarray, block_pairs: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """(work_chunk, work_pair) of SharedChunkMeta: blocks[c] items of block_pairs pairs for segment
+    c, longest segments first."""
+    i32 = np.int32
+    order = np.argsort(-lens, kind="stable")  # longest segments first
+    work_chunk = np.repeat(order, blocks[order]).astype(i32)
+    first = np.concatenate([[0], np.cumsum(blocks[order])])[:-1]
+    k = np.arange(len(work_chunk)) - np.repeat(first, blocks[order])  # block index within its segment
+    work_pair = (pair_indptr[work_chunk] + k * block_pairs).astype(i32)
+    return work_chunk, work_pair
 
 
 class PieceKey:

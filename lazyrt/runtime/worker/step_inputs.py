@@ -8,6 +8,7 @@ while its length is unchanged), so a step only concatenates arrays and rebuilds 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain
 
 import numpy as np
 
@@ -16,13 +17,18 @@ from lazyrt.kernels.shared_chunk import (
     finish_arrays,
     flatten_segments,
     group_segments,
+    row_index,
     run_pieces,
+    work_items,
 )
 from lazyrt.runtime.scheduler.plan import StepPlan
 from lazyrt.runtime.scheduler.request import Segment
 
 _I32 = np.int32
 _I64 = np.int64
+
+
+_TABLES = ("kv_indices", "pos_base", "valid_len")
 
 
 def _empty(dtype=_I32) -> np.ndarray:
@@ -49,6 +55,16 @@ class StepInputs:
     # input rows whose token the previous step samples (plan.PENDING_TOKEN): (rows, that step's
     # sampled-token rows, its sampled tokens), device tensors; ModelRunner.step_inputs sets it
     fill: tuple | None = None
+
+    def __getattr__(self, name: str):
+        # Only reached for an attribute not set: a patched decode step's page tables, made on first
+        # use (decode_inputs; a step through shared-chunk attention never reads them).
+        patch = self.__dict__.get("_tables")
+        if patch is None or name not in _TABLES:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        self.kv_indices, self.pos_base, self.valid_len = patch.tables()
+        del self.__dict__["_tables"]
+        return self.__dict__[name]
 
     @property
     def num_seqs(self) -> int:
@@ -150,7 +166,7 @@ class StepInputs:
         ]
         decode_shaped = len(s.input_ids) == len(plan.items) and s.max_q_len == 1 and min(ends) >= 0
         if layout is not None and decode_shaped and not doc_logits:
-            layout.record(plan, s, np.asarray(ends, dtype=_I64))
+            layout.record(plan, s, np.asarray(ends, dtype=_I64), page_size)
         return s
 
 
@@ -188,11 +204,11 @@ def segment_table(seg: Segment, page_size: int) -> tuple[np.ndarray, np.ndarray,
     return table
 
 
-def _insert(a: np.ndarray, at: np.ndarray, values: np.ndarray) -> np.ndarray:
+def _insert(a: np.ndarray, at: np.ndarray | list[int], values: np.ndarray) -> np.ndarray:
     """np.insert(a, at, values) for sorted `at`, by slices (np.insert's general path took ~50 us for
     a few entries into 41k)."""
     pieces, prev = [], 0
-    for k, i in enumerate(at.tolist()):
+    for k, i in enumerate(at if isinstance(at, list) else at.tolist()):
         pieces += [a[prev:i], values[k : k + 1]]
         prev = i
     pieces.append(a[prev:])
@@ -208,12 +224,15 @@ def _other_runs(items: list) -> list[tuple]:
 class DecodeLayout:
     """The last step's batch and inputs, kept by ModelRunner across steps. In a run of decode steps
     each item is the same request with the same runs; only its target (own) run is one token longer.
-    Then the step's arrays are the last step's with each target's last entry updated and, where a
-    target crossed into a new page, one entry inserted (decode_inputs): O(items) numpy work instead
-    of concatenating ~6 tables per request (from_plan took ~1.4 ms a step at b64 x 10k tokens).
+    Then the step's inputs follow from the last step's in O(items) numpy work (decode_inputs)
+    instead of concatenating ~6 tables a request (from_plan took ~1.4 ms a step at b64 x 10k
+    tokens): the targets' pages are kept apart (own_pages), and the full page tables (41k entries)
+    are patched only when read (_TablePatch: each target's last entry updated, an entry inserted
+    where it crossed into a new page); a step through shared-chunk attention never reads them.
 
     Assumes what the worker's StepDecoder guarantees: a run's pages list is not rewritten in place
-    (a changed run comes as a new Segment or a new list; lengths and positions are compared)."""
+    (a changed run comes as a new Segment or a new list; lengths and positions are compared, and a
+    target's last page, as segment_table does)."""
 
     s: StepInputs | None = None  # the last step's inputs (None: nothing to patch)
     segs: list = field(default_factory=list)  # per item: its segments list (compared by identity)
@@ -223,11 +242,15 @@ class DecodeLayout:
     num: np.ndarray = field(default_factory=lambda: _empty(_I64))  # targets' tokens
     start: np.ndarray = field(default_factory=lambda: _empty(_I64))  # targets' start positions
     end: np.ndarray = field(default_factory=lambda: _empty(_I64))  # one past each target's entries
+    own_pages: np.ndarray = field(default_factory=_empty)  # each target's pages in use, item by item
+    own_indptr: np.ndarray = field(default_factory=lambda: np.zeros(1, dtype=_I64))  # [items + 1]
+    # the last page tables made (kv_indices, pos_base, valid_len) and the targets' num and end then
+    base: tuple | None = None
     hit: bool = False  # the last from_plan patched (same batch as the step before it)
     hits: int = 0  # steps patched so far (tests, stats)
     version: int = 0  # bumped by every rebuild: a grouping made at this version fits the batch
 
-    def record(self, plan: StepPlan, s: StepInputs, ends: np.ndarray) -> None:
+    def record(self, plan: StepPlan, s: StepInputs, ends: np.ndarray, page_size: int) -> None:
         """Keep a decode-shaped step (one token an item, its target attended, no document
         attention) that from_plan built from scratch."""
         items = plan.items
@@ -239,12 +262,59 @@ class DecodeLayout:
         n = len(items)
         self.num = np.fromiter((t.num_tokens for t in self.targets), _I64, n)
         self.start = np.fromiter((t.start_pos for t in self.targets), _I64, n)
+        self.own_pages, self.own_indptr = _gather_runs(s.kv_indices, ends, -(-self.num // page_size))
+        self.base = (s.kv_indices, s.pos_base, s.valid_len, self.num, ends)
+
+
+def _gather_runs(a: np.ndarray, ends: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The runs a[end - count : end], one after another, and their indptr."""
+    indptr = np.concatenate([[0], np.cumsum(counts)])
+    return a[np.repeat(ends - counts - indptr[:-1], counts) + np.arange(indptr[-1])], indptr
+
+
+def _repeat_ranges(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(i, j) for every j in lo[i]..hi[i] - 1, i in order."""
+    counts = hi - lo
+    i = np.repeat(np.arange(len(lo)), counts)
+    return i, np.arange(len(i)) - np.repeat(np.cumsum(counts) - counts, counts) + lo[i]
+
+
+class _TablePatch:
+    """A patched decode step's page tables, made when read: the layout's last tables (base) with
+    the entries each target gained since inserted after its old ones and its last page's fill set.
+    Holds everything it needs (arrays are never changed in place), so a late read is still right;
+    the tables it makes become the layout's base if that is still the one it started from."""
+
+    def __init__(self, lay: DecodeLayout, ps: int):
+        self.lay, self.ps, self.base = lay, ps, lay.base
+        self.num, self.start, self.end = lay.num, lay.start, lay.end
+        self.own_pages, self.own_indptr = lay.own_pages, lay.own_indptr
+
+    def tables(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        kv, pos_base, valid, base_num, base_end = self.base
+        ps, num, end = self.ps, self.num, self.end
+        new_np = -(-num // ps)
+        grow = new_np - -(-base_num // ps)  # entries gained since the base
+        if grow.any():
+            at = np.repeat(base_end, grow)  # right after each target's entries in the base
+            i, j = _repeat_ranges(new_np - grow, new_np)  # the new entries: item, page in its run
+            pages = self.own_pages[self.own_indptr[i] + j]
+            kv = _insert(kv, at, pages)
+            pos_base = _insert(pos_base, at, (self.start[i] + j * ps).astype(_I32))
+            valid = _insert(valid, at, np.full(len(at), ps, dtype=_I32))
+        else:
+            valid = valid.copy()
+        valid[end - grow - 1] = ps  # each target's last page in the base, full if it grew
+        valid[end - 1] = num - (new_np - 1) * ps  # its last page holds the rest
+        if self.lay.base is self.base:
+            self.lay.base = (kv, pos_base, valid, num, end)
+        return kv, pos_base, valid
 
 
 def decode_inputs(plan: StepPlan, page_size: int, lay: DecodeLayout) -> StepInputs | None:
-    """The step's StepInputs patched from lay's last step (see DecodeLayout), or None when the step
-    is not a pure decode of the same batch (new token at the end of each target, nothing else
-    changed); equal to what from_plan builds from scratch (tests/test_step_inputs.py)."""
+    """The step's StepInputs from lay's last step (see DecodeLayout), or None when the step is not
+    a pure decode of the same batch (new token at the end of each target, nothing else changed);
+    equal to what from_plan builds from scratch (tests/test_step_inputs_decode.py)."""
     items, prev = plan.items, lay.s
     lay.hit = False
     n = len(items)
@@ -259,52 +329,51 @@ def decode_inputs(plan: StepPlan, page_size: int, lay: DecodeLayout) -> StepInpu
     if _other_runs(items) != lay.others:
         return None
     ps = page_size
-    num = np.fromiter((t.num_tokens for t in lay.targets), _I64, n)
-    start = np.fromiter((t.start_pos for t in lay.targets), _I64, n)
-    pos = np.fromiter((it.start_pos for it in items), _I64, n)
-    npages = np.fromiter((len(p) for p in lay.pages), _I64, n)
-    old_np, new_np = -(-lay.num // ps), -(-num // ps)
-    if not (
-        np.array_equal(start, lay.start) and np.array_equal(pos, start + num - 1)
-        and np.all(num >= lay.num) and np.all(old_np > 0) and np.all(new_np <= npages)
-    ):  # fmt: skip
+    old_np = -(-lay.num // ps)
+    if not np.all(old_np > 0):
         return None
-    # a target's pages rewritten in place (not done by the worker; as segment_table, check the last)
-    last = np.fromiter((p[k - 1] for p, k in zip(lay.pages, old_np.tolist())), _I64, n)
-    if not np.array_equal(last, prev.kv_indices[lay.end - 1]):
+    # every per-item value in one pass (six generators into numpy cost ~60 us at b64); last: the
+    # page the target's last entry had, to catch pages rewritten in place (as segment_table)
+    try:
+        v = np.fromiter(chain.from_iterable([
+            (t.num_tokens, t.start_pos, it.start_pos, len(p), p[k - 1], it.token_ids[0])
+            for it, t, p, k in zip(items, lay.targets, lay.pages, old_np.tolist())
+        ]), _I64, 6 * n).reshape(n, 6).T  # fmt: skip
+    except IndexError:  # a target's pages shrank
+        return None
+    num, start, pos, npages, last, ids = v
+    new_np = -(-num // ps)
+    own_pages, own_indptr = lay.own_pages, lay.own_indptr
+    ok = (start == lay.start) & (pos == start + num - 1) & (num >= lay.num) & (new_np <= npages)
+    if not (ok & (last == own_pages[own_indptr[1:] - 1])).all():
         return None
     grow = new_np - old_np  # entries each target gains (it crossed into new pages)
-    if grow.any():
-        # insert the new pages' entries right after each growing target's old ones
-        at = np.repeat(lay.end, grow)
-        idx = np.repeat(np.flatnonzero(grow), grow[grow > 0])  # the item of each new entry
-        j = np.arange(len(at)) - np.repeat(np.cumsum(grow)[grow > 0] - grow[grow > 0], grow[grow > 0])
-        j += old_np[idx]  # page index within its target
-        new_pages = np.fromiter((lay.pages[i][k] for i, k in zip(idx.tolist(), j.tolist())), _I32, len(at))
-        kv_indices = _insert(prev.kv_indices, at, new_pages)
-        pos_base = _insert(prev.pos_base, at, (start[idx] + j * ps).astype(_I32))
-        valid = _insert(prev.valid_len, at, np.full(len(at), ps, dtype=_I32))
-        shift = np.cumsum(grow)
-        end = lay.end + shift
-        kv_indptr = prev.kv_indptr + np.concatenate([[0], shift]).astype(_I32)
+    growing = np.flatnonzero(grow).tolist()
+    if growing:  # a few items a step: their new pages in Python (fewer small numpy calls)
+        o, m, ends = old_np.tolist(), new_np.tolist(), own_indptr[1:].tolist()
+        at = [ends[i] for i in growing for _ in range(o[i], m[i])]
+        new_pages = np.array([lay.pages[i][k] for i in growing for k in range(o[i], m[i])], dtype=_I32)
+        own_pages = _insert(own_pages, at, new_pages)
+        shift = np.zeros(n + 1, dtype=_I64)
+        np.cumsum(grow, out=shift[1:])
+        own_indptr, end = own_indptr + shift, lay.end + shift[1:]
+        kv_indptr = prev.kv_indptr + shift.astype(_I32)
     else:
-        kv_indices, pos_base, valid = prev.kv_indices, prev.pos_base, prev.valid_len.copy()
-        end, kv_indptr = lay.end, prev.kv_indptr
-    valid[end - grow - 1] = ps  # each target's old last page, full if it grew (else set next)
-    valid[end - 1] = num - (new_np - 1) * ps  # its last page holds the rest
+        kv_indptr, end = prev.kv_indptr, lay.end
     s = StepInputs(
-        input_ids=np.fromiter((it.token_ids[0] for it in items), _I64, n),
-        positions=pos,
-        store_pages=kv_indices[end - 1].astype(_I64),
+        input_ids=np.ascontiguousarray(ids),
+        positions=np.ascontiguousarray(pos),
+        store_pages=own_pages[own_indptr[1:] - 1].astype(_I64),
         store_slots=(num - 1) % ps,
         qo_indptr=prev.qo_indptr,
         kv_indptr=kv_indptr,
-        kv_indices=kv_indices,
-        pos_base=pos_base,
-        valid_len=valid,
         sample_rows=[i for i, it in enumerate(items) if it.request is not None],
     )
-    lay.s, lay.num, lay.end, lay.hit = s, num, end, True
+    lay.s, lay.num, lay.end, lay.own_pages, lay.own_indptr = s, num, end, own_pages, own_indptr
+    for name in _TABLES:  # made when read (StepInputs.__getattr__)
+        del s.__dict__[name]
+    s._tables = _TablePatch(lay, ps)
+    lay.hit = True
     lay.hits += 1
     return s
 
@@ -362,6 +431,7 @@ class SharedGrouping:
     per_request: int = 0
     shared: int = 0
     version: int = -1  # DecodeLayout.version the key was last checked at
+    own: _OwnPieces | None = None  # patched steps: how the own runs are cut (_patched_arrays)
 
 
 def shared_arrays(
@@ -392,49 +462,89 @@ def shared_arrays(
             segments, cache.per_request, cache.shared = group_segments(seqs, ps, pt)
             cache.flat, cache.key = flatten_segments(segments, ps), key
         cache.version = layout.version if layout is not None else -1
-    own = _own_flat(s, layout, ps, pt) if patched else None
-    if own is not None:
-        own_flat, per_request = own
-        shared = per_request  # every own piece its own segment
-    else:
-        rows = [range(int(qo[i]), int(qo[i + 1])) for i in range(len(plan.items))]
-        own_seqs = [
-            (r, [segment_run(it.target, ps, pt)] if it.target.num_tokens and _holds(it.segments, it.target)
-             else [])
-            for r, it in zip(rows, plan.items)
-        ]  # fmt: skip
-        segments, per_request, shared = group_segments(own_seqs, ps, pt)
-        own_flat = flatten_segments(segments, ps)
+    if patched:
+        arrays = _patched_arrays(cache, layout, ps, pt, len(s.input_ids), block_pairs)
+        if arrays is not None:
+            return arrays or None  # {}: sharing does not pay
+    rows = [range(int(qo[i]), int(qo[i + 1])) for i in range(len(plan.items))]
+    own_seqs = [
+        (r, [segment_run(it.target, ps, pt)] if it.target.num_tokens and _holds(it.segments, it.target)
+         else [])
+        for r, it in zip(rows, plan.items)
+    ]  # fmt: skip
+    segments, per_request, shared = group_segments(own_seqs, ps, pt)
+    own_flat = flatten_segments(segments, ps)
     if cache.per_request + per_request < SHARED_MIN_SAVING * (cache.shared + shared):
         return None
     return finish_arrays(concat_flat(cache.flat, own_flat), len(s.input_ids), block_pairs)
 
 
-def _own_flat(s: StepInputs, lay: DecodeLayout, ps: int, pt: int) -> tuple[dict, int] | None:
-    """flatten_segments of group_segments over the items' own runs, for a step decode_inputs patched
-    (item i is query row i; its target's entries end at lay.end[i]), in numpy: (flat, pages).
-    Each run cut into pieces of pt tokens (run_pieces); None if two pieces share a first page (then
-    they might be one segment: group_segments decides)."""
-    n_pages = -(-lay.num // ps)
+@dataclass
+class _OwnPieces:
+    """How a patched step's own runs are cut (_patched_arrays), with what follows from it alone:
+    valid while the layout's batch (version) and each run's piece count hold."""
+
+    key: tuple  # (layout version, piece tokens, rows, block pairs)
+    doc: dict  # the document grouping's flat arrays it extends (SharedGrouping.flat)
+    pieces: np.ndarray  # pieces of each item's run
+    item: np.ndarray  # each own piece's item
+    k: np.ndarray  # each own piece's first page in its run
+    pair_indptr: np.ndarray  # the step's (documents' then own pieces')
+    rows: np.ndarray
+    starts: np.ndarray
+    blocks: np.ndarray  # work items of each segment
+    row_parts: np.ndarray
+    row_part_indptr: np.ndarray
+
+
+def _patched_arrays(
+    cache: SharedGrouping, lay: DecodeLayout, ps: int, pt: int, num_rows: int, block_pairs: int
+) -> dict[str, np.ndarray] | None:
+    """shared_arrays for a step decode_inputs patched (item i is query row i), in numpy: the kept
+    document grouping (cache.flat) then each item's own run cut into pieces of pt tokens (as
+    run_pieces + group_segments: one segment a piece, one pair on its item's row). What depends only
+    on how the runs are cut (pairs, rows, the merge's index) is kept in cache.own until a run gains
+    a piece or the batch changes. None: two pieces share a first page (they might be one segment:
+    group_segments decides); {}: sharing does not pay."""
+    n_pages = np.diff(lay.own_indptr)
     pp = max(1, pt // ps)  # pages a piece
     pieces = -(-n_pages // pp)
-    item = np.repeat(np.arange(len(n_pages)), pieces)  # each piece's item, in group_segments' order
-    k = (np.arange(len(item)) - np.repeat(np.cumsum(pieces) - pieces, pieces)) * pp  # first page in its run
-    first = lay.end - n_pages  # each target's first entry in s.kv_indices
-    if len(np.unique(s.kv_indices[first[item] + k])) != len(item):
-        return None
-    total = int(n_pages.sum())
-    entries = np.repeat(first - (np.cumsum(n_pages) - n_pages), n_pages) + np.arange(total)
-    i32 = lambda x: np.asarray(x, dtype=_I32)  # noqa: E731
-    flat = dict(
-        kv_indptr=i32(np.concatenate([[0], np.cumsum(np.minimum(k + pp, n_pages[item]) - k)])),
-        indices=i32(s.kv_indices[entries]),
-        lens=i32(np.minimum(lay.num[item], (k + pp) * ps) - k * ps),
-        pair_indptr=np.arange(len(item) + 1, dtype=_I32),
-        rows=i32(item),
-        starts=i32(lay.start[item] + k * ps),
+    doc = cache.flat
+    own, key = cache.own, (lay.version, pt, num_rows, block_pairs)
+    if own is None or own.key != key or own.doc is not doc or not np.array_equal(own.pieces, pieces):
+        item = np.repeat(np.arange(len(n_pages)), pieces)  # in group_segments' order
+        k = (np.arange(len(item)) - np.repeat(np.cumsum(pieces) - pieces, pieces)) * pp
+        if len(np.unique(lay.own_pages[lay.own_indptr[item] + k])) != len(item):
+            return None
+        i32 = lambda x: np.asarray(x, dtype=_I32)  # noqa: E731
+        npairs = len(doc["rows"])
+        pair_indptr = np.concatenate([doc["pair_indptr"], i32(npairs + np.arange(1, len(item) + 1))])
+        rows = np.concatenate([doc["rows"], i32(item)])
+        starts = np.concatenate([doc["starts"], i32(lay.start[item] + k * ps)])
+        blocks = -(-np.diff(pair_indptr) // block_pairs)
+        own = cache.own = _OwnPieces(key, doc, pieces, item, k, pair_indptr, rows, starts, blocks,
+                                     *row_index(rows, num_rows))  # fmt: skip
+    total = int(lay.own_indptr[-1])  # own pages, each in one piece: read once either way
+    if cache.per_request + total < SHARED_MIN_SAVING * (cache.shared + total):
+        return {}
+    item, k = own.item, own.k
+    counts = np.minimum(k + pp, n_pages[item]) - k  # each piece's pages
+    kv_indptr = np.concatenate([doc["kv_indptr"], (doc["kv_indptr"][-1] + np.cumsum(counts)).astype(_I32)])
+    lens = np.concatenate([doc["lens"], (np.minimum(lay.num[item], (k + pp) * ps) - k * ps).astype(_I32)])
+    work_chunk, work_pair = work_items(lens, own.pair_indptr, own.blocks, block_pairs)
+    return dict(
+        chunk_kv_indptr=kv_indptr,
+        chunk_kv_indices=np.concatenate([doc["indices"], lay.own_pages]),  # pieces split runs in order
+        chunk_len=lens,
+        pair_indptr=own.pair_indptr,
+        pair_row=own.rows,
+        pair_start=own.starts,
+        work_chunk=work_chunk,
+        work_pair=work_pair,
+        num_work=np.asarray([len(work_chunk)], dtype=_I32),
+        row_part_indptr=own.row_part_indptr,
+        row_parts=own.row_parts,
     )
-    return flat, total
 
 
 def _holds(segments: list[Segment], seg: Segment) -> bool:
