@@ -10,6 +10,24 @@ def positive_number(v: object) -> bool:
     return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) and v > 0
 
 
+MAX_LOGPROBS = 20  # top log-probabilities per token (OpenAI's limit)
+MAX_N = 64  # completions per prompt
+
+
+def _int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _token_key(k: object) -> object:
+    if isinstance(k, str) and k.strip().lstrip("-").isdigit():
+        return int(k)
+    return k
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 128
@@ -30,12 +48,43 @@ class SamplingParams:
     # Retrieval attention (None = the engine's retrieval_top_k): keys retrieved per host-tier document
     # and query head for this request; >= a document's keys attends to all of them (exact).
     retrieval_top_k: int | None = None
+    # Penalties on the logits before sampling (OpenAI / HF semantics): presence and frequency subtract
+    # `presence * (count > 0) + frequency * count` over the generated tokens; repetition divides a
+    # positive logit (multiplies a negative one) of every token in the prompt or the output.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens are generated
+    stop_token_ids: list[int] = field(default_factory=list)  # finish (reason "stop") on any of them
+    # Log-probabilities of each sampled token (from the model's logits, before penalties, bias and
+    # temperature) plus the `logprobs` most likely ones; None = off, 0 = the sampled token's only.
+    logprobs: int | None = None
+    n: int = 1  # completions per prompt (each its own request; seeded ones use seed, seed + 1, ...)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
+            raise ValueError(
+                f"SamplingParams.logit_bias={self.logit_bias!r}: must be a dict of token id -> bias"
+            )
+        if self.logit_bias:  # JSON and msgpack may hand the ids over as strings
+            self.logit_bias = {_token_key(k): v for k, v in self.logit_bias.items()}
         self.validate()
+
+    @property
+    def needs_logits_processing(self) -> bool:
+        """Whether the worker must change this request's logits before sampling."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1
+            or self.logit_bias
+            or self.min_tokens
+        )
 
     def validate(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -62,6 +111,28 @@ class SamplingParams:
             raise bad("retrieval_top_k", "must be an integer >= 1, or None for the engine's setting")
         if self.doc_positions not in (None, "sequential", "parallel"):
             raise bad("doc_positions", "must be 'sequential', 'parallel', or None for the engine's setting")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _number(v) or not -2 <= v <= 2:
+                raise bad(name, "must be a number in [-2, 2]")
+        if not positive_number(self.repetition_penalty):
+            raise bad("repetition_penalty", "must be a finite number > 0 (1 = off)")
+        if self.logit_bias is not None:
+            for k, v in self.logit_bias.items():
+                if not _int(k) or k < 0:
+                    raise bad("logit_bias", f"key {k!r} is not a token id")
+                if not _number(v) or not -100 <= v <= 100:
+                    raise bad("logit_bias", f"bias {v!r} for token {k} must be a number in [-100, 100]")
+        if not _int(self.min_tokens) or self.min_tokens < 0:
+            raise bad("min_tokens", "must be an integer >= 0")
+        if self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
+        if not all(_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be a list of token ids")
+        if self.logprobs is not None and (not _int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], or None for off")
+        if not _int(self.n) or not 1 <= self.n <= MAX_N:
+            raise bad("n", f"must be an integer in [1, {MAX_N}]")
 
     @classmethod
     def from_dict(cls, d: dict | None) -> SamplingParams:
@@ -70,3 +141,14 @@ class SamplingParams:
         if unknown:
             raise ValueError(f"unknown sampling parameter(s): {', '.join(sorted(unknown))}")
         return cls(**d)
+
+
+def out_of_vocab(params: SamplingParams, vocab_size: int) -> str | None:
+    """What names a token id outside [0, vocab_size) in params (logit_bias, stop_token_ids), or None."""
+    for t in params.logit_bias or {}:
+        if t >= vocab_size:
+            return f"logit_bias: token id {t} is outside the vocabulary [0, {vocab_size})"
+    for t in params.stop_token_ids:
+        if t >= vocab_size:
+            return f"stop_token_ids: token id {t} is outside the vocabulary [0, {vocab_size})"
+    return None

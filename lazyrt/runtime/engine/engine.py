@@ -16,8 +16,9 @@ from lazyrt.runtime.scheduler.scheduler import Scheduler
 from lazyrt.runtime.tokenizer.detokenizer import IncrementalDetokenizer
 from lazyrt.runtime.tokenizer.doc_token_cache import DocTokenCache
 from lazyrt.runtime.tokenizer.rag_template import build_rag_prompt
+from lazyrt.runtime.tokenizer.token_text import TokenTexts
 from lazyrt.runtime.worker.model_worker import ModelWorker
-from lazyrt.sampling_params import SamplingParams
+from lazyrt.sampling_params import SamplingParams, out_of_vocab
 
 PromptLike = str | Sequence[int] | RagPrompt
 
@@ -60,6 +61,7 @@ class Engine:
         self._rids = itertools.count()
         # a popular document's text is tokenized once (as in the server's tokenizer process)
         self._doc_tokens = DocTokenCache(lambda text: self._tokens(text, "document", False))
+        self.token_texts = TokenTexts(self.tokenizer)
 
     # ---- tokenization and validation ----------------------------------------------------------
     def _doc_ids(self, doc: Any, i: int) -> list[int]:
@@ -84,6 +86,9 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         params.validate()
+        bad = out_of_vocab(params, self.model_config.vocab_size)
+        if bad:
+            raise ValueError(bad)
         if isinstance(prompt, RagPrompt):
             if not isinstance(prompt.docs, (list, tuple)):
                 raise TypeError("RagPrompt.docs must be a list")
@@ -206,12 +211,14 @@ class Engine:
         core = self.core
         for r in reqs:
             core.add(r)
-        detoks = {r.rid: IncrementalDetokenizer(self.tokenizer, r.params.stop) for r in reqs}
+        detoks = {r.rid: _detokenizer(self.tokenizer, r.params) for r in reqs}
         try:
             while any(r.state is not RequestState.FINISHED for r in reqs):
                 for out in core.step():
                     d = detoks[out.rid]
-                    d.add(out.token_ids)
+                    used = d.add(out.token_ids)
+                    if out.logprobs is not None:
+                        d.logprobs.extend(self.token_texts.logprobs(out.token_ids[:used], out.logprobs))
                     if d.stopped:  # the detokenizer saw a stop string: end the request now
                         core.abort(out.rid, "stop")
         except BaseException:
@@ -236,6 +243,8 @@ class Engine:
                 "finish_reason": "stop" if detok.stopped else req.finish_reason,
             },
         }
+        if req.params.logprobs is not None:  # one entry per output token (token_ids)
+            out["logprobs"] = detok.logprobs
         if req.host_chunks:  # retrieval attention: documents attended in the host tier
             out["meta"]["host_attended_chunks"] = req.host_chunks
         return out
@@ -249,3 +258,7 @@ class Engine:
 
     def engine_config(self) -> dict:
         return asdict(self.config)
+
+
+def _detokenizer(tokenizer, params: SamplingParams) -> IncrementalDetokenizer:
+    return IncrementalDetokenizer(tokenizer, params.stop, params.stop_token_ids)

@@ -73,7 +73,7 @@ class EngineLoop:
             except Exception as e:  # a bad request fails alone
                 fut.set_exception(e)
                 continue
-            detok = IncrementalDetokenizer(self.engine.tokenizer, req.params.stop)
+            detok = IncrementalDetokenizer(self.engine.tokenizer, req.params.stop, req.params.stop_token_ids)
             live[req.rid] = _Live(req, detok, on_text, fut)
 
     def _run(self) -> None:
@@ -101,7 +101,10 @@ class EngineLoop:
                 lv = live.get(out.rid)
                 if lv is None:
                     continue
-                lv.detok.add(out.token_ids)
+                used = lv.detok.add(out.token_ids)
+                if out.logprobs is not None:
+                    texts = self.engine.token_texts
+                    lv.detok.logprobs.extend(texts.logprobs(out.token_ids[:used], out.logprobs))
                 if lv.detok.stopped:
                     core.abort(out.rid, "stop")
                 if lv.on_text is not None and lv.req.state is not RequestState.FINISHED:

@@ -103,6 +103,8 @@ class StepItem:
     target_tokens: int = 0  # with segments=None: the target run's length including the new token
     score_len: int = 0  # report logprobs of this item's last score_len tokens (a scoring prefill)
     doc_logits: list[float] | None = None  # [logit scale, log mass] on document keys; None = plain
+    # with sampling, when it has a repetition penalty: the request's prompt token ids
+    context_ids: list[int] | None = None
 
 
 @message
@@ -130,6 +132,8 @@ class StepResult:
     probe_scores: list[list[float]] | None = None  # per probe: each page's K/V deviation
     shared_chunk_steps: int = 0  # steps the worker has run with shared-chunk attention so far
     graph_steps: int = 0  # steps the worker has replayed from CUDA graphs so far
+    # per token (same order), for requests asking logprobs: [logprob, [top ids], [top logprobs]]
+    logprobs: list[list | None] | None = None
 
 
 @message
@@ -165,6 +169,7 @@ class TokenOut:
     token_ids: list[int]
     finish_reason: str | None = None
     meta: dict | None = None  # prompt_tokens, cached_tokens, chunk_hits, chunk_misses (first and last)
+    logprobs: list[list] | None = None  # per token: [logprob, [top ids], [top logprobs]]
 
 
 @message
@@ -182,6 +187,8 @@ class TextOut:
     finish_reason: str | None = None
     meta: dict | None = None
     token_ids: list[int] | None = None  # all output ids, on the final message
+    # per token this message accounts for: {"token", "logprob", "bytes", "top": [[token, logprob, bytes]]}
+    logprobs: list[dict] | None = None
 
 
 @message

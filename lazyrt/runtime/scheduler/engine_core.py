@@ -137,7 +137,8 @@ class EngineCore:
         now = time.perf_counter()
         wall = time.time()
         outs = []
-        for req, tok in zip(sampled, result.tokens):
+        logprobs = result.logprobs or [None] * len(sampled)
+        for req, tok, lp in zip(sampled, result.tokens, logprobs):
             req.pending_tokens -= 1
             if req.state is RequestState.FINISHED:  # ended while this step ran: its token is dropped
                 continue
@@ -150,7 +151,7 @@ class EngineCore:
             meta = request_meta(req) if first or reason else None
             if first and meta is not None and req.received_at:
                 meta["timings_ms"] = request_timings(req, wall)
-            outs.append(TokenOut(req.rid, [tok], reason, meta))
+            outs.append(TokenOut(req.rid, [tok], reason, meta, [lp] if lp is not None else None))
         return outs
 
     def cache_stats(self, cache_mode: str) -> dict:
@@ -175,7 +176,10 @@ class EngineCore:
         }
 
     def _finish_reason(self, req: Request) -> str | None:
-        if not req.params.ignore_eos and req.output_ids[-1] in self.eos_ids:
+        last = req.output_ids[-1]
+        if not req.params.ignore_eos and last in self.eos_ids:
+            return "stop"
+        if last in req.params.stop_token_ids:
             return "stop"
         if len(req.output_ids) >= req.max_new_tokens:
             return "length"

@@ -64,6 +64,7 @@ class StepEncoder:
             # only the prefill item (no output yet) holds the scored prompt tokens
             score_len=req.score_len if req is not None and not req.output_ids else 0,
             doc_logits=doc_logits,
+            context_ids=req.prompt_ids if req is not None and req.params.repetition_penalty != 1 else None,
         )
 
 
@@ -95,9 +96,11 @@ class StepDecoder:
                 segs, doc_logits = _segments(it), _doc_logits(it)
                 req = None
                 if it.rid >= 0:
-                    req = Request(it.rid, it.sampling, score_len=it.score_len)
+                    # the stub's prompt is what its logits processing needs (repetition penalty)
+                    context = list(it.context_ids or [])
+                    req = Request(it.rid, it.sampling, suffix=context, score_len=it.score_len)
                     # decodes score nothing
-                    self._known[it.rid] = (segs, Request(it.rid, it.sampling), doc_logits)
+                    self._known[it.rid] = (segs, Request(it.rid, it.sampling, suffix=context), doc_logits)
             plan.items.append(
                 ForwardItem(
                     list(it.token_ids),

@@ -4,16 +4,18 @@ Text grows only by whole characters: a decode ending in U+FFFD (an incomplete UT
 across tokens) waits for the next token. Each step decodes only a short window of ids (from the
 last point where the text was complete), not the whole output. Stop strings: the text is cut
 before the first stop match, and while running, the last (longest stop - 1) characters are held
-back so a stop string that is still arriving is never emitted.
+back so a stop string that is still arriving is never emitted. A stop token id ends the text too,
+its own text left out.
 """
 
 from __future__ import annotations
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, stop: list[str] | None = None):
+    def __init__(self, tokenizer, stop: list[str] | None = None, stop_token_ids: list[int] | None = None):
         self.tokenizer = tokenizer
         self.stop = [s for s in (stop or []) if s]
+        self.stop_token_ids = set(stop_token_ids or [])  # end the text; their own text is not shown
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.ids: list[int] = []
         self.text = ""  # decoded so far (whole characters), cut at a stop string once one is seen
@@ -21,6 +23,7 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0  # ids[prefix:read] decode to the tail of `text` (context for spaces)
         self._read_offset = 0
         self._sent = 0  # characters of `text` handed out by take()
+        self.logprobs: list[dict] = []  # the offline engine's per-token logprobs (requests asking them)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -31,6 +34,12 @@ class IncrementalDetokenizer:
         for t in token_ids:
             if self.stopped:
                 break
+            if t in self.stop_token_ids:
+                self._advance(final=True)  # flush the text before it, then stop
+                self.ids.append(t)
+                self._prefix_offset = self._read_offset = len(self.ids)
+                self.stopped = True
+                return used + 1
             self.ids.append(t)
             used += 1
             self._advance(final=False)

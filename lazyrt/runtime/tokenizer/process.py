@@ -27,6 +27,7 @@ from lazyrt.runtime.ipc.messages import (
 from lazyrt.runtime.ipc.sockets import PARENT_CHECK_MS, IpcPaths, child_setup, poll, recv, send, socket
 from lazyrt.runtime.tokenizer.detokenizer import IncrementalDetokenizer
 from lazyrt.runtime.tokenizer.request_tokenizer import InvalidRequest, RequestTokenizer
+from lazyrt.runtime.tokenizer.token_text import TokenTexts
 
 logger = logging.getLogger("lazyrt.tokenizer")
 
@@ -43,6 +44,7 @@ class TokenizerLoop:
         self.req_tokenizer = RequestTokenizer(tokenizer, ready.max_context, ready.vocab_size)
         self.to_sched, self.to_http = to_sched, to_http
         self.live: dict[int, _Live] = {}
+        self.token_texts = TokenTexts(tokenizer)
 
     def on_http(self, msg: object) -> None:
         if isinstance(msg, GenerateReq):
@@ -55,7 +57,8 @@ class TokenizerLoop:
                 logger.exception("tokenizing request %d failed", msg.rid)
                 send(self.to_http, ErrorOut(msg.rid, f"tokenization failed: {e}", None, 500, "server_error"))
                 return
-            self.live[msg.rid] = _Live(IncrementalDetokenizer(self.tokenizer, msg.sampling.stop))
+            sp = msg.sampling
+            self.live[msg.rid] = _Live(IncrementalDetokenizer(self.tokenizer, sp.stop, sp.stop_token_ids))
             tok.received_at, tok.tokenized_at = msg.received_at, time.time()
             send(self.to_sched, tok)
         elif isinstance(msg, AbortReq):
@@ -83,6 +86,7 @@ class TokenizerLoop:
             live.meta.update(out.meta)
         d = live.detok
         used = d.add(out.token_ids)
+        lps = self.token_texts.logprobs(out.token_ids[:used], out.logprobs)
         reason = out.finish_reason
         if d.stopped:
             if reason is None:
@@ -91,10 +95,10 @@ class TokenizerLoop:
         final = reason is not None
         text = d.take(final=final)
         if not final:
-            return TextOut(out.rid, text, used)
+            return TextOut(out.rid, text, used, logprobs=lps)
         del self.live[out.rid]
         meta = {**live.meta, "completion_tokens": len(d.ids), "finish_reason": reason}
-        return TextOut(out.rid, text, used, reason, meta, list(d.ids))
+        return TextOut(out.rid, text, used, reason, meta, list(d.ids), lps)
 
 
 def run_tokenizer_process(ipc: IpcPaths, log_level: str) -> None:

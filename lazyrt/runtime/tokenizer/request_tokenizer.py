@@ -16,6 +16,7 @@ from lazyrt.runtime.tokenizer.rag_template import (
     build_rag_prompt,
     render_chat,
 )
+from lazyrt.sampling_params import out_of_vocab
 
 
 class InvalidRequest(ValueError):
@@ -35,6 +36,9 @@ class RequestTokenizer:
         return self.tokenizer(text, add_special_tokens=special).input_ids
 
     def tokenize(self, req: GenerateReq) -> TokenizedReq:
+        bad = out_of_vocab(req.sampling, self.vocab_size)
+        if bad:
+            raise InvalidRequest(bad, bad.split(":")[0])
         docs = req.docs or []
         doc_field = "docs" if req.text_mode == "rag" else "documents"
         prompt: RagPrompt | None = None

@@ -19,6 +19,7 @@ from lazyrt.retrieval.host_attention import RetrievalOptions
 from lazyrt.runtime.ipc.messages import StepMsg, StepResult, WorkerReady
 from lazyrt.runtime.scheduler.plan import StepPlan
 from lazyrt.runtime.scheduler.step_wire import StepDecoder
+from lazyrt.runtime.worker.logits_processing import LogitsProcessing, logprob_entries, token_logprobs
 from lazyrt.runtime.worker.model_runner import ModelRunner
 from lazyrt.runtime.worker.sampler import sample_tokens_device
 from lazyrt.sampling_params import SamplingParams
@@ -87,6 +88,7 @@ class ModelWorker:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_ids = eos
         self._generators: dict[int, torch.Generator | None] = {}
+        self._logits = LogitsProcessing(c.vocab_size, self.model.device, eos)
         self._decoder = StepDecoder()
         self._deferred: DeferredTokens | None = None  # the launched step whose tokens are not sent yet
 
@@ -131,6 +133,7 @@ class ModelWorker:
     def _execute(self, msg: StepMsg) -> StepResult:
         for rid in msg.release:
             self._generators.pop(rid, None)
+            self._logits.release(rid)
         plan = self._decoder.decode(msg)
         if self._deferred is not None and not msg.defer:
             if plan.items or plan.probes or plan.has_copies:
@@ -147,16 +150,21 @@ class ModelWorker:
         for req in rows:
             if req.rid not in self._generators:
                 self._generators[req.rid] = _generator(req.params)
-        tokens = None
+        tokens = logprobs = None
         if rows:
             gens = [self._generators[r.rid] for r in rows]
-            tokens = sample_tokens_device(logits, [r.params for r in rows], gens)
+            params, rids = [r.params for r in rows], [r.rid for r in rows]
+            processed = self._logits.apply(logits, rids, params, [r.suffix for r in rows])  # stub: prompt
+            tokens = sample_tokens_device(processed, params, gens)
+            self._logits.advance(rids, tokens)
+            logprobs = token_logprobs(logits, tokens, params)
         if not msg.defer:
             self.runner.prev_tokens = None  # the scheduler has every token before its next plan
             sampled = tokens.tolist() if tokens is not None else []
-            return self._answer(StepResult(sampled, scores, probe_scores))
+            lps = logprob_entries(len(sampled), [r.params for r in rows], logprobs)
+            return self._answer(StepResult(sampled, scores, probe_scores, logprobs=lps))
         self.runner.prev_tokens = (tokens, {r.rid: i for i, r in enumerate(rows)}) if rows else None
-        prev, self._deferred = self._deferred, DeferredTokens(tokens)
+        prev, self._deferred = self._deferred, DeferredTokens(tokens, [r.params for r in rows], logprobs)
         return self._answer(prev.result() if prev is not None else StepResult([]))
 
     def _answer(self, result: StepResult) -> StepResult:
@@ -191,20 +199,36 @@ class ModelWorker:
 
 
 class DeferredTokens:
-    """A launched step's sampled tokens on their way to the host (pinned copy + event on CUDA)."""
+    """A launched step's sampled tokens (and logprobs, if asked) on their way to the host (pinned
+    copies + an event on CUDA)."""
 
-    def __init__(self, tokens: torch.Tensor | None):
-        self.host, self.event = tokens, None
+    def __init__(
+        self,
+        tokens: torch.Tensor | None,
+        params: list[SamplingParams] | None = None,
+        logprobs: tuple | None = None,
+    ):
+        self.host, self.event, self.params = tokens, None, params or []
+        self.logprobs = logprobs
         if tokens is not None and tokens.is_cuda:  # pinned: the copy itself must not wait
-            self.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            self.host.copy_(tokens, non_blocking=True)
+            self.host = _pinned_copy(tokens)
+            if logprobs is not None:
+                rows, *tensors = logprobs
+                self.logprobs = (rows, *(_pinned_copy(t) for t in tensors))
             self.event = torch.cuda.Event()
             self.event.record()
 
     def result(self) -> StepResult:
         if self.event is not None:
             self.event.synchronize()
-        return StepResult(self.host.tolist() if self.host is not None else [])
+        tokens = self.host.tolist() if self.host is not None else []
+        return StepResult(tokens, logprobs=logprob_entries(len(tokens), self.params, self.logprobs))
+
+
+def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
 
 
 def _generator(params: SamplingParams) -> torch.Generator | None:
