@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -133,6 +134,13 @@ class SamplingParams:
             raise bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], or None for off")
         if not _int(self.n) or not 1 <= self.n <= MAX_N:
             raise bad("n", f"must be an integer in [1, {MAX_N}]")
+
+    def expand_n(self) -> list[SamplingParams]:
+        """One n=1 copy per completion; seeded ones take seed, seed + 1, ... (reproducible, distinct)."""
+        if self.n == 1:
+            return [self]
+        seeds = [None] * self.n if self.seed is None else [self.seed + i for i in range(self.n)]
+        return [dataclasses.replace(self, n=1, seed=s) for s in seeds]
 
     @classmethod
     def from_dict(cls, d: dict | None) -> SamplingParams:

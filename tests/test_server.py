@@ -238,8 +238,92 @@ def test_client_disconnect_mid_stream_aborts_and_frees_pages(server):
     assert time.monotonic() - start < 15
 
 
+# ---- sampling parity (issue 16) -----------------------------------------------------------------
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def test_n_choices_greedy_identical_and_seeded_reproducible(server, oai, engine):
+    msgs = [{"role": "user", "content": "Name a fruit."}]
+    greedy = oai.chat.completions.create(model=MODEL, messages=msgs, max_tokens=10, temperature=0, n=2)
+    assert [c.index for c in greedy.choices] == [0, 1]
+    assert greedy.choices[0].message.content == greedy.choices[1].message.content
+    assert greedy.usage.completion_tokens == 2 * engine.generate(
+        [engine.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)],
+        SamplingParams(max_tokens=10),
+    )[0]["meta"]["completion_tokens"]
+    kw = dict(model=MODEL, messages=msgs, max_tokens=12, temperature=1.0, seed=1234, n=3)
+    a, b = oai.chat.completions.create(**kw), oai.chat.completions.create(**kw)
+    texts = [c.message.content for c in a.choices]
+    assert texts == [c.message.content for c in b.choices]
+    assert len(set(texts)) > 1  # distinct seeds per choice
+    # choice i samples with seed + i, as Engine does
+    prompt = engine.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    want = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=1.0, seed=1234, n=3))[0]
+    assert texts == [o["text"] for o in want["outputs"]]
+    # streaming: every choice's deltas add up to its text
+    stream = oai.chat.completions.create(**kw, stream=True)
+    got = ["", "", ""]
+    for ch in stream:
+        for c in ch.choices:
+            got[c.index] += c.delta.content or ""
+    assert got == texts
+
+
+def test_logprobs_equal_engine_score(server, oai, engine):
+    prompt = "The three primary colours are"
+    resp = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, logprobs=3)
+    lp = resp.choices[0].logprobs
+    text = resp.choices[0].text
+    assert "".join(lp.tokens) == text and len(lp.token_logprobs) == resp.usage.completion_tokens
+    assert all(len(t) <= 3 for t in lp.top_logprobs)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    # greedy: each sampled token is its position's most likely one
+    for top, v in zip(lp.top_logprobs, lp.token_logprobs):
+        assert max(top.values()) == pytest.approx(v, abs=1e-6)
+    ids = engine.generate(prompt, SamplingParams(max_tokens=6))[0]["token_ids"]
+    assert engine.tokenizer(text, add_special_tokens=False).input_ids == ids  # the text re-tokenizes the same
+    (want,) = engine.score(prompt, [text], normalize=False)
+    assert sum(lp.token_logprobs) == pytest.approx(want, abs=1e-3)
+    # chat: the same numbers in the chat shape, streamed and not
+    msgs = [{"role": "user", "content": "Say hello."}]
+    kw = dict(model=MODEL, messages=msgs, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2)
+    whole = oai.chat.completions.create(**kw)
+    content = whole.choices[0].logprobs.content
+    assert "".join(e.token for e in content) == whole.choices[0].message.content
+    assert all(len(e.top_logprobs) == 2 and e.top_logprobs[0].token == e.token for e in content)
+    streamed = [e for ch in oai.chat.completions.create(**kw, stream=True) for c in ch.choices
+                if c.logprobs for e in c.logprobs.content]  # fmt: skip
+    pairs = lambda es: [(e.token, round(e.logprob, 4)) for e in es]  # noqa: E731
+    assert pairs(streamed) == pairs(content)
+    assert oai.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2).choices[0].logprobs is None
+
+
+def test_completions_prompt_list_and_penalties_equal_engine(server, oai, engine):
+    prompts = ["The capital of France is", "Once upon a time"]
+    resp = oai.completions.create(model=MODEL, prompt=prompts, max_tokens=8, temperature=0, n=2)
+    assert [c.index for c in resp.choices] == [0, 1, 2, 3]
+    want = engine.generate(prompts, SamplingParams(max_tokens=8))
+    assert [c.text for c in resp.choices] == [want[0]["text"]] * 2 + [want[1]["text"]] * 2
+    assert resp.usage.prompt_tokens == sum(w["meta"]["prompt_tokens"] for w in want)
+    assert resp.usage.completion_tokens == 2 * sum(w["meta"]["completion_tokens"] for w in want)
+    # penalties, bias, min_tokens and stop ids: the server's answer is the engine's
+    ids = want[1]["token_ids"]
+    sp = dict(frequency_penalty=1.5, presence_penalty=0.5, logit_bias={str(ids[1]): -50}, max_tokens=8)
+    extra = {"repetition_penalty": 1.2, "min_tokens": 3, "stop_token_ids": [ids[4]]}
+    r = oai.completions.create(model=MODEL, prompt=prompts[1], temperature=0, extra_body=extra, **sp)
+    same = SamplingParams(**{**sp, "logit_bias": {ids[1]: -50}}, **extra)
+    e = engine.generate(prompts[1], same)[0]
+    assert r.choices[0].text == e["text"] and r.choices[0].finish_reason == e["meta"]["finish_reason"]
+    assert e["token_ids"] != ids  # the bias moved it off the plain answer
+    # /generate: n and logprobs in sampling_params
+    body = {"text": prompts[0], "sampling_params": {"max_tokens": 4, "n": 2, "logprobs": 1}}
+    g = httpx.post(server.url + "/generate", json=body, timeout=60).json()
+    assert len(g["outputs"]) == 2 and len(g["logprobs"]) == len(g["token_ids"])
+
+
 # ---- bad input -----------------------------------------------------------------------------------
 LONG = "word " * 9000
+X = {"messages": [{"role": "user", "content": "x"}]}
 BAD = [
     ("/v1/chat/completions", b"{not json", 400, "body"),
     ("/v1/chat/completions", b"[1, 2]", 400, "body"),
@@ -279,7 +363,29 @@ BAD = [
         400,
         "stream",
     ),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 3}, 400, "n"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 0}, 400, "n"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 65}, 400, "n"),
+    ("/v1/chat/completions", {**X, "logprobs": "yes"}, 400, "logprobs"),
+    ("/v1/chat/completions", {**X, "top_logprobs": 3}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {**X, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {**X, "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ("/v1/chat/completions", {**X, "frequency_penalty": "x"}, 400, "frequency_penalty"),
+    ("/v1/chat/completions", {**X, "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("/v1/chat/completions", {**X, "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+    ("/v1/chat/completions", {**X, "logit_bias": {"5": 300}}, 400, "logit_bias.5"),
+    ("/v1/chat/completions", {**X, "logit_bias": {"999999": 1}}, 400, "logit_bias"),
+    ("/v1/chat/completions", {**X, "min_tokens": -1}, 400, "min_tokens"),
+    ("/v1/chat/completions", {**X, "stop_token_ids": [1.5]}, 400, "stop_token_ids"),
+    ("/v1/chat/completions", {**X, "stop_token_ids": [999999]}, 400, "stop_token_ids"),
+    ("/v1/chat/completions", {**X, "tools": [{"type": "function"}]}, 400, "tools"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "echo": True}, 400, "echo"),
+    ("/v1/completions", {"prompt": ["a", 5]}, 400, "prompt[1]"),
+    ("/v1/completions", {"prompt": ["a", ""]}, 400, "prompt[1]"),
+    ("/v1/completions", {"prompt": ["a", "b"], "n": 40}, 400, "n"),
+    ("/v1/completions", {"prompt": ["a", [1, 10**9]]}, 400, "prompt[1]"),
+    ("/generate", {"text": "hi", "sampling_params": {"logprobs": True}}, 400, "sampling_params.logprobs"),
+    ("/generate", {"text": "hi", "sampling_params": {"n": 0}}, 400, "sampling_params.n"),
     (
         "/v1/chat/completions",
         {"messages": [{"role": "user", "content": "x"}], "documents": "d"},

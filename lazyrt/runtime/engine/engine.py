@@ -151,8 +151,17 @@ class Engine:
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling_params")
         # Validate everything before running anything: a bad prompt must not leave half a batch behind.
-        reqs = [self._make_request(p, sp) for p, sp in zip(prompts, params)]
-        return self._run(reqs)
+        # n > 1: n requests per prompt, run together (the documents' KV is computed once and shared).
+        groups = [[self._make_request(p, one) for one in sp.expand_n()] for p, sp in zip(prompts, params)]
+        results = iter(self._run([r for g in groups for r in g]))
+        out = []
+        for g in groups:
+            first = next(results)
+            if len(g) > 1:  # every completion in `outputs`; the first one also at the top level
+                rest = [next(results) for _ in g[1:]]
+                first["outputs"] = [_completion(r) for r in [first, *rest]]
+            out.append(first)
+        return out
 
     def rag(
         self,
@@ -262,3 +271,8 @@ class Engine:
 
 def _detokenizer(tokenizer, params: SamplingParams) -> IncrementalDetokenizer:
     return IncrementalDetokenizer(tokenizer, params.stop, params.stop_token_ids)
+
+
+def _completion(result: dict) -> dict:
+    keep = ("text", "token_ids", "logprobs")
+    return {**{k: result[k] for k in keep if k in result}, "finish_reason": result["meta"]["finish_reason"]}

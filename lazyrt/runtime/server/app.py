@@ -95,6 +95,59 @@ def usage(meta: dict) -> dict:
     }
 
 
+@dataclass
+class Choice:
+    """One completion of a request (or, streaming, one chunk of it)."""
+
+    index: int
+    prompt_index: int = 0  # which prompt of a /v1/completions batch it answers
+    text: str = ""
+    logprobs: list[dict] | None = None  # per token (TextOut.logprobs), when asked
+    finish_reason: str | None = None
+    meta: dict | None = None  # when finished: the request's meta (usage, timings)
+
+    def add(self, out: TextOut) -> None:
+        self.text += out.text
+        if out.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + out.logprobs
+        self.finish_reason = out.finish_reason
+
+
+def total_usage(choices: list[Choice]) -> dict:
+    """usage over completions: each prompt's tokens counted once (n samples share it)."""
+    seen: set[int] = set()
+    total = {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
+    for c in choices:
+        m = c.meta or {}
+        total["completion_tokens"] += m.get("completion_tokens", 0)
+        if c.prompt_index not in seen:
+            seen.add(c.prompt_index)
+            total["prompt_tokens"] += m.get("prompt_tokens", 0)
+            total["cached_tokens"] += m.get("cached_tokens", 0)
+    return usage(total)
+
+
+def chat_logprobs(entries: list[dict] | None) -> dict | None:
+    if entries is None:
+        return None
+    keep = lambda e: {"token": e["token"], "logprob": e["logprob"], "bytes": e["bytes"]}  # noqa: E731
+    return {"content": [{**keep(e), "top_logprobs": [keep(t) for t in e["top_logprobs"]]} for e in entries]}
+
+
+def completion_logprobs(entries: list[dict] | None, offset: int) -> dict | None:
+    """The legacy completions shape; text_offset counts from `offset` (the choice's text so far)."""
+    if entries is None:
+        return None
+    out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for e in entries:
+        out["tokens"].append(e["token"])
+        out["token_logprobs"].append(e["logprob"])
+        out["top_logprobs"].append({t["token"]: t["logprob"] for t in e["top_logprobs"]})
+        out["text_offset"].append(offset)
+        offset += len(e["token"])
+    return out
+
+
 def _sse(obj: Any) -> bytes:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
 
@@ -148,9 +201,13 @@ def create_app(state: ServerState) -> FastAPI:
         request: Request,
         endpoint: str,
         parse: Callable[[dict], Parsed],
-        finish: Callable[[str, dict], dict],
-        chunk: Callable[[str, str | None, dict | None], dict | None],
+        finish: Callable[[list[Choice]], dict],
+        chunk: Callable[[Choice, dict | None], dict | None],
     ) -> Response:
+        """Submit the request's completions (n per prompt, several prompts on /v1/completions) and
+        answer with all of them: one JSON body, or one SSE stream where each chunk names its choice.
+        Any completion failing before its first token fails the whole request (a 4xx naming the
+        field); the others are aborted."""
         received_at = time.time()
         try:
             if not state.healthy and client.ready_info is None:
@@ -161,74 +218,125 @@ def create_app(state: ServerState) -> FastAPI:
         except ApiError as e:
             state.metrics.errors.labels(endpoint, str(e.status)).inc()
             return error_response(e)
-        rid = client.new_rid()
-        parsed.req.rid = rid
-        parsed.req.received_at = received_at
-        q = client.submit(parsed.req)
-        tracker = _Tracker(state.metrics, received_at)
-        first = await next_out(q, request)
-        if first is None:
-            client.abort(rid)
-            state.metrics.aborts.inc()
-            return Response(status_code=499)
-        if isinstance(first, ErrorOut):
-            state.metrics.errors.labels(endpoint, str(first.status)).inc()
-            return error_response(ApiError(first.status, first.message, first.param, first.type))
-        tracker.saw(first)
+        reqs = parsed.requests()
+        queues, rids, trackers = [], [], []
+        for req in reqs:  # all at once: they batch together (and share their documents' KV)
+            req.rid, req.received_at = client.new_rid(), received_at
+            rids.append(req.rid)
+            queues.append(client.submit(req))
+            trackers.append(_Tracker(state.metrics, received_at))
+        pending = set(range(len(reqs)))  # choices not finished: aborted if we stop early
+        per_prompt = len(reqs) // (1 + len(parsed.more))  # n
+
+        def new_choice(i: int) -> Choice:
+            return Choice(i, i // per_prompt)
+
+        def give_up(status: int | None = None) -> Response:
+            for i in pending:
+                client.abort(rids[i])
+            if status == 499:
+                state.metrics.aborts.inc()
+                return Response(status_code=499)
+            return Response(status_code=500)
+
+        firsts: list[TextOut] = []
+        for i, q in enumerate(queues):
+            first = await next_out(q, request)
+            if first is None:
+                return give_up(499)
+            if isinstance(first, ErrorOut):
+                pending.discard(i)
+                give_up()
+                state.metrics.errors.labels(endpoint, str(first.status)).inc()
+                return error_response(ApiError(first.status, first.message, first.param, first.type))
+            trackers[i].saw(first)
+            firsts.append(first)
         if not parsed.stream:
-            text, out = first.text, first
-            while out.finish_reason is None:
-                nxt = await next_out(q, request)
-                if nxt is None:
-                    client.abort(rid)
-                    state.metrics.aborts.inc()
-                    return Response(status_code=499)
-                if isinstance(nxt, ErrorOut):
-                    return error_response(ApiError(nxt.status, nxt.message, nxt.param, nxt.type))
-                tracker.saw(nxt)
-                text, out = text + nxt.text, nxt
-            meta = tracker.finish(endpoint, out)
-            return JSONResponse(finish(text, {**meta, "token_ids": out.token_ids}))
+            choices = []
+            for i, (q, out) in enumerate(zip(queues, firsts)):
+                c = new_choice(i)
+                c.add(out)
+                while out.finish_reason is None:
+                    out = await next_out(q, request)
+                    if out is None:
+                        return give_up(499)
+                    if isinstance(out, ErrorOut):
+                        pending.discard(i)
+                        give_up()
+                        return error_response(ApiError(out.status, out.message, out.param, out.type))
+                    trackers[i].saw(out)
+                    c.add(out)
+                pending.discard(i)
+                c.meta = {**trackers[i].finish(endpoint, out), "token_ids": out.token_ids}
+                choices.append(c)
+            return JSONResponse(finish(choices))
+
+        merged: asyncio.Queue = asyncio.Queue()
+        for i, out in enumerate(firsts):
+            merged.put_nowait((i, out))
+
+        async def pump(i: int, q: asyncio.Queue) -> None:
+            out = firsts[i]
+            while isinstance(out, TextOut) and out.finish_reason is None:
+                out = await q.get()
+                await merged.put((i, out))
 
         async def events() -> AsyncIterator[bytes]:
-            finished = False
+            pumps = [asyncio.create_task(pump(i, q)) for i, q in enumerate(queues)]
+            done: list[Choice] = []
             try:
-                out: TextOut | ErrorOut = first
-                while True:
+                while pending:
+                    i, out = await merged.get()
                     if isinstance(out, ErrorOut):
                         yield _sse(ApiError(out.status, out.message, out.param, out.type).body())
                         break
-                    meta = tracker.finish(endpoint, out) if out.finish_reason is not None else None
-                    body = chunk(out.text, out.finish_reason, meta)
+                    if out is not firsts[i]:
+                        trackers[i].saw(out)
+                    c = new_choice(i)
+                    c.add(out)
+                    meta = None
+                    if out.finish_reason is not None:
+                        meta = trackers[i].finish(endpoint, out)
+                        pending.discard(i)
+                        c.meta = meta
+                        done.append(c)
+                    body = chunk(c, meta)
                     if body is not None:
                         yield _sse(body)
-                    if meta is not None:
-                        finished = True
-                        if parsed.include_usage:
-                            yield _sse(chunk("", None, {**meta, "usage_only": True}))
-                        break
-                    out = await q.get()
-                    if isinstance(out, TextOut):
-                        tracker.saw(out)
+                if not pending and parsed.include_usage:
+                    yield _sse(chunk(Choice(-1, meta={"usage": total_usage(done)}), {"usage_only": True}))
                 yield b"data: [DONE]\n\n"
             finally:
-                if not finished:  # client gone (or cancelled): free the request's pages
-                    client.abort(rid)
-                    state.metrics.aborts.inc()
+                for t in pumps:
+                    t.cancel()
+                if pending:  # client gone (or cancelled): free the requests' pages
+                    give_up(499)
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
     # ---- endpoints ----------------------------------------------------------------------------
     @app.post("/generate")
     async def generate(request: Request) -> Response:
-        def finish(text: str, meta: dict) -> dict:
-            ids = meta.pop("token_ids", None)
-            return {"text": text, "token_ids": ids, "meta": meta}
+        def one(c: Choice) -> dict:
+            out = {"text": c.text, "token_ids": (c.meta or {}).get("token_ids")}
+            if c.logprobs is not None:
+                out["logprobs"] = c.logprobs
+            return out
 
-        def chunk(text: str, reason: str | None, meta: dict | None) -> dict | None:
+        def finish(choices: list[Choice]) -> dict:
+            first = choices[0]
+            meta = {k: v for k, v in (first.meta or {}).items() if k != "token_ids"}
+            body = {**one(first), "meta": meta}
+            if len(choices) > 1:  # n > 1: every completion, as Engine.generate gives them
+                body["outputs"] = [{**one(c), "finish_reason": c.finish_reason} for c in choices]
+            return body
+
+        def chunk(c: Choice, meta: dict | None) -> dict | None:
             if meta and meta.get("usage_only"):
                 return None
-            out: dict = {"text": text, "finish_reason": reason}
+            out: dict = {"index": c.index, "text": c.text, "finish_reason": c.finish_reason}
+            if c.logprobs is not None:
+                out["logprobs"] = c.logprobs
             if meta is not None:
                 out["meta"] = meta
             return out
@@ -275,18 +383,26 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         cid = f"cmpl-{time.time_ns():x}"
+        offsets: dict[int, int] = {}  # streaming: each choice's text so far (logprobs text_offset)
 
         def base(obj: str) -> dict:
             return {"id": cid, "object": obj, "created": int(time.time()), "model": state.served_model}
 
-        def finish(text: str, meta: dict) -> dict:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": meta.get("finish_reason")}
-            return {**base("text_completion"), "choices": [choice], "usage": usage(meta)}
+        def finish(choices: list[Choice]) -> dict:
+            body = [
+                {"index": c.index, "text": c.text, "logprobs": completion_logprobs(c.logprobs, 0),
+                 "finish_reason": c.finish_reason}
+                for c in choices
+            ]  # fmt: skip
+            return {**base("text_completion"), "choices": body, "usage": total_usage(choices)}
 
-        def chunk(text: str, reason: str | None, meta: dict | None) -> dict:
+        def chunk(c: Choice, meta: dict | None) -> dict:
             if meta and meta.get("usage_only"):
-                return {**base("text_completion"), "choices": [], "usage": usage(meta)}
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+                return {**base("text_completion"), "choices": [], "usage": c.meta["usage"]}
+            at = offsets.get(c.index, 0)
+            offsets[c.index] = at + len(c.text)
+            choice = {"index": c.index, "text": c.text, "logprobs": completion_logprobs(c.logprobs, at),
+                      "finish_reason": c.finish_reason}  # fmt: skip
             return {**base("text_completion"), "choices": [choice]}
 
         return await run(
@@ -296,28 +412,28 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         cid = f"chatcmpl-{time.time_ns():x}"
-        sent_role = False
+        sent_role: set[int] = set()
 
         def base(obj: str) -> dict:
             return {"id": cid, "object": obj, "created": int(time.time()), "model": state.served_model}
 
-        def finish(text: str, meta: dict) -> dict:
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "finish_reason": meta.get("finish_reason"),
-            }
-            return {**base("chat.completion"), "choices": [choice], "usage": usage(meta)}
+        def finish(choices: list[Choice]) -> dict:
+            body = [
+                {"index": c.index, "message": {"role": "assistant", "content": c.text},
+                 "logprobs": chat_logprobs(c.logprobs), "finish_reason": c.finish_reason}
+                for c in choices
+            ]  # fmt: skip
+            return {**base("chat.completion"), "choices": body, "usage": total_usage(choices)}
 
-        def chunk(text: str, reason: str | None, meta: dict | None) -> dict:
-            nonlocal sent_role
+        def chunk(c: Choice, meta: dict | None) -> dict:
             if meta and meta.get("usage_only"):
-                return {**base("chat.completion.chunk"), "choices": [], "usage": usage(meta)}
-            delta: dict = {"content": text}
-            if not sent_role:
+                return {**base("chat.completion.chunk"), "choices": [], "usage": c.meta["usage"]}
+            delta: dict = {"content": c.text}
+            if c.index not in sent_role:
                 delta["role"] = "assistant"
-                sent_role = True
-            choice = {"index": 0, "delta": delta, "finish_reason": reason}
+                sent_role.add(c.index)
+            choice = {"index": c.index, "delta": delta, "logprobs": chat_logprobs(c.logprobs),
+                      "finish_reason": c.finish_reason}  # fmt: skip
             return {**base("chat.completion.chunk"), "choices": [choice]}
 
         return await run(request, "chat", lambda b: parse_chat(b, state.served_model), finish, chunk)

@@ -11,19 +11,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from lazyrt.runtime.ipc.messages import GenerateReq
-from lazyrt.sampling_params import SamplingParams, positive_number
+from lazyrt.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams, positive_number
 
 ROLES = ("system", "user", "assistant")
 # OpenAI fields we cannot honour: reject a non-default value rather than silently ignore it.
 _UNSUPPORTED = {
-    "n": 1,
     "best_of": 1,
-    "logprobs": None,
-    "top_logprobs": None,
     "echo": False,
-    "presence_penalty": 0,
-    "frequency_penalty": 0,
-    "logit_bias": None,
     "tools": None,
     "suffix": None,
 }
@@ -48,9 +42,17 @@ def bad(param: str, why: str) -> ApiError:
 
 @dataclass
 class Parsed:
-    req: GenerateReq  # rid filled in by the caller
+    req: GenerateReq  # rid filled in by the caller; with several prompts, the first
     stream: bool
     include_usage: bool = False
+    more: list[GenerateReq] = dataclasses.field(default_factory=list)  # /v1/completions: prompts 2..
+
+    def requests(self) -> list[GenerateReq]:
+        """One request per completion: each prompt's n samples in turn (choice index = position)."""
+        out = []
+        for req in [self.req, *self.more]:
+            out += [dataclasses.replace(req, sampling=sp) for sp in req.sampling.expand_n()]
+        return out
 
 
 def _is_int(x: Any) -> bool:
@@ -128,6 +130,7 @@ def _sampling(src: dict, prefix: str, default_max_tokens: int, default_temperatu
     if retrieval_top_k is not None and (not _is_int(retrieval_top_k) or retrieval_top_k < 1):
         raise bad(p("retrieval_top_k"), f"must be an integer >= 1, got {retrieval_top_k!r}")
     return SamplingParams(
+        **_parity(src, prefix),
         retrieval_top_k=retrieval_top_k,
         doc_positions=doc_positions,
         **doc_attention,
@@ -141,10 +144,76 @@ def _sampling(src: dict, prefix: str, default_max_tokens: int, default_temperatu
     )
 
 
+def _parity(src: dict, prefix: str) -> dict:
+    """Penalties, logit_bias, min_tokens, stop_token_ids and n, checked by name (SamplingParams
+    checks again; these messages name the request field). logprobs is per endpoint (_logprobs)."""
+    p = lambda k: prefix + k  # noqa: E731
+    out: dict = {}
+    for name, lo, hi in (("presence_penalty", -2, 2), ("frequency_penalty", -2, 2)):
+        v = src.get(name)
+        if v is not None:
+            if not _is_num(v) or not lo <= v <= hi:
+                raise bad(p(name), f"must be a number in [{lo}, {hi}], got {v!r}")
+            out[name] = float(v)
+    v = src.get("repetition_penalty")
+    if v is not None:
+        if not positive_number(v):
+            raise bad(p("repetition_penalty"), f"must be a finite number > 0 (1 = off), got {v!r}")
+        out["repetition_penalty"] = float(v)
+    bias = src.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, dict):
+            raise bad(p("logit_bias"), "must be an object mapping token ids to biases")
+        out["logit_bias"] = {}
+        for k, b in bias.items():
+            key = k if _is_int(k) else int(k) if isinstance(k, str) and k.isdigit() else None
+            if key is None:
+                raise bad(p("logit_bias"), f"key {k!r} is not a token id")
+            if not _is_num(b) or not -100 <= b <= 100:
+                raise bad(p(f"logit_bias.{k}"), f"must be a number in [-100, 100], got {b!r}")
+            out["logit_bias"][key] = float(b)
+    v = src.get("min_tokens")
+    if v is not None:
+        if not _is_int(v) or v < 0:
+            raise bad(p("min_tokens"), f"must be an integer >= 0, got {v!r}")
+        out["min_tokens"] = v
+    ids = src.get("stop_token_ids")
+    if ids is not None:
+        if not isinstance(ids, list) or not all(_is_int(t) and t >= 0 for t in ids):
+            raise bad(p("stop_token_ids"), "must be a list of token ids")
+        out["stop_token_ids"] = ids
+    n = src.get("n")
+    if n is not None:
+        if not _is_int(n) or not 1 <= n <= MAX_N:
+            raise bad(p("n"), f"must be an integer in [1, {MAX_N}], got {n!r}")
+        out["n"] = n
+    return out
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """Chat: logprobs (bool) + top_logprobs (0-20); completions: logprobs (0-20, the top count)."""
+    lp = body.get("logprobs")
+    if chat:
+        top = body.get("top_logprobs")
+        if lp is not None and not isinstance(lp, bool):
+            raise bad("logprobs", f"must be a boolean, got {lp!r}")
+        if top is not None:
+            if not _is_int(top) or not 0 <= top <= MAX_LOGPROBS:
+                raise bad("top_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {top!r}")
+            if not lp:
+                raise bad("top_logprobs", "needs logprobs: true")
+        return (top or 0) if lp else None
+    if lp is None or lp is False:
+        return None
+    if not _is_int(lp) or not 0 <= lp <= MAX_LOGPROBS:
+        raise bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] (top tokens per place), not {lp!r}")
+    return lp
+
+
 def _check_unsupported(body: dict) -> None:
     for key, default in _UNSUPPORTED.items():
         v = body.get(key)
-        if v is not None and v != default and not (key == "logprobs" and v is False):
+        if v is not None and v != default:
             raise bad(key, f"is not supported by this server (only {default!r})")
 
 
@@ -174,24 +243,33 @@ def parse_completion(body: dict, served: str) -> Parsed:
     _check_model(body, served)
     _check_unsupported(body)
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
     if prompt is None:
         raise bad("prompt", "is required")
-    text = ids = None
-    if isinstance(prompt, str):
-        if not prompt:
-            raise bad("prompt", "must not be empty")
-        text = prompt
-    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
-        ids = prompt
-    else:
-        raise bad("prompt", "must be a string or a list of token ids (one prompt per request)")
+    # a string, a list of token ids, or a batch: a list of strings / of token id lists
+    batch = isinstance(prompt, list) and any(isinstance(x, (str, list)) for x in prompt)
+    prompts = prompt if batch else [prompt]
+    if len(prompts) > MAX_N:
+        raise bad("prompt", f"a batch holds at most {MAX_N} prompts, got {len(prompts)}")
     docs = _str_list(body, "documents")
     sp = _sampling(body, "", 16, 1.0)
+    sp.logprobs = _logprobs(body, chat=False)
+    if sp.n * len(prompts) > MAX_N:
+        raise bad("n", f"n x prompts must be at most {MAX_N}, got {sp.n} x {len(prompts)}")
     stream, usage = _stream(body)
-    req = GenerateReq(-1, sp, text=text, input_ids=ids, docs=docs, text_mode="raw", param="prompt")
-    return Parsed(req, stream, usage)
+    reqs = []
+    for i, one in enumerate(prompts):
+        param = f"prompt[{i}]" if batch else "prompt"
+        text = ids = None
+        if isinstance(one, str):
+            if not one:
+                raise bad(param, "must not be empty")
+            text = one
+        elif isinstance(one, list) and one and all(_is_int(t) for t in one):
+            ids = one
+        else:
+            raise bad(param, "must be a string, a list of token ids, or a list of those")
+        reqs.append(GenerateReq(-1, sp, text=text, input_ids=ids, docs=docs, text_mode="raw", param=param))
+    return Parsed(reqs[0], stream, usage, reqs[1:])
 
 
 def _content(m: dict, i: int) -> str:
@@ -232,6 +310,7 @@ def parse_chat(body: dict, served: str) -> Parsed:
     if docs and not any(m["role"] == "user" for m in messages):
         raise bad("messages", "documents need a user message to attach to")
     sp = _sampling(body, "", 128, 1.0)
+    sp.logprobs = _logprobs(body, chat=True)
     stream, usage = _stream(body)
     req = GenerateReq(-1, sp, messages=messages, docs=docs, param="messages")
     return Parsed(req, stream, usage)
@@ -288,7 +367,12 @@ def _generate_sampling(body: dict) -> SamplingParams:
     unknown = sorted(set(sp_in) - set(SamplingParams.__dataclass_fields__))
     if unknown:
         raise bad(f"sampling_params.{unknown[0]}", "unknown sampling parameter")
-    return _sampling(sp_in, "sampling_params.", 128, 0.0)
+    sp = _sampling(sp_in, "sampling_params.", 128, 0.0)
+    lp = sp_in.get("logprobs")
+    if lp is not None and (not _is_int(lp) or not 0 <= lp <= MAX_LOGPROBS):
+        raise bad("sampling_params.logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] or null")
+    sp.logprobs = lp
+    return sp
 
 
 def parse_generate(body: dict) -> Parsed:
