@@ -117,6 +117,29 @@ def test_program_with_docs_gen_select_same_state_on_both_backends(backends, ref)
     assert again.metas["answer"]["chunk_hits"] == 3
 
 
+def test_gen_penalties_and_logprobs_on_both_backends(backends, ref):
+    opts = dict(frequency_penalty=1.2, repetition_penalty=1.3, min_tokens=2, logprobs=2)
+
+    @function
+    def story(s, topic):
+        s += user(f"Write one sentence about {topic}.")
+        s += gen("line", max_tokens=10, **opts)
+
+    prompt = build_program_prompt(
+        ref.tokenizer, [{"role": "user", "content": "Write one sentence about rivers."},
+                        {"role": "assistant", "content": ""}], [], None, True)  # fmt: skip
+    want = ref.generate(prompt, SamplingParams(max_tokens=10, **opts))[0]
+    plain = ref.generate(prompt, SamplingParams(max_tokens=10))[0]
+    assert want["token_ids"] != plain["token_ids"]  # the penalties change this answer
+    for name, be in backends.items():
+        got = story.run(topic="rivers", backend=be)
+        assert got["line"] == want["text"], name
+        lps = got.metas["line"]["logprobs"]
+        assert [e["token_id"] for e in lps] == want["token_ids"], name
+        ref_lps = [e["logprob"] for e in want["logprobs"]]
+        assert [e["logprob"] for e in lps] == pytest.approx(ref_lps, abs=1e-3)
+
+
 def test_run_batch_20_inputs_sharing_docs_reports_chunk_hits(backends, server):
     before = httpx.get(server.url + "/cache_stats", timeout=30).json()["chunk_hits"]
     kw = [{"docs": [DOCS[i % 3], DOCS[(i + 1) % 3]], "question": f"Question number {i}?"} for i in range(20)]

@@ -77,15 +77,27 @@ def gen(
     doc_attention_temperature: float | None = None,
     doc_attention_scale: float | None = None,
     doc_positions: str | None = None,
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    repetition_penalty: float | None = None,
+    logit_bias: dict[int, float] | None = None,
+    min_tokens: int | None = None,
+    stop_token_ids: list[int] | None = None,
+    logprobs: int | None = None,
 ) -> Gen:
     """Generate into the assistant turn; the text is stored as s[name]. temperature 0 = greedy.
     doc_attention_temperature / doc_attention_scale / doc_positions: the program's documents as
-    lazyrt.SamplingParams takes them (None: the engine's setting)."""
+    lazyrt.SamplingParams takes them (None: the engine's setting). The penalties, logit_bias,
+    min_tokens and stop_token_ids are lazyrt.SamplingParams'; with logprobs (the number of top
+    tokens, 0 = the sampled one's only), s.metas[name]["logprobs"] holds one entry per token."""
     sampling: dict = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k}
     if stop:
         sampling["stop"] = [stop] if isinstance(stop, str) else list(stop)
     optional = {"seed": seed, "doc_attention_temperature": doc_attention_temperature,
-                "doc_attention_scale": doc_attention_scale, "doc_positions": doc_positions}  # fmt: skip
+                "doc_attention_scale": doc_attention_scale, "doc_positions": doc_positions,
+                "presence_penalty": presence_penalty, "frequency_penalty": frequency_penalty,
+                "repetition_penalty": repetition_penalty, "logit_bias": logit_bias, "min_tokens": min_tokens,
+                "stop_token_ids": stop_token_ids, "logprobs": logprobs}  # fmt: skip
     sampling.update({k: v for k, v in optional.items() if v is not None})
     return Gen(_text("gen", name), sampling)
 

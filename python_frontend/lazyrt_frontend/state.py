@@ -90,6 +90,8 @@ class ProgramState:
         self.messages[-1]["content"] += out["text"]  # streamed pieces already went out via on_text
         self.variables[g.name] = out["text"]
         self.metas[g.name] = out.get("meta") or {}
+        if out.get("logprobs") is not None:
+            self.metas[g.name] = {**self.metas[g.name], "logprobs": out["logprobs"]}
 
     def _select(self, s: Select) -> None:
         scores = self.backend.score(self._prompt(), list(s.choices))

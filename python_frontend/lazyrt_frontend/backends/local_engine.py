@@ -26,7 +26,7 @@ class LocalEngine:
         out = self.loop.generate(
             self._rag_prompt(prompt), SamplingParams.from_dict(sampling), on_text
         ).result()
-        return {"text": out["text"], "meta": out["meta"]}
+        return {"text": out["text"], "meta": out["meta"], "logprobs": out.get("logprobs")}
 
     def score(self, prompt: ProgramPrompt, continuations: list[str]) -> list[float]:
         futures = self.loop.score(self._rag_prompt(prompt), list(continuations))
@@ -39,7 +39,7 @@ class LocalEngine:
     def rag(self, docs: list[str], question: str, system: str | None, sampling: dict) -> dict:
         prompt = self.engine.rag_prompt(docs, question, system)
         out = self.loop.generate(prompt, SamplingParams.from_dict(sampling)).result()
-        return {"text": out["text"], "meta": out["meta"]}
+        return {"text": out["text"], "meta": out["meta"], "logprobs": out.get("logprobs")}
 
     def cache_stats(self) -> dict:
         return self.engine.cache_stats()

@@ -39,11 +39,11 @@ class RuntimeEndpoint:
         body = {**self._program_body(prompt), "sampling_params": sampling}
         if on_text is None:
             out = self._post("/generate", body)
-            return {"text": out["text"], "meta": out["meta"]}
+            return {"text": out["text"], "meta": out["meta"], "logprobs": out.get("logprobs")}
         return self._stream({**body, "stream": True}, on_text)
 
     def _stream(self, body: dict, on_text: TextCallback) -> dict:
-        text, meta = "", {}
+        text, meta, logprobs = "", {}, None
         with self.client.stream("POST", "/generate", json=body) as r:
             if r.status_code != 200:
                 r.read()
@@ -58,7 +58,9 @@ class RuntimeEndpoint:
                     text += event["text"]
                     on_text(event["text"])
                 meta = event.get("meta") or meta
-        return {"text": text, "meta": meta}
+                if event.get("logprobs") is not None:
+                    logprobs = (logprobs or []) + event["logprobs"]
+        return {"text": text, "meta": meta, "logprobs": logprobs}
 
     def score(self, prompt: ProgramPrompt, continuations: list[str]) -> list[float]:
         body = {**self._program_body(prompt), "continuations": list(continuations)}
