@@ -378,6 +378,8 @@ BAD = [
     ("/v1/chat/completions", {**X, "stop_token_ids": [1.5]}, 400, "stop_token_ids"),
     ("/v1/chat/completions", {**X, "stop_token_ids": [999999]}, 400, "stop_token_ids"),
     ("/v1/chat/completions", {**X, "tools": [{"type": "function"}]}, 400, "tools"),
+    ("/v1/chat/completions", {**X, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("/v1/completions", {"prompt": "x", "guided_regex": "a+"}, 400, "guided_regex"),
     ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
     ("/v1/completions", {"prompt": "x", "echo": True}, 400, "echo"),
     ("/v1/completions", {"prompt": ["a", 5]}, 400, "prompt[1]"),

@@ -19,7 +19,16 @@ _UNSUPPORTED = {
     "best_of": 1,
     "echo": False,
     "tools": None,
+    "tool_choice": "none",
+    "functions": None,
+    "function_call": "none",
     "suffix": None,
+    "prompt_logprobs": None,
+    # structured output (OpenAI's and vLLM's names): refused until decoding enforces it
+    "guided_json": None,
+    "guided_regex": None,
+    "guided_choice": None,
+    "guided_grammar": None,
 }
 
 
@@ -211,6 +220,9 @@ def _logprobs(body: dict, chat: bool) -> int | None:
 
 
 def _check_unsupported(body: dict) -> None:
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise bad("response_format", "is not supported by this server yet (only {'type': 'text'})")
     for key, default in _UNSUPPORTED.items():
         v = body.get(key)
         if v is not None and v != default:
