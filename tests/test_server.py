@@ -321,6 +321,32 @@ def test_completions_prompt_list_and_penalties_equal_engine(server, oai, engine)
     assert len(g["outputs"]) == 2 and len(g["logprobs"]) == len(g["token_ids"])
 
 
+def test_completions_echo_with_prompt_logprobs(server, oai, engine):
+    prompt = "The capital of France is"
+    want = engine.generate(prompt, SamplingParams(max_tokens=5))[0]
+    r = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0, echo=True)
+    assert r.choices[0].text == prompt + want["text"]
+    streamed = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0, echo=True,
+                                      stream=True)  # fmt: skip
+    assert "".join(c.choices[0].text for c in streamed) == prompt + want["text"]
+    # max_tokens 0 + logprobs: the prompt's own logprobs (lm-eval's loglikelihood call)
+    r = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=0, temperature=0, echo=True, logprobs=2)
+    lp = r.choices[0].logprobs
+    ids = engine.tokenizer(prompt).input_ids
+    assert r.choices[0].text == prompt and "".join(lp.tokens) == prompt and len(lp.tokens) == len(ids)
+    assert lp.token_logprobs[0] is None and r.usage.completion_tokens == 0
+    rest = engine.tokenizer.decode(ids[1:])
+    assert engine.tokenizer(rest, add_special_tokens=False).input_ids == ids[1:]
+    (want_sum,) = engine.score(ids[:1], [rest], normalize=False)
+    assert sum(lp.token_logprobs[1:]) == pytest.approx(want_sum, abs=1e-3)
+    for top, v in zip(lp.top_logprobs[1:], lp.token_logprobs[1:]):
+        assert len(top) == 2 and max(top.values()) >= v - 1e-6
+    # with generated tokens: the prompt's entries, then the completion's
+    r = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=0)
+    assert len(r.choices[0].logprobs.tokens) == len(ids) + 3
+    assert r.choices[0].logprobs.text_offset[len(ids)] == len(prompt)
+
+
 # ---- bad input -----------------------------------------------------------------------------------
 LONG = "word " * 9000
 X = {"messages": [{"role": "user", "content": "x"}]}
@@ -381,7 +407,10 @@ BAD = [
     ("/v1/chat/completions", {**X, "response_format": {"type": "json_object"}}, 400, "response_format"),
     ("/v1/completions", {"prompt": "x", "guided_regex": "a+"}, 400, "guided_regex"),
     ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
-    ("/v1/completions", {"prompt": "x", "echo": True}, 400, "echo"),
+    ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1, "stream": True}, 400, "echo"),
+    ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1, "documents": ["d"]}, 400, "echo"),
+    ("/v1/completions", {"prompt": "x", "echo": "yes"}, 400, "echo"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": ["a", 5]}, 400, "prompt[1]"),
     ("/v1/completions", {"prompt": ["a", ""]}, 400, "prompt[1]"),
     ("/v1/completions", {"prompt": ["a", "b"], "n": 40}, 400, "n"),

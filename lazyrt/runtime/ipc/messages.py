@@ -50,6 +50,7 @@ class GenerateReq:
     doc_turn: int | None = None
     continue_final: bool = False
     continuation: str | None = None  # scoring: appended to the prompt; its token logprobs reported
+    echo: bool = False  # /v1/completions echo: with logprobs, the prompt's tokens are scored too
     received_at: float = 0.0  # wall clock (time.time) when HTTP got it: per-request timings in meta
 
 
@@ -134,6 +135,8 @@ class StepResult:
     graph_steps: int = 0  # steps the worker has replayed from CUDA graphs so far
     # per token (same order), for requests asking logprobs: [logprob, [top ids], [top logprobs]]
     logprobs: list[list | None] | None = None
+    # rid -> [top ids, top logprobs] per scored token, for scoring requests asking top logprobs
+    score_top: dict | None = None
 
 
 @message

@@ -134,6 +134,9 @@ class EngineCore:
         for rid, logprobs in (result.scores or {}).items():
             if int(rid) in self.requests:
                 self.requests[int(rid)].score_logprobs = list(logprobs)
+        for rid, top in (result.score_top or {}).items():
+            if int(rid) in self.requests:
+                self.requests[int(rid)].score_top = top
         now = time.perf_counter()
         wall = time.time()
         outs = []
@@ -228,4 +231,6 @@ def request_meta(req: Request) -> dict:
         meta["host_attended_chunks"] = req.host_chunks
     if req.score_logprobs is not None:
         meta["continuation_logprobs"] = req.score_logprobs
+    if req.score_top is not None:  # [top ids, top logprobs] per scored token
+        meta["continuation_top_logprobs"] = req.score_top
     return meta

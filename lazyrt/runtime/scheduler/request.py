@@ -91,6 +91,7 @@ class Request:
     # before them) in `score_logprobs`, from the prefill step that computes them.
     score_len: int = 0
     score_logprobs: list[float] | None = None
+    score_top: list | None = None  # [top ids, top logprobs] per scored token (asked with logprobs)
     # Document attention of its own tokens: (logit scale, log mass) on document keys; None = plain.
     doc_logits: tuple[float, float] | None = None
     # Documents all placed right after the prefix (doc_positions="parallel"), set by Scheduler.add.

@@ -384,30 +384,50 @@ def create_app(state: ServerState) -> FastAPI:
     async def completions(request: Request) -> Response:
         cid = f"cmpl-{time.time_ns():x}"
         offsets: dict[int, int] = {}  # streaming: each choice's text so far (logprobs text_offset)
+        asked: list[Parsed] = []
+
+        def parse(body: dict) -> Parsed:
+            asked.append(parse_completion(body, state.served_model))
+            return asked[0]
 
         def base(obj: str) -> dict:
             return {"id": cid, "object": obj, "created": int(time.time()), "model": state.served_model}
 
+        def echoed(c: Choice) -> tuple[str, list[dict] | None]:
+            """The choice's text and logprobs, the prompt's first when echoing."""
+            m = c.meta or {}
+            if "echo_text" not in m:
+                return c.text, c.logprobs
+            if asked[0].echo_only:
+                m["completion_tokens"] = 0
+                return m["echo_text"], m.get("prompt_logprobs")
+            lps = None if c.logprobs is None else (m.get("prompt_logprobs") or []) + c.logprobs
+            return m["echo_text"] + c.text, lps
+
         def finish(choices: list[Choice]) -> dict:
-            body = [
-                {"index": c.index, "text": c.text, "logprobs": completion_logprobs(c.logprobs, 0),
-                 "finish_reason": c.finish_reason}
-                for c in choices
-            ]  # fmt: skip
+            body = []
+            for c in choices:
+                text, lps = echoed(c)
+                body.append({"index": c.index, "text": text, "logprobs": completion_logprobs(lps, 0),
+                             "finish_reason": c.finish_reason})  # fmt: skip
             return {**base("text_completion"), "choices": body, "usage": total_usage(choices)}
 
         def chunk(c: Choice, meta: dict | None) -> dict:
             if meta and meta.get("usage_only"):
                 return {**base("text_completion"), "choices": [], "usage": c.meta["usage"]}
+            p = asked[0]
+            text = "" if p.echo_only else c.text
+            if c.index not in offsets and p.req.echo:  # streaming echo: the prompt text comes first
+                text = [p.req, *p.more][c.prompt_index].text + text
+            if meta is not None and p.echo_only:
+                meta["completion_tokens"] = 0
             at = offsets.get(c.index, 0)
-            offsets[c.index] = at + len(c.text)
-            choice = {"index": c.index, "text": c.text, "logprobs": completion_logprobs(c.logprobs, at),
+            offsets[c.index] = at + len(text)
+            choice = {"index": c.index, "text": text, "logprobs": completion_logprobs(c.logprobs, at),
                       "finish_reason": c.finish_reason}  # fmt: skip
             return {**base("text_completion"), "choices": [choice]}
 
-        return await run(
-            request, "completions", lambda b: parse_completion(b, state.served_model), finish, chunk
-        )
+        return await run(request, "completions", parse, finish, chunk)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:

@@ -17,7 +17,6 @@ ROLES = ("system", "user", "assistant")
 # OpenAI fields we cannot honour: reject a non-default value rather than silently ignore it.
 _UNSUPPORTED = {
     "best_of": 1,
-    "echo": False,
     "tools": None,
     "tool_choice": "none",
     "functions": None,
@@ -55,6 +54,7 @@ class Parsed:
     stream: bool
     include_usage: bool = False
     more: list[GenerateReq] = dataclasses.field(default_factory=list)  # /v1/completions: prompts 2..
+    echo_only: bool = False  # completions echo with max_tokens 0: the prompt back, nothing generated
 
     def requests(self) -> list[GenerateReq]:
         """One request per completion: each prompt's n samples in turn (choice index = position)."""
@@ -263,11 +263,17 @@ def parse_completion(body: dict, served: str) -> Parsed:
     if len(prompts) > MAX_N:
         raise bad("prompt", f"a batch holds at most {MAX_N} prompts, got {len(prompts)}")
     docs = _str_list(body, "documents")
+    echo = _bool(body, "echo")
+    echo_only = echo and body.get("max_tokens") == 0
+    if echo_only:  # a 1-token request whose token is dropped: the prompt's logprobs are the point
+        body = {**body, "max_tokens": 1}
     sp = _sampling(body, "", 16, 1.0)
     sp.logprobs = _logprobs(body, chat=False)
     if sp.n * len(prompts) > MAX_N:
         raise bad("n", f"n x prompts must be at most {MAX_N}, got {sp.n} x {len(prompts)}")
     stream, usage = _stream(body)
+    if echo and stream and sp.logprobs is not None:
+        raise bad("echo", "with logprobs is only supported without streaming")
     reqs = []
     for i, one in enumerate(prompts):
         param = f"prompt[{i}]" if batch else "prompt"
@@ -280,8 +286,12 @@ def parse_completion(body: dict, served: str) -> Parsed:
             ids = one
         else:
             raise bad(param, "must be a string, a list of token ids, or a list of those")
-        reqs.append(GenerateReq(-1, sp, text=text, input_ids=ids, docs=docs, text_mode="raw", param=param))
-    return Parsed(reqs[0], stream, usage, reqs[1:])
+        if echo and stream and text is None:
+            raise bad("echo", "when streaming needs text prompts (not token ids)")
+        reqs.append(
+            GenerateReq(-1, sp, text=text, input_ids=ids, docs=docs, text_mode="raw", param=param, echo=echo)
+        )
+    return Parsed(reqs[0], stream, usage, reqs[1:], echo_only)
 
 
 def _content(m: dict, i: int) -> str:

@@ -36,6 +36,7 @@ logger = logging.getLogger("lazyrt.tokenizer")
 class _Live:
     detok: IncrementalDetokenizer
     meta: dict = field(default_factory=dict)
+    echo: tuple[str, list[int]] | None = None  # completions echo: the prompt's text and token ids
 
 
 class TokenizerLoop:
@@ -58,7 +59,11 @@ class TokenizerLoop:
                 send(self.to_http, ErrorOut(msg.rid, f"tokenization failed: {e}", None, 500, "server_error"))
                 return
             sp = msg.sampling
-            self.live[msg.rid] = _Live(IncrementalDetokenizer(self.tokenizer, sp.stop, sp.stop_token_ids))
+            detok = IncrementalDetokenizer(self.tokenizer, sp.stop, sp.stop_token_ids)
+            live = self.live[msg.rid] = _Live(detok)
+            if msg.echo:
+                text = msg.text if msg.text is not None else self.tokenizer.decode(tok.suffix)
+                live.echo = (text, list(tok.suffix))
             tok.received_at, tok.tokenized_at = msg.received_at, time.time()
             send(self.to_sched, tok)
         elif isinstance(msg, AbortReq):
@@ -98,7 +103,19 @@ class TokenizerLoop:
             return TextOut(out.rid, text, used, logprobs=lps)
         del self.live[out.rid]
         meta = {**live.meta, "completion_tokens": len(d.ids), "finish_reason": reason}
+        if live.echo is not None:
+            meta["echo_text"] = live.echo[0]
+            if "continuation_logprobs" in meta:
+                meta["prompt_logprobs"] = self._prompt_logprobs(live.echo[1], meta)
         return TextOut(out.rid, text, used, reason, meta, list(d.ids), lps)
+
+
+    def _prompt_logprobs(self, ids: list[int], meta: dict) -> list[dict]:
+        """Echo: one entry per prompt token (the first has no logprob: nothing precedes it)."""
+        lps = meta.pop("continuation_logprobs")
+        top_ids, top_lps = meta.pop("continuation_top_logprobs", None) or ([[]] * len(lps), [[]] * len(lps))
+        first = {**self.token_texts.entry(ids[0], None), "top_logprobs": []}
+        return [first, *self.token_texts.logprobs(ids[1:], [list(x) for x in zip(lps, top_ids, top_lps)])]
 
 
 def run_tokenizer_process(ipc: IpcPaths, log_level: str) -> None:

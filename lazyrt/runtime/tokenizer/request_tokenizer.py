@@ -81,6 +81,10 @@ class RequestTokenizer:
             if not plain:
                 raise InvalidRequest("the prompt is empty", req.param)
             out = TokenizedReq(req.rid, req.sampling, 0, suffix=plain)
+        if req.echo and req.sampling.logprobs is not None:  # the prompt's own logprobs (all but the first)
+            if out.docs:
+                raise InvalidRequest("echo with logprobs needs a prompt without documents", "echo")
+            out.score_len = len(out.suffix) - 1
         if req.continuation is not None:  # scoring: the continuation is tokenized on its own
             cont = self._ids(req.continuation, False)
             out.suffix = out.suffix + cont

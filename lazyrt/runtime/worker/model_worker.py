@@ -140,9 +140,9 @@ class ModelWorker:
                 raise RuntimeError("a synchronous step was sent while a deferred one is in flight")
             prev, self._deferred = self._deferred, None  # a collect: the deferred step's tokens
             return self._answer(prev.result())
-        scores = None
+        scores = tops = None
         if any(it.request is not None and it.request.score_len > 0 for it in plan.items):
-            logits, scores = self._execute_scoring(plan)
+            logits, scores, tops = self._execute_scoring(plan)
         else:
             logits = self.runner.execute(plan)
         probe_scores = self.runner.probe_deviation(plan.probes) if plan.probes else None
@@ -162,7 +162,8 @@ class ModelWorker:
             self.runner.prev_tokens = None  # the scheduler has every token before its next plan
             sampled = tokens.tolist() if tokens is not None else []
             lps = logprob_entries(len(sampled), [r.params for r in rows], logprobs)
-            return self._answer(StepResult(sampled, scores, probe_scores, logprobs=lps))
+            result = StepResult(sampled, scores, probe_scores, logprobs=lps, score_top=tops or None)
+            return self._answer(result)
         self.runner.prev_tokens = (tokens, {r.rid: i for i, r in enumerate(rows)}) if rows else None
         prev, self._deferred = self._deferred, DeferredTokens(tokens, [r.params for r in rows], logprobs)
         return self._answer(prev.result() if prev is not None else StepResult([]))
@@ -173,7 +174,7 @@ class ModelWorker:
         return result
 
     @torch.inference_mode()
-    def _execute_scoring(self, plan: StepPlan) -> tuple[torch.Tensor, dict[int, list[float]]]:
+    def _execute_scoring(self, plan: StepPlan) -> tuple[torch.Tensor, dict[int, list[float]], dict]:
         """ModelRunner.execute, but keeping every row's hidden state: a scoring item's last score_len
         tokens get log P(token | everything before it) from the row before each. Same model path;
         rare (select), so it skips CUDA graphs."""
@@ -184,6 +185,7 @@ class ModelWorker:
         hidden = self.model.forward(input_ids, meta, self.runner.rope, self.runner.backend)
         logits = self.model.logits(hidden[torch.tensor(s.sample_rows, device=self.model.device)])
         scores: dict[int, list[float]] = {}
+        tops: dict[int, list] = {}
         for i, it in enumerate(plan.items):
             n = it.request.score_len if it.request is not None else 0
             if n <= 0:
@@ -195,7 +197,11 @@ class ModelWorker:
             lp = torch.log_softmax(self.model.logits(hidden[rows]).float(), dim=-1)
             targets = input_ids[end - n : end].to(lp.device)
             scores[it.request.rid] = lp.gather(1, targets[:, None])[:, 0].tolist()
-        return logits, scores
+            k = it.request.params.logprobs
+            if k:  # echo with top logprobs: each scored position's k most likely tokens too
+                top_lp, top_ids = torch.topk(lp, k, dim=-1)
+                tops[it.request.rid] = [top_ids.tolist(), top_lp.tolist()]
+        return logits, scores, tops
 
 
 class DeferredTokens:
