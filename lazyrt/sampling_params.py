@@ -62,6 +62,9 @@ class SamplingParams:
     # temperature) plus the `logprobs` most likely ones; None = off, 0 = the sampled token's only.
     logprobs: int | None = None
     n: int = 1  # completions per prompt (each its own request; seeded ones use seed, seed + 1, ...)
+    # Report each document's share of the attention the generated tokens paid (meta["citations"]);
+    # its steps run eagerly and synchronously.
+    citations: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -132,6 +135,8 @@ class SamplingParams:
             raise bad("stop_token_ids", "must be a list of token ids")
         if self.logprobs is not None and (not _int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], or None for off")
+        if not isinstance(self.citations, bool):
+            raise bad("citations", "must be a boolean")
         if not _int(self.n) or not 1 <= self.n <= MAX_N:
             raise bad("n", f"must be an integer in [1, {MAX_N}]")
 

@@ -347,6 +347,25 @@ def test_completions_echo_with_prompt_logprobs(server, oai, engine):
     assert r.choices[0].logprobs.text_offset[len(ids)] == len(prompt)
 
 
+def test_citations_equal_engine(server, oai, engine):
+    q = "How tall is Mount Feller?"
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": q}], max_tokens=8, temperature=0)
+    resp = oai.chat.completions.create(**kw, extra_body={"documents": DOCS, "citations": True})
+    want = engine.rag(DOCS, q, sampling_params=SamplingParams(max_tokens=8, citations=True))
+    assert resp.choices[0].message.content == want["text"]
+    got = resp.choices[0].model_extra["citations"]
+    by_doc = lambda cs: {c["document"]: c["score"] for c in cs}  # noqa: E731
+    assert by_doc(got) == pytest.approx(by_doc(want["meta"]["citations"]), abs=1e-4)
+    assert sorted(by_doc(got)) == list(range(len(DOCS)))
+    assert [c["score"] for c in got] == sorted(by_doc(got).values(), reverse=True)
+    extra = {"documents": DOCS, "citations": True}
+    streamed = list(oai.chat.completions.create(**kw, stream=True, extra_body=extra))
+    last = [c for c in streamed if c.choices and c.choices[0].finish_reason][-1]
+    assert by_doc(last.choices[0].model_extra["citations"]) == pytest.approx(by_doc(got), abs=1e-4)
+    plain = oai.chat.completions.create(**kw, extra_body={"documents": DOCS})
+    assert "citations" not in (plain.choices[0].model_extra or {})
+
+
 # ---- bad input -----------------------------------------------------------------------------------
 LONG = "word " * 9000
 X = {"messages": [{"role": "user", "content": "x"}]}
@@ -407,6 +426,7 @@ BAD = [
     ("/v1/chat/completions", {**X, "response_format": {"type": "json_object"}}, 400, "response_format"),
     ("/v1/completions", {"prompt": "x", "guided_regex": "a+"}, 400, "guided_regex"),
     ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
+    ("/v1/chat/completions", {**X, "citations": "yes"}, 400, "citations"),
     ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1, "stream": True}, 400, "echo"),
     ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1, "documents": ["d"]}, 400, "echo"),
     ("/v1/completions", {"prompt": "x", "echo": "yes"}, 400, "echo"),

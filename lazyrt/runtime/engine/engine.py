@@ -252,6 +252,8 @@ class Engine:
                 "finish_reason": "stop" if detok.stopped else req.finish_reason,
             },
         }
+        if req.params.citations:
+            out["meta"]["citations"] = req.citations()
         if req.params.logprobs is not None:  # one entry per output token (token_ids)
             out["logprobs"] = detok.logprobs
         if req.host_chunks:  # retrieval attention: documents attended in the host tier

@@ -89,7 +89,8 @@ class TokenizedReq:
 @message
 @dataclass(slots=True)
 class StepItem:
-    """One sequence's new tokens; segments are [pages, start_pos, num_tokens, is_doc] in position order.
+    """One sequence's new tokens; segments are [pages, start_pos, num_tokens, is_doc, host, doc index]
+    in position order.
 
     A request's segments and sampling params travel with its first item only; later decode items
     have segments=None and the worker reuses what it kept, with the target run `target_tokens` long.
@@ -137,6 +138,7 @@ class StepResult:
     logprobs: list[list | None] | None = None
     # rid -> [top ids, top logprobs] per scored token, for scoring requests asking top logprobs
     score_top: dict | None = None
+    citations: dict | None = None  # rid -> each document's share of its sampling row's attention
 
 
 @message

@@ -95,7 +95,8 @@ class EngineCore:
                 return self._collect()
             raise NoProgress("scheduler made no progress (no runnable work)")
         defer = self.overlap and not plan.probes and not any(
-            it.request is not None and it.request.score_len > 0 for it in plan.items
+            it.request is not None and (it.request.score_len > 0 or it.request.params.citations)
+            for it in plan.items
         )
         outs = self._collect() if not defer and self._in_flight is not None else []
         msg = self._encoder.encode(plan, self._release, defer)
@@ -134,6 +135,10 @@ class EngineCore:
         for rid, logprobs in (result.scores or {}).items():
             if int(rid) in self.requests:
                 self.requests[int(rid)].score_logprobs = list(logprobs)
+        for rid, mass in (result.citations or {}).items():
+            req = self.requests.get(int(rid))
+            if req is not None and req.state is not RequestState.FINISHED:
+                req.add_citation_mass(mass)
         for rid, top in (result.score_top or {}).items():
             if int(rid) in self.requests:
                 self.requests[int(rid)].score_top = top
@@ -151,7 +156,7 @@ class EngineCore:
             reason = self._finish_reason(req)
             if reason is not None:
                 self.abort(req.rid, reason)
-            meta = request_meta(req) if first or reason else None
+            meta = request_meta(req) if first or reason or req.params.citations else None
             if first and meta is not None and req.received_at:
                 meta["timings_ms"] = request_timings(req, wall)
             outs.append(TokenOut(req.rid, [tok], reason, meta, [lp] if lp is not None else None))
@@ -231,6 +236,8 @@ def request_meta(req: Request) -> dict:
         meta["host_attended_chunks"] = req.host_chunks
     if req.score_logprobs is not None:
         meta["continuation_logprobs"] = req.score_logprobs
+    if req.params.citations:  # every token's meta: a stop string may end it at any one
+        meta["citations"] = req.citations()
     if req.score_top is not None:  # [top ids, top logprobs] per scored token
         meta["continuation_top_logprobs"] = req.score_top
     return meta

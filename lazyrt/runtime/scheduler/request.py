@@ -20,6 +20,7 @@ class Segment:
     is_doc: bool = False  # a document's tokens (chunk pages, their block copies, recomputed pages)
     # pages are HOST tier page ids: a chunk attended where it lies (retrieval attention)
     host: bool = False
+    doc: int = -1  # which of the request's documents these tokens belong to (-1: not a document)
     # (key, arrays) of its page table, built by step_inputs.segment_table; valid while key holds
     table: tuple | None = field(default=None, repr=False, compare=False)
     # (key, pieces) for shared-chunk grouping, built by step_inputs.segment_run; valid while key holds
@@ -96,6 +97,23 @@ class Request:
     doc_logits: tuple[float, float] | None = None
     # Documents all placed right after the prefix (doc_positions="parallel"), set by Scheduler.add.
     parallel_docs: bool = False
+
+    # citations: each document's attention share summed over the generated tokens, and their count
+    citation_mass: list[float] = field(default_factory=list)
+    citation_tokens: int = 0
+
+    def add_citation_mass(self, mass: list[float]) -> None:
+        if len(self.citation_mass) < len(mass):
+            self.citation_mass += [0.0] * (len(mass) - len(self.citation_mass))
+        for i, m in enumerate(mass):
+            self.citation_mass[i] += m
+        self.citation_tokens += 1
+
+    def citations(self) -> list[dict]:
+        """Documents by the mean share of attention the generated tokens paid them, largest first."""
+        n = max(self.citation_tokens, 1)
+        scores = [m / n for m in self.citation_mass] + [0.0] * (len(self.docs) - len(self.citation_mass))
+        return sorted(({"document": i, "score": s} for i, s in enumerate(scores)), key=lambda c: -c["score"])
 
     @property
     def is_rag(self) -> bool:

@@ -398,7 +398,7 @@ class Scheduler:
         if prefix:
             req.segments.append(Segment(prefix_chunk.pages, 0, len(prefix)))
             pos = len(prefix)
-        for d, sel in zip(req.docs, sels):
+        for j, (d, sel) in enumerate(zip(req.docs, sels)):
             c = found[(prefix, tuple(d))]
             hit = existed[(prefix, tuple(d))]  # computed, or being computed for another request
             if req.parallel_docs:
@@ -410,7 +410,7 @@ class Scheduler:
             # never written) and request-owned pages recomputed in context with the suffix.
             for recompute, lo, n in page_runs(len(d), self.page_size, sel):
                 if recompute:
-                    seg = Segment(self.pool.alloc(self.pages_for(n)), pos + lo, n, is_doc=True)
+                    seg = Segment(self.pool.alloc(self.pages_for(n)), pos + lo, n, is_doc=True, doc=j)
                     req.recomputed_pages += seg.pages
                     req.recomputed_tokens += n
                     req.pending_recompute.append((len(req.segments), 0, list(d[lo : lo + n])))
@@ -420,13 +420,13 @@ class Scheduler:
                     pages = c.host_pages if on_host else c.pages
                     src = pages[lo // self.page_size : lo // self.page_size + self.pages_for(n)]
                     if on_host:  # attended where it lies (retrieval attention)
-                        seg = Segment(src, pos + lo, n, is_doc=True, host=True)
+                        seg = Segment(src, pos + lo, n, is_doc=True, host=True, doc=j)
                     elif self.cache_mode == "block":
-                        seg = Segment(self.pool.alloc(len(src)), pos + lo, n, is_doc=True)
+                        seg = Segment(self.pool.alloc(len(src)), pos + lo, n, is_doc=True, doc=j)
                         req.copied_pages += seg.pages
                         req.copies.append((src, seg.pages, pos - len(prefix)))
                     else:
-                        seg = Segment(src, pos + lo, n, is_doc=True)
+                        seg = Segment(src, pos + lo, n, is_doc=True, doc=j)
                 req.segments.append(seg)
             pos += len(d)
         if req.parallel_docs:  # the question follows the longest doc
@@ -565,7 +565,7 @@ class Scheduler:
                     req.pending_recompute.append((len(segments), 0, list(d[lo : lo + n])))
                     req.recomputed_tokens += n
                     req.cached_tokens -= n if hit else 0
-                segments.append(Segment(pages, seg.start_pos + lo, n, is_doc=True))
+                segments.append(Segment(pages, seg.start_pos + lo, n, is_doc=True, doc=j))
         if reserve:  # fewer pages picked than reserved
             unused = set(reserve)
             req.recomputed_pages = [p for p in req.recomputed_pages if p not in unused]
@@ -600,7 +600,7 @@ class Scheduler:
             idx, lo, tokens = req.pending_recompute[0]
             n = min(len(tokens), budget - taken)
             seg = req.segments[idx]
-            view = Segment(seg.pages, seg.start_pos, lo + n, is_doc=seg.is_doc)
+            view = Segment(seg.pages, seg.start_pos, lo + n, is_doc=seg.is_doc, doc=seg.doc)
             plan.items.append(
                 ForwardItem(
                     tokens[:n],

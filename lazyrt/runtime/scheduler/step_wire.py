@@ -57,7 +57,7 @@ class StepEncoder:
         return StepItem(
             token_ids=list(it.token_ids),
             start_pos=it.start_pos,
-            segments=[[list(s.pages), s.start_pos, s.num_tokens, s.is_doc, s.host] for s in segs],
+            segments=[[list(s.pages), s.start_pos, s.num_tokens, s.is_doc, s.host, s.doc] for s in segs],
             target=target,
             rid=req.rid if req is not None else -1,
             sampling=req.params if req is not None else None,
@@ -118,7 +118,7 @@ class StepDecoder:
 
 
 def _segments(it: StepItem) -> list[Segment]:
-    return [Segment(list(p), s, n, bool(d), bool(h)) for p, s, n, d, h in it.segments]
+    return [Segment(list(p), s, n, bool(d), bool(h), doc) for p, s, n, d, h, doc in it.segments]
 
 
 def _doc_logits(it: StepItem) -> tuple[float, float] | None:

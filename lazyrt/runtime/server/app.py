@@ -148,6 +148,13 @@ def completion_logprobs(entries: list[dict] | None, offset: int) -> dict | None:
     return out
 
 
+def cited(meta: dict | None) -> dict:
+    """A finished choice's `citations` (asked with citations: true): documents by attention share."""
+    if meta is None or "citations" not in meta:
+        return {}
+    return {"citations": meta["citations"]}
+
+
 def _sse(obj: Any) -> bytes:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
 
@@ -409,7 +416,7 @@ def create_app(state: ServerState) -> FastAPI:
             for c in choices:
                 text, lps = echoed(c)
                 body.append({"index": c.index, "text": text, "logprobs": completion_logprobs(lps, 0),
-                             "finish_reason": c.finish_reason})  # fmt: skip
+                             "finish_reason": c.finish_reason, **cited(c.meta)})  # fmt: skip
             return {**base("text_completion"), "choices": body, "usage": total_usage(choices)}
 
         def chunk(c: Choice, meta: dict | None) -> dict:
@@ -424,7 +431,7 @@ def create_app(state: ServerState) -> FastAPI:
             at = offsets.get(c.index, 0)
             offsets[c.index] = at + len(text)
             choice = {"index": c.index, "text": text, "logprobs": completion_logprobs(c.logprobs, at),
-                      "finish_reason": c.finish_reason}  # fmt: skip
+                      "finish_reason": c.finish_reason, **cited(meta)}  # fmt: skip
             return {**base("text_completion"), "choices": [choice]}
 
         return await run(request, "completions", parse, finish, chunk)
@@ -440,7 +447,7 @@ def create_app(state: ServerState) -> FastAPI:
         def finish(choices: list[Choice]) -> dict:
             body = [
                 {"index": c.index, "message": {"role": "assistant", "content": c.text},
-                 "logprobs": chat_logprobs(c.logprobs), "finish_reason": c.finish_reason}
+                 "logprobs": chat_logprobs(c.logprobs), "finish_reason": c.finish_reason, **cited(c.meta)}
                 for c in choices
             ]  # fmt: skip
             return {**base("chat.completion"), "choices": body, "usage": total_usage(choices)}
@@ -453,7 +460,7 @@ def create_app(state: ServerState) -> FastAPI:
                 delta["role"] = "assistant"
                 sent_role.add(c.index)
             choice = {"index": c.index, "delta": delta, "logprobs": chat_logprobs(c.logprobs),
-                      "finish_reason": c.finish_reason}  # fmt: skip
+                      "finish_reason": c.finish_reason, **cited(meta)}  # fmt: skip
             return {**base("chat.completion.chunk"), "choices": [choice]}
 
         return await run(request, "chat", lambda b: parse_chat(b, state.served_model), finish, chunk)

@@ -191,6 +191,11 @@ def _parity(src: dict, prefix: str) -> dict:
         if not isinstance(ids, list) or not all(_is_int(t) and t >= 0 for t in ids):
             raise bad(p("stop_token_ids"), "must be a list of token ids")
         out["stop_token_ids"] = ids
+    cite = src.get("citations")
+    if cite is not None:
+        if not isinstance(cite, bool):
+            raise bad(p("citations"), f"must be a boolean, got {cite!r}")
+        out["citations"] = cite
     n = src.get("n")
     if n is not None:
         if not _is_int(n) or not 1 <= n <= MAX_N:

@@ -23,6 +23,7 @@ from lazyrt.retrieval.host_attention import (
 )
 from lazyrt.runtime.scheduler.plan import PENDING_TOKEN, ForwardItem, PageCopy, StepPlan
 from lazyrt.runtime.scheduler.recompute import PROBE_LAYER
+from lazyrt.runtime.worker.citations import DocumentAttention
 from lazyrt.runtime.worker.host_segments import has_host_segments, split_host_segments
 from lazyrt.runtime.worker.step_inputs import (
     SHARED_PIECE_TOKENS,
@@ -72,6 +73,7 @@ class ModelRunner:
         # launched before they reach the host takes its PENDING_TOKEN inputs from here
         self.prev_tokens: tuple[torch.Tensor, dict[int, int]] | None = None
         self._fill_memo: tuple | None = None  # (rows, src, their device tensors): _fill_index
+        self._citation_probe: tuple | None = None  # (DocumentAttention, rids) of the last step
         self.graphs = None
         if self.device.type == "cuda":
             from lazyrt.kernels.triton_kv import copy_rerotate_pages_triton
@@ -210,11 +212,16 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> torch.Tensor | None:
         """Runs the step; returns fp32 logits [n_sampled, vocab] for items with a request, in order."""
         self.run_copies(plan)
+        self._citation_probe = None
         if not plan.items:
             return None
         if has_host_segments(plan):
             return self._execute_host(plan)
         s = self.step_inputs(plan)
+        if any(it.request is not None and it.request.params.citations for it in plan.items):
+            input_ids, meta = self.step_metadata(plan, s)
+            hidden = self.model.forward(input_ids, meta, self.rope, self._citing(plan, s))
+            return self.model.logits(hidden[to_device(np.array(s.sample_rows, dtype=np.int64), self.device)])
         if self.graphs is not None and self.graphs.fits(s):
             arrays = self._shared(plan, s)
             if arrays is None:
@@ -256,10 +263,30 @@ class ModelRunner:
         opts, indexes = self.retrieval, self.host_indexes
         meta.host = HostAttention(host, self.host_kv.kv, self._rope_cpu, scale, opts, indexes)
         self.retrieval_steps += 1
-        hidden = self.model.forward(input_ids, meta, self.rope, self.backend)
+        hidden = self.model.forward(input_ids, meta, self.rope, self._citing(plan, s))
         if not s.sample_rows:
             return None
         return self.model.logits(hidden[to_device(np.array(s.sample_rows, dtype=np.int64), self.device)])
+
+    def _citing(self, plan: StepPlan, s: StepInputs):
+        """The step's attention backend; wrapped, when a request asks for citations, to measure each
+        document's share of its sampling row's attention (worker/citations.py) into self.citations."""
+        sampling = [it for it in plan.items if it.request is not None]
+        rows = [(r, it) for r, it in zip(s.sample_rows, sampling) if it.request.params.citations]
+        if not rows:
+            return self.backend
+        scale, layers = self.backend.sm_scale, self.model.config.num_layers
+        backend = DocumentAttention(self.backend, rows, self.rope, self.rotate_keys, scale, layers)
+        self._citation_probe = (backend, [it.request.rid for _, it in rows])
+        return backend
+
+    def take_citations(self) -> dict[int, list[float]] | None:
+        """The last step's citations (rid -> each document's attention share), once."""
+        probe, self._citation_probe = self._citation_probe, None
+        if probe is None:
+            return None
+        backend, rids = probe
+        return dict(zip(rids, backend.result()))
 
     @torch.inference_mode()
     def probe_deviation(self, items: list[ForwardItem], layer: int = PROBE_LAYER) -> list[list[float]]:

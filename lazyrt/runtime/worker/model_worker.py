@@ -145,6 +145,7 @@ class ModelWorker:
             logits, scores, tops = self._execute_scoring(plan)
         else:
             logits = self.runner.execute(plan)
+        citations = self.runner.take_citations()
         probe_scores = self.runner.probe_deviation(plan.probes) if plan.probes else None
         rows = [it.request for it in plan.items if it.request is not None]
         for req in rows:
@@ -162,7 +163,9 @@ class ModelWorker:
             self.runner.prev_tokens = None  # the scheduler has every token before its next plan
             sampled = tokens.tolist() if tokens is not None else []
             lps = logprob_entries(len(sampled), [r.params for r in rows], logprobs)
-            result = StepResult(sampled, scores, probe_scores, logprobs=lps, score_top=tops or None)
+            result = StepResult(
+                sampled, scores, probe_scores, logprobs=lps, score_top=tops or None, citations=citations
+            )
             return self._answer(result)
         self.runner.prev_tokens = (tokens, {r.rid: i for i, r in enumerate(rows)}) if rows else None
         prev, self._deferred = self._deferred, DeferredTokens(tokens, [r.params for r in rows], logprobs)
