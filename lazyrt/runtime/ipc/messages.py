@@ -51,6 +51,7 @@ class GenerateReq:
     continue_final: bool = False
     continuation: str | None = None  # scoring: appended to the prompt; its token logprobs reported
     echo: bool = False  # /v1/completions echo: with logprobs, the prompt's tokens are scored too
+    tools: list[dict] | None = None  # chat: OpenAI tool definitions, rendered by the chat template
     received_at: float = 0.0  # wall clock (time.time) when HTTP got it: per-request timings in meta
 
 
@@ -164,6 +165,7 @@ class WorkerReady:
     device: str
     host_pages: int = 0  # pages of the host KV tier (0 = off)
     page_bytes: int = 0  # bytes of one KV page, all layers (host tier traffic in /cache_stats)
+    tool_format: str | None = None  # set by the tokenizer process: its chat template's tool calls
 
 
 # ---- scheduler -> detokenizer -> HTTP ----------------------------------------------------------

@@ -29,6 +29,7 @@ from lazyrt.runtime.server.protocol import (
     parse_generate,
     parse_score,
 )
+from lazyrt.runtime.tokenizer.tool_calls import ToolCall, ToolCallStream, parse_tool_calls
 
 logger = logging.getLogger("lazyrt.http")
 MAX_BODY_BYTES = 8 << 20
@@ -440,30 +441,66 @@ def create_app(state: ServerState) -> FastAPI:
     async def chat(request: Request) -> Response:
         cid = f"chatcmpl-{time.time_ns():x}"
         sent_role: set[int] = set()
+        asked: list[Parsed] = []
+        streams: dict[int, ToolCallStream] = {}  # streaming with tools: per choice
+        fmt = client.ready_info.tool_format if client.ready_info is not None else None
+
+        def parse(body: dict) -> Parsed:
+            p = parse_chat(body, state.served_model)
+            if p.req.tools and fmt is None:
+                raise ApiError(400, "tools: this model's chat template has no tool support", "tools")
+            asked.append(p)
+            return p
 
         def base(obj: str) -> dict:
             return {"id": cid, "object": obj, "created": int(time.time()), "model": state.served_model}
 
+        def calls_out(calls: list[ToolCall], streaming: bool = False) -> list[dict]:
+            if not asked[0].parallel_tool_calls:
+                calls = calls[:1]
+            out = []
+            for k, c in enumerate(calls):
+                call = {"id": f"call_{time.time_ns():x}{k}", "type": "function",
+                        "function": {"name": c.name, "arguments": c.arguments}}  # fmt: skip
+                out.append({"index": k, **call} if streaming else call)
+            return out
+
         def finish(choices: list[Choice]) -> dict:
-            body = [
-                {"index": c.index, "message": {"role": "assistant", "content": c.text},
-                 "logprobs": chat_logprobs(c.logprobs), "finish_reason": c.finish_reason, **cited(c.meta)}
-                for c in choices
-            ]  # fmt: skip
+            body = []
+            for c in choices:
+                message: dict = {"role": "assistant", "content": c.text}
+                reason = c.finish_reason
+                if asked[0].req.tools:
+                    content, calls = parse_tool_calls(c.text, fmt)
+                    if calls:
+                        message = {"role": "assistant", "content": content, "tool_calls": calls_out(calls)}
+                        reason = "tool_calls" if reason == "stop" else reason
+                body.append({"index": c.index, "message": message, "logprobs": chat_logprobs(c.logprobs),
+                             "finish_reason": reason, **cited(c.meta)})  # fmt: skip
             return {**base("chat.completion"), "choices": body, "usage": total_usage(choices)}
 
         def chunk(c: Choice, meta: dict | None) -> dict:
             if meta and meta.get("usage_only"):
                 return {**base("chat.completion.chunk"), "choices": [], "usage": c.meta["usage"]}
             delta: dict = {"content": c.text}
+            reason = c.finish_reason
+            if asked[0].req.tools:
+                stream = streams.setdefault(c.index, ToolCallStream(fmt))
+                delta["content"] = stream.feed(c.text)
+                if reason is not None:
+                    rest, calls = stream.finish()
+                    delta["content"] += rest
+                    if calls:
+                        delta["tool_calls"] = calls_out(calls, streaming=True)
+                        reason = "tool_calls" if reason == "stop" else reason
             if c.index not in sent_role:
                 delta["role"] = "assistant"
                 sent_role.add(c.index)
             choice = {"index": c.index, "delta": delta, "logprobs": chat_logprobs(c.logprobs),
-                      "finish_reason": c.finish_reason, **cited(meta)}  # fmt: skip
+                      "finish_reason": reason, **cited(meta)}  # fmt: skip
             return {**base("chat.completion.chunk"), "choices": [choice]}
 
-        return await run(request, "chat", lambda b: parse_chat(b, state.served_model), finish, chunk)
+        return await run(request, "chat", parse, finish, chunk)
 
     @app.get("/health")
     async def health() -> Response:

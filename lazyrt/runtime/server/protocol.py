@@ -7,6 +7,7 @@ stream), POST /v1/completions and POST /v1/chat/completions (OpenAI, plus `docum
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,8 +18,6 @@ ROLES = ("system", "user", "assistant")
 # OpenAI fields we cannot honour: reject a non-default value rather than silently ignore it.
 _UNSUPPORTED = {
     "best_of": 1,
-    "tools": None,
-    "tool_choice": "none",
     "functions": None,
     "function_call": "none",
     "suffix": None,
@@ -55,6 +54,7 @@ class Parsed:
     include_usage: bool = False
     more: list[GenerateReq] = dataclasses.field(default_factory=list)  # /v1/completions: prompts 2..
     echo_only: bool = False  # completions echo with max_tokens 0: the prompt back, nothing generated
+    parallel_tool_calls: bool = True  # chat with tools: False keeps the first call only
 
     def requests(self) -> list[GenerateReq]:
         """One request per completion: each prompt's n samples in turn (choice index = position)."""
@@ -330,17 +330,83 @@ def parse_chat(body: dict, served: str) -> Parsed:
         if not isinstance(m, dict):
             raise bad(f"messages[{i}]", "must be an object with role and content")
         role = m.get("role")
-        if role not in ROLES:
-            raise bad(f"messages[{i}].role", f"must be one of {', '.join(ROLES)}, got {role!r}")
-        messages.append({"role": role, "content": _content(m, i)})
+        if role not in (*ROLES, "tool"):
+            raise bad(f"messages[{i}].role", f"must be one of {', '.join(ROLES)}, tool, got {role!r}")
+        messages.append(_tool_message(m, i) if role == "tool" or m.get("tool_calls") else
+                        {"role": role, "content": _content(m, i)})  # fmt: skip
     docs = _str_list(body, "documents")
     if docs and not any(m["role"] == "user" for m in messages):
         raise bad("messages", "documents need a user message to attach to")
+    tools, parallel = _tools(body)
     sp = _sampling(body, "", 128, 1.0)
     sp.logprobs = _logprobs(body, chat=True)
     stream, usage = _stream(body)
-    req = GenerateReq(-1, sp, messages=messages, docs=docs, param="messages")
-    return Parsed(req, stream, usage)
+    req = GenerateReq(-1, sp, messages=messages, docs=docs, param="messages", tools=tools)
+    return Parsed(req, stream, usage, parallel_tool_calls=parallel)
+
+
+def _tool_message(m: dict, i: int) -> dict:
+    """A tool result (role tool) or an assistant turn that called tools, as chat templates take them
+    (each call's arguments as an object)."""
+    if m["role"] == "tool":
+        call_id = m.get("tool_call_id")
+        if call_id is not None and not isinstance(call_id, str):
+            raise bad(f"messages[{i}].tool_call_id", "must be a string")
+        out = {"role": "tool", "content": _content(m, i)}
+        return {**out, "tool_call_id": call_id} if call_id else out
+    if m["role"] != "assistant":
+        raise bad(f"messages[{i}].tool_calls", "only assistant messages carry tool calls")
+    calls = m["tool_calls"]
+    if not isinstance(calls, list) or not calls:
+        raise bad(f"messages[{i}].tool_calls", "must be a non-empty list")
+    out_calls = []
+    for j, c in enumerate(calls):
+        where = f"messages[{i}].tool_calls[{j}]"
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise bad(where, "must be {'type': 'function', 'function': {'name', 'arguments'}}")
+        args = fn.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args or "{}")
+            except json.JSONDecodeError as e:
+                raise bad(f"{where}.function.arguments", f"is not valid JSON: {e}") from e
+        if not isinstance(args, dict):
+            raise bad(f"{where}.function.arguments", "must be a JSON object")
+        call = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
+        out_calls.append({**call, "id": c["id"]} if isinstance(c.get("id"), str) else call)
+    content = m.get("content")
+    text = "" if content is None else _content(m, i)
+    return {"role": "assistant", "content": text, "tool_calls": out_calls}
+
+
+def _tools(body: dict) -> tuple[list[dict] | None, bool]:
+    """tools (function definitions, checked) and parallel_tool_calls; tool_choice 'none' leaves the
+    tools out of the prompt, 'auto' (the default) lets the model call them. Forcing a call
+    ('required' or a named function) needs decoding that enforces it: refused for now."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    parallel = _bool(body, "parallel_tool_calls", True)
+    if choice is not None and choice not in ("none", "auto"):
+        if choice == "required" or isinstance(choice, dict):
+            raise bad("tool_choice", "forcing a call ('required' or a named function) is not supported yet")
+        raise bad("tool_choice", f"must be 'none', 'auto', 'required' or a named function, got {choice!r}")
+    if tools is None:
+        if choice == "auto":
+            raise bad("tool_choice", "needs tools")
+        return None, parallel
+    if not isinstance(tools, list) or not tools:
+        raise bad("tools", "must be a non-empty list of {'type': 'function', 'function': {...}}")
+    out = []
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"].strip():
+            raise bad(f"tools[{i}]", "must be {'type': 'function', 'function': {'name': str, ...}}")
+        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+            raise bad(f"tools[{i}].function.parameters", "must be a JSON schema object")
+        if fn.get("description") is not None and not isinstance(fn["description"], str):
+            raise bad(f"tools[{i}].function.description", "must be a string")
+        out.append({"type": "function", "function": fn})
+    return (None if choice == "none" else out), parallel
 
 
 def _messages(body: dict) -> list[dict]:

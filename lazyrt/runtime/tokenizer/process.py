@@ -28,6 +28,7 @@ from lazyrt.runtime.ipc.sockets import PARENT_CHECK_MS, IpcPaths, child_setup, p
 from lazyrt.runtime.tokenizer.detokenizer import IncrementalDetokenizer
 from lazyrt.runtime.tokenizer.request_tokenizer import InvalidRequest, RequestTokenizer
 from lazyrt.runtime.tokenizer.token_text import TokenTexts
+from lazyrt.runtime.tokenizer.tool_calls import tool_format
 
 logger = logging.getLogger("lazyrt.tokenizer")
 
@@ -133,6 +134,7 @@ def run_tokenizer_process(ipc: IpcPaths, log_level: str) -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(ready.tokenizer_path)
     loop = TokenizerLoop(tokenizer, ready, to_sched, to_http)
+    ready.tool_format = tool_format(getattr(tokenizer, "chat_template", None))
     send(to_http, ready)
     while True:
         ready_socks = poll([from_sched, from_http], PARENT_CHECK_MS)

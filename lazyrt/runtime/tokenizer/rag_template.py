@@ -8,7 +8,9 @@ _MARK = "\x1eLAZYRT_DOCS\x1e"
 DOC_SEPARATOR = "\n\n"
 
 
-def render_chat(tokenizer, messages: list[dict], continue_final: bool = False) -> str:
+def render_chat(
+    tokenizer, messages: list[dict], continue_final: bool = False, tools: list[dict] | None = None
+) -> str:
     """The prompt text for chat messages, ending where the assistant's answer starts.
 
     continue_final: the last message is an assistant turn still being written; the text ends right
@@ -18,9 +20,10 @@ def render_chat(tokenizer, messages: list[dict], continue_final: bool = False) -
         if not messages or messages[-1].get("role") != "assistant":
             raise ValueError("continue_final needs the last message to be an assistant message")
         # The template's generation prompt opens the assistant turn; its content follows verbatim.
-        return render_chat(tokenizer, messages[:-1]) + messages[-1]["content"]
+        return render_chat(tokenizer, messages[:-1], tools=tools) + messages[-1]["content"]
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        kw = {"tools": tools} if tools else {}
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kw)
     # No template: a plain rendering (system text, then each turn on its own line).
     out = ""
     for m in messages:
@@ -34,6 +37,7 @@ def build_rag_chat_prompt(
     docs: list[str],
     doc_turn: int | None = None,
     continue_final: bool = False,
+    tools: list[dict] | None = None,
 ) -> RagPrompt:
     """Docs go at the start of a user message's content: the last one, or messages[doc_turn].
 
@@ -48,7 +52,7 @@ def build_rag_chat_prompt(
         raise ValueError(f"doc_turn={doc_turn} does not name a user message")
     msgs = [dict(m) for m in messages]
     msgs[doc_turn]["content"] = _MARK + msgs[doc_turn]["content"]
-    text = render_chat(tokenizer, msgs, continue_final)
+    text = render_chat(tokenizer, msgs, continue_final, tools)
     head, sep, tail = text.partition(_MARK)
     if not sep or _MARK in tail:
         raise ValueError(

@@ -50,10 +50,11 @@ class RequestTokenizer:
                 )
             elif req.messages is not None:
                 if docs:
-                    prompt = build_rag_chat_prompt(self.tokenizer, req.messages, docs)
+                    prompt = build_rag_chat_prompt(self.tokenizer, req.messages, docs, tools=req.tools)
                 else:
                     templated = bool(getattr(self.tokenizer, "chat_template", None))
-                    plain = self._ids(render_chat(self.tokenizer, req.messages), not templated)
+                    text = render_chat(self.tokenizer, req.messages, tools=req.tools)
+                    plain = self._ids(text, not templated)
             elif req.text is not None and req.text_mode == "rag" and (docs or req.system is not None):
                 prompt = build_rag_prompt(self.tokenizer, docs, req.text, req.system)
             elif docs:  # a raw completion with documents: they go first, then the prompt
