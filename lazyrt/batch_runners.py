@@ -13,6 +13,13 @@ from lazyrt.batch_input import Job
 Result = dict  # {"text", "meta"} or {"error": {"message"}}
 
 
+def _result(out: dict) -> Result:
+    """What a job's output line keeps: the text and meta, plus every completion (n > 1) and the
+    tokens' logprobs when the job's sampling_params asked for them."""
+    extra = {k: out[k] for k in ("outputs", "logprobs") if k in out}
+    return {"text": out["text"], "meta": out["meta"], **extra}
+
+
 def _error(e: BaseException) -> Result:
     return {"error": {"message": str(e) or type(e).__name__, "type": type(e).__name__}}
 
@@ -49,7 +56,7 @@ class LocalRunner:
                     except (ValueError, TypeError) as e:
                         outs.append(_error(e))
             for i, out in zip(where, outs):
-                results[i] = out if "error" in out else {"text": out["text"], "meta": out["meta"]}
+                results[i] = out if "error" in out else _result(out)
         return results  # type: ignore[return-value]
 
     def run(self, jobs: Iterable[Job]) -> Iterator[tuple[Job, Result]]:
@@ -104,7 +111,7 @@ class EndpointRunner:
                 msg = r.text[:500]
             return {"error": {"message": f"HTTP {r.status_code}: {msg}", "type": "http_error"}}
         out = r.json()
-        return {"text": out["text"], "meta": out["meta"]}
+        return _result(out)
 
     def run(self, jobs: Iterable[Job]) -> Iterator[tuple[Job, Result]]:
         with ThreadPoolExecutor(self.concurrency) as pool:

@@ -157,3 +157,15 @@ def test_recompute_options_reach_the_engine(tmp_path):
     # repeats hit the chunk table; with recompute the later docs' pages are computed, not cached
     for x, y in zip(a[1:], b[1:]):
         assert y["meta"]["cached_tokens"] < x["meta"]["cached_tokens"]
+
+
+def test_n_and_logprobs_reach_the_output_lines(tmp_path):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    sp = {"max_tokens": 5, "n": 2, "temperature": 1.0, "seed": 7, "logprobs": 1}
+    inp.write_text(json.dumps({"id": "a", "prompt": "Once upon a time", "sampling_params": sp}) + "\n")
+    done = _run("--input", str(inp), "--output", str(out))
+    assert done.returncode == 0, done.stderr
+    (rec,) = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(rec["outputs"]) == 2 and rec["outputs"][0]["text"] == rec["text"]
+    assert len(rec["logprobs"]) == len(rec["outputs"][0]["token_ids"]) == rec["meta"]["completion_tokens"]
+    assert rec["outputs"][0]["text"] != rec["outputs"][1]["text"]  # seeds 7 and 8
