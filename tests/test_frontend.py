@@ -140,6 +140,28 @@ def test_gen_penalties_and_logprobs_on_both_backends(backends, ref):
         assert [e["logprob"] for e in lps] == pytest.approx(ref_lps, abs=1e-3)
 
 
+def test_gen_citations_on_both_backends(backends, ref):
+    @function
+    def cited(s, docs, question):
+        for d in docs:
+            s += doc(d)
+        s += user(question)
+        s += gen("answer", max_tokens=6, citations=True)
+
+    q = "How tall is Mount Feller?"
+    msgs = [{"role": "user", "content": q}, {"role": "assistant", "content": ""}]
+    want = ref.generate(build_program_prompt(ref.tokenizer, msgs, DOCS, None, True),
+                        SamplingParams(max_tokens=6, citations=True))[0]  # fmt: skip
+    by_doc = lambda cs: {c["document"]: c["score"] for c in cs}  # noqa: E731
+    for name, be in backends.items():
+        got = cited.run(docs=DOCS, question=q, backend=be)
+        assert got["answer"] == want["text"], name
+        want_scores = by_doc(want["meta"]["citations"])
+        assert by_doc(got.metas["answer"]["citations"]) == pytest.approx(want_scores, abs=1e-4), name
+    with pytest.raises(ValueError, match="citations"):
+        rag(DOCS, q, citations=True, backend=backends["engine"])
+
+
 def test_run_batch_20_inputs_sharing_docs_reports_chunk_hits(backends, server):
     before = httpx.get(server.url + "/cache_stats", timeout=30).json()["chunk_hits"]
     kw = [{"docs": [DOCS[i % 3], DOCS[(i + 1) % 3]], "question": f"Question number {i}?"} for i in range(20)]

@@ -84,12 +84,14 @@ def gen(
     min_tokens: int | None = None,
     stop_token_ids: list[int] | None = None,
     logprobs: int | None = None,
+    citations: bool | None = None,
 ) -> Gen:
     """Generate into the assistant turn; the text is stored as s[name]. temperature 0 = greedy.
     doc_attention_temperature / doc_attention_scale / doc_positions: the program's documents as
     lazyrt.SamplingParams takes them (None: the engine's setting). The penalties, logit_bias,
     min_tokens and stop_token_ids are lazyrt.SamplingParams'; with logprobs (the number of top
-    tokens, 0 = the sampled one's only), s.metas[name]["logprobs"] holds one entry per token."""
+    tokens, 0 = the sampled one's only), s.metas[name]["logprobs"] holds one entry per token; with
+    citations, s.metas[name]["citations"] ranks the program's documents by the attention paid them."""
     sampling: dict = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k}
     if stop:
         sampling["stop"] = [stop] if isinstance(stop, str) else list(stop)
@@ -97,7 +99,7 @@ def gen(
                 "doc_attention_scale": doc_attention_scale, "doc_positions": doc_positions,
                 "presence_penalty": presence_penalty, "frequency_penalty": frequency_penalty,
                 "repetition_penalty": repetition_penalty, "logit_bias": logit_bias, "min_tokens": min_tokens,
-                "stop_token_ids": stop_token_ids, "logprobs": logprobs}  # fmt: skip
+                "stop_token_ids": stop_token_ids, "logprobs": logprobs, "citations": citations}  # fmt: skip
     sampling.update({k: v for k, v in optional.items() if v is not None})
     return Gen(_text("gen", name), sampling)
 

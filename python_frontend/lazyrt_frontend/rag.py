@@ -20,5 +20,10 @@ def rag(
     """Answer `question` from `docs` (each doc's KV is reused from the chunk table when seen before)."""
     if isinstance(docs, str) or not docs or not all(isinstance(d, str) and d.strip() for d in docs):
         raise ValueError("rag() needs docs: a non-empty list of non-empty strings")
+    lost = {"n": sampling.get("n", 1) != 1, "logprobs": sampling.get("logprobs") is not None,
+            "citations": sampling.get("citations", False) is not False}  # fmt: skip
+    for name in (k for k, v in lost.items() if v):  # rag() returns the answer's text only
+        raise ValueError(f"rag() returns one answer's text: {name}={sampling[name]!r} would be lost; "
+                         "use a program (gen) or lazyrt.Engine.rag for it")  # fmt: skip
     params = {"max_tokens": max_tokens, "temperature": temperature, **sampling}
     return resolve_backend(backend).rag(list(docs), question, system, params)["text"]
