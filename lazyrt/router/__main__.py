@@ -1,0 +1,87 @@
+"""python -m lazyrt.router: one OpenAI-compatible address in front of several lazyrt.launch replicas.
+
+  python -m lazyrt.router --worker http://127.0.0.1:30001 --worker http://127.0.0.1:30002
+  python -m lazyrt.router --dp 2 -- --model /models/llama --device cuda   # starts the replicas itself
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import subprocess
+import sys
+
+import uvicorn
+
+from lazyrt.router.app import Replica, RouterState, create_router_app
+from lazyrt.router.policy import AffinityPolicy
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m lazyrt.router",
+        description="Route requests over lazyrt.launch replicas: each goes to the replica that already "
+        "holds most of its documents' KV (rendezvous hashing on the documents, bounded by load), "
+        "else to the least-loaded one; a replica that fails before answering is skipped.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog="Arguments after -- go to every replica `--dp` starts (python -m lazyrt.launch ...).",
+    )
+    p.add_argument("--worker", action="append", default=[], metavar="URL", help="a running replica (repeat)")
+    p.add_argument("--dp", type=int, default=0, help="start N replicas (lazyrt.launch)")
+    p.add_argument("--dp-base-port", type=int, default=31000, help="--dp: the replicas' first port")
+    p.add_argument("--dp-devices", default=None,
+                   help="--dp: CUDA devices, one per replica (CUDA_VISIBLE_DEVICES), e.g. 0,1")  # fmt: skip
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=30000, help="port to listen on")
+    p.add_argument("--imbalance", type=float, default=0.5,
+                   help="skip a request's document owner when its in-flight requests exceed "
+                        "(1 + imbalance) x the least-loaded replica's + --slack")  # fmt: skip
+    p.add_argument("--slack", type=int, default=4, help="see --imbalance")
+    p.add_argument("--api-key", default=None, help="required from clients, and sent to the replicas")
+    p.add_argument("--log-level", default="info", help="debug | info | warning | error")
+    return p
+
+
+def _start_replicas(n: int, base_port: int, devices: str | None, extra: list[str]) -> list[subprocess.Popen]:
+    devs = devices.split(",") if devices else []
+    if devs and len(devs) != n:
+        raise SystemExit(f"--dp-devices names {len(devs)} devices for --dp {n}")
+    procs = []
+    for i in range(n):
+        env = dict(os.environ, **({"CUDA_VISIBLE_DEVICES": devs[i]} if devs else {}))
+        cmd = [sys.executable, "-m", "lazyrt.launch", "--port", str(base_port + i), *extra]
+        procs.append(subprocess.Popen(cmd, env=env))
+    return procs
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
+    args = build_parser().parse_args(argv[: argv.index("--")] if "--" in argv else argv)
+    if not args.worker and args.dp <= 0:
+        build_parser().error("give --worker URL (repeat) or --dp N")
+    if args.imbalance < 0 or args.slack < 0:
+        build_parser().error("--imbalance and --slack must be >= 0")
+    fmt = "%(asctime)s %(name)s %(levelname)s %(message)s"
+    logging.basicConfig(level=args.log_level.upper(), format=fmt)
+    procs = _start_replicas(args.dp, args.dp_base_port, args.dp_devices, extra) if args.dp > 0 else []
+    urls = list(args.worker) + [f"http://127.0.0.1:{args.dp_base_port + i}" for i in range(args.dp)]
+    state = RouterState([Replica(u.rstrip("/")) for u in urls], AffinityPolicy(args.imbalance, args.slack),
+                        args.api_key)  # fmt: skip
+    try:
+        app = create_router_app(state)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(), access_log=False)
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,226 @@
+"""The router's HTTP app: one address in front of several `lazyrt.launch` replicas.
+
+Generation requests go to the replica AffinityPolicy picks from their documents (and loads); the
+body is forwarded untouched and the answer streamed back as it comes. A replica that cannot be
+reached, or drops the connection before answering, is marked down and the request goes to the next
+one; once an answer has started it is passed through (a replica dying mid-stream ends the stream
+with an error event). Health checks bring replicas back. /metrics is every replica's, each sample
+labelled with its replica, plus the router's own counters; /cache_stats lists them and sums them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+from lazyrt.router.policy import AffinityPolicy, doc_key
+
+logger = logging.getLogger("lazyrt.router")
+ROUTED = ("/generate", "/score", "/v1/completions", "/v1/chat/completions")
+_HEALTH_S = 1.0
+
+
+@dataclass
+class Replica:
+    url: str
+    healthy: bool = False
+    in_flight: int = 0
+
+
+@dataclass
+class RouterState:
+    replicas: list[Replica]
+    policy: AffinityPolicy = field(default_factory=AffinityPolicy)
+    api_key: str | None = None
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+
+    def __post_init__(self) -> None:
+        r = self.registry
+        self.routed = Counter("lazyrt_router_requests", "requests routed", ["replica", "reason"], registry=r)
+        self.retries = Counter("lazyrt_router_retries", "requests moved off a failed replica", registry=r)
+        self.up = Gauge("lazyrt_router_replica_up", "1 if it answers /health", ["replica"], registry=r)
+
+    def by_url(self) -> dict[str, Replica]:
+        return {r.url: r for r in self.replicas}
+
+
+def request_keys(body: dict) -> list[bytes]:
+    """Routing keys of a request's documents (`documents` on the OpenAI endpoints, `docs` on /generate)."""
+    docs = body.get("documents", body.get("docs"))
+    if not isinstance(docs, list):
+        return []
+    return [doc_key(d) for d in docs if isinstance(d, (str, dict))]
+
+
+def label_metrics(text: str, replica: str) -> list[str]:
+    """Prometheus text with replica="..." added to every sample; HELP/TYPE lines kept."""
+    out = []
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            out.append(line)
+            continue
+        name_labels, _, value = line.rpartition(" ")
+        if "{" in name_labels:
+            name, _, labels = name_labels.partition("{")
+            out.append(f'{name}{{replica="{replica}",{labels} {value}')
+        else:
+            out.append(f'{name_labels}{{replica="{replica}"}} {value}')
+    return out
+
+
+def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": "server_error", "param": param, "code": status}}
+    return JSONResponse(body, status_code=status)
+
+
+def create_router_app(state: RouterState) -> FastAPI:
+    http = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
+    headers = {"authorization": f"Bearer {state.api_key}"} if state.api_key else {}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        task = asyncio.create_task(health_loop())
+        try:
+            yield
+        finally:
+            task.cancel()
+            await http.aclose()
+
+    app = FastAPI(title="lazyrt router", docs_url=None, redoc_url=None, lifespan=lifespan)
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next) -> Response:
+        if state.api_key and request.url.path != "/health":
+            if request.headers.get("authorization", "") != f"Bearer {state.api_key}":
+                body = {"error": {"message": "missing or wrong API key (Authorization: Bearer ...)",
+                                  "type": "authentication_error", "param": None, "code": 401}}  # fmt: skip
+                return JSONResponse(body, status_code=401)
+        return await call_next(request)
+
+    async def check(replica: Replica) -> None:
+        try:
+            r = await http.get(replica.url + "/health", headers=headers, timeout=5)
+            replica.healthy = r.status_code == 200
+        except httpx.HTTPError:
+            replica.healthy = False
+        state.up.labels(replica.url).set(int(replica.healthy))
+
+    async def health_loop() -> None:
+        while True:
+            await asyncio.gather(*(check(r) for r in state.replicas))
+            await asyncio.sleep(_HEALTH_S)
+
+    async def forward(path: str, request: Request) -> Response:
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            body = None  # the replica answers the 400 naming the body
+        keys = request_keys(body) if isinstance(body, dict) else []
+        live = {r.url: r.in_flight for r in state.replicas if r.healthy}
+        if not live:
+            return _error(503, "no replica is healthy")
+        order = state.policy.ranked(keys, live)
+        choice = state.policy.choose(keys, live)
+        fwd_headers = {"content-type": request.headers.get("content-type", "application/json"), **headers}
+        for attempt, url in enumerate(order):
+            replica = state.by_url()[url]
+            replica.in_flight += 1
+            try:
+                req = http.build_request("POST", url + path, content=raw, headers=fwd_headers)
+                resp = await http.send(req, stream=True)
+            except httpx.TransportError as e:
+                replica.in_flight -= 1
+                replica.healthy = False
+                state.up.labels(url).set(0)
+                state.retries.inc()
+                logger.warning("replica %s failed before answering (%s); trying the next", url, e)
+                continue
+            reason = choice.reason if attempt == 0 else "retry"
+            state.routed.labels(url, reason).inc()
+            return StreamingResponse(
+                _relay(resp, replica), status_code=resp.status_code,
+                media_type=resp.headers.get("content-type"), headers={"x-lazyrt-replica": url},
+            )  # fmt: skip
+        return _error(503, "every replica failed to answer this request")
+
+    def route(path: str):
+        async def handler(request: Request) -> Response:
+            return await forward(path, request)
+
+        return handler
+
+    for path in ROUTED:
+        app.add_api_route(path, route(path), methods=["POST"])
+
+    @app.get("/health")
+    async def health() -> Response:
+        up = sum(r.healthy for r in state.replicas)
+        status = 200 if up else 503
+        return JSONResponse({"status": "ok" if up else "no replica", "replicas_up": up}, status_code=status)
+
+    async def each(path: str, method: str = "GET") -> list[tuple[Replica, httpx.Response | None]]:
+        async def one(r: Replica) -> tuple[Replica, httpx.Response | None]:
+            try:
+                return r, await http.request(method, r.url + path, headers=headers, timeout=30)
+            except httpx.HTTPError:
+                return r, None
+
+        return list(await asyncio.gather(*(one(r) for r in state.replicas)))
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        for _, resp in await each("/v1/models"):
+            if resp is not None and resp.status_code == 200:
+                return JSONResponse(resp.json())
+        return _error(503, "no replica answered /v1/models")
+
+    @app.get("/cache_stats")
+    async def cache_stats() -> Response:
+        stats = [(r.url, resp.json() if resp is not None and resp.status_code == 200 else None)
+                 for r, resp in await each("/cache_stats")]  # fmt: skip
+        total: dict = {}
+        for _, s in stats:
+            for k, v in (s or {}).items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    total[k] = total.get(k, 0) + v
+        return JSONResponse({"replicas": [{"url": u, "stats": s} for u, s in stats], "total": total})
+
+    @app.post("/flush_cache")
+    async def flush() -> Response:
+        done = await each("/flush_cache", "POST")
+        return JSONResponse({"replicas": [{"url": r.url, "ok": resp is not None and resp.status_code == 200}
+                                          for r, resp in done]})  # fmt: skip
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        lines = generate_latest(state.registry).decode().splitlines()
+        for r, resp in await each("/metrics"):
+            if resp is not None and resp.status_code == 200:
+                lines += label_metrics(resp.text, r.url)
+        return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+async def _relay(resp: httpx.Response, replica: Replica) -> AsyncIterator[bytes]:
+    """The replica's answer as it comes; a connection lost mid-answer ends it with an error event."""
+    try:
+        async for chunk in resp.aiter_raw():
+            yield chunk
+    except httpx.TransportError as e:
+        replica.healthy = False
+        err = {"error": {"message": f"the replica failed mid-answer: {e}", "type": "server_error"}}
+        yield f"data: {json.dumps(err)}\n\n".encode()
+    finally:
+        replica.in_flight -= 1
+        await resp.aclose()

@@ -1,0 +1,151 @@
+"""python -m lazyrt.router (issue 17, data parallelism): the affinity policy on its own, then two real CPU
+replicas behind a real router on loopback: affinity (a document set always lands where its chunks are,
+whatever the order), answers equal to the replica's own, streaming, bad input passed through, the
+metrics union, and failover when a replica dies."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from server_util import DOCS, ServerProc, free_port
+
+from lazyrt.router.app import label_metrics, request_keys
+from lazyrt.router.policy import AffinityPolicy, doc_key, owner
+
+R = ["http://a:1", "http://b:2", "http://c:3"]
+
+
+def test_owner_is_stable_spread_and_moves_only_the_lost_replicas_keys():
+    rng = random.Random()
+    keys = [doc_key(f"doc {rng.random()}") for _ in range(3000)]
+    owners = [owner(k, R) for k in keys]
+    for r in R:  # about a third each
+        assert 800 < owners.count(r) < 1200
+    assert owners == [owner(k, list(reversed(R))) for k in keys]  # replica order does not matter
+    after = [owner(k, R[:2]) for k in keys]  # c leaves: only c's keys move
+    assert all(a == o for a, o in zip(after, owners) if o != R[2])
+
+
+def test_choose_affinity_imbalance_and_no_documents():
+    rng = random.Random()
+    pol = AffinityPolicy(imbalance=0.5, slack=2)
+    docs = [f"doc {rng.random()}" for _ in range(5)]
+    keys = [doc_key(d) for d in docs]
+    load = {r: 0 for r in R}
+    c = pol.choose(keys, load)
+    counts = {r: sum(owner(k, R) == r for k in keys) for r in R}
+    assert c.reason == "affinity" and c.owned == max(counts.values()) == counts[c.replica]
+    assert pol.choose(list(reversed(keys)), load).replica == c.replica  # order of documents
+    busy = {**load, c.replica: 10}  # past (1 + 0.5) * 0 + 2: the least-loaded one instead
+    far = pol.choose(keys, busy)
+    assert far.reason == "imbalance" and far.replica != c.replica and busy[far.replica] == 0
+    assert pol.choose(keys, {**load, c.replica: 2}).replica == c.replica  # within the bound
+    least = pol.choose([], {R[0]: 3, R[1]: 1, R[2]: 2})
+    assert least.replica == R[1] and least.reason == "least_loaded"
+    ranked = pol.ranked(keys, load)
+    assert ranked[0] == c.replica and sorted(ranked) == sorted(R)
+    with pytest.raises(ValueError):
+        pol.choose(keys, {})
+
+
+def test_request_keys_and_metric_labels():
+    keys = request_keys({"documents": ["x", {"id": "d1"}, {"text": "x"}]})
+    assert keys == [doc_key("x"), doc_key({"id": "d1"}), doc_key("x")]
+    assert request_keys({"docs": ["y"]}) == [doc_key("y")] and request_keys({"prompt": "p"}) == []
+    text = '# HELP m h\n# TYPE m counter\nm_total 3.0\nq{a="1"} 2\n'
+    assert label_metrics(text, "u") == ["# HELP m h", "# TYPE m counter", 'm_total{replica="u"} 3.0',
+                                        'q{replica="u",a="1"} 2']  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    args = ("--device", "cpu", "--kv-cache-tokens", "8192", "--log-level", "warning")
+    reps = [ServerProc(*args) for _ in range(2)]
+    port = free_port()
+    cmd = [sys.executable, "-m", "lazyrt.router", "--port", str(port), "--log-level", "warning"]
+    for r in reps:
+        cmd += ["--worker", r.url]
+    router = subprocess.Popen(cmd, env=dict(os.environ))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for r in reps:
+            r.wait_healthy()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # both replicas seen healthy by the router
+            try:
+                if httpx.get(url + "/health", timeout=5).json().get("replicas_up") == 2:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        yield url, reps
+    finally:
+        router.terminate()
+        router.wait(30)
+        for r in reps:
+            r.stop()
+
+
+def _chat(url: str, docs: list[str], q: str, **kw) -> httpx.Response:
+    body = {"messages": [{"role": "user", "content": q}], "documents": docs, "max_tokens": 8}
+    body.update({"temperature": 0, **kw})
+    return httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+
+
+@pytest.mark.slow
+def test_affinity_same_answers_streaming_and_bad_input(cluster):
+    url, reps = cluster
+    urls = [r.url for r in reps]
+    pol = AffinityPolicy()
+    for docs in (DOCS, DOCS[:2], [DOCS[2], "The lorn was introduced in 1921."]):
+        want = pol.choose([doc_key(d) for d in docs], {u: 0 for u in urls}).replica
+        first = _chat(url, docs, "What is the capital of Arvania?")
+        assert first.status_code == 200 and first.headers["x-lazyrt-replica"] == want
+        again = _chat(url, docs[::-1], "How tall is Mount Feller?")
+        assert again.headers["x-lazyrt-replica"] == want  # another order, another question: same replica
+        assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        direct = _chat(want, docs[::-1], "How tall is Mount Feller?")
+        text = lambda resp: resp.json()["choices"][0]["message"]["content"]  # noqa: E731
+        assert text(direct) == text(again)
+    # streaming passes through, chunk by chunk
+    with httpx.stream("POST", url + "/v1/chat/completions", timeout=120, json={
+            "messages": [{"role": "user", "content": "What is the capital of Arvania?"}], "documents": DOCS,
+            "max_tokens": 8, "temperature": 0, "stream": True}) as r:  # fmt: skip
+        events = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and len(events) > 2
+    # bad input: the replica's 4xx, naming the field
+    bad = _chat(url, DOCS, "q", max_tokens=0)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
+    broken = httpx.post(url + "/v1/completions", content=b"{not json", timeout=30)
+    assert broken.status_code == 400 and broken.json()["error"]["param"] == "body"
+    # every replica's metrics, labelled, and the router's own
+    m = httpx.get(url + "/metrics", timeout=30).text
+    assert all(f'replica="{u}"' in m for u in urls) and "lazyrt_router_requests_total" in m
+    stats = httpx.get(url + "/cache_stats", timeout=30).json()
+    assert len(stats["replicas"]) == 2
+    assert stats["total"]["chunk_hits"] == sum(s["stats"]["chunk_hits"] for s in stats["replicas"])
+    assert httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"] == "SmolLM2-135M-Instruct"
+
+
+@pytest.mark.slow
+def test_failover_when_a_replica_dies(cluster):
+    url, reps = cluster
+    urls = [r.url for r in reps]
+    pol = AffinityPolicy()
+    dead = pol.choose([doc_key(d) for d in DOCS], {u: 0 for u in urls}).replica
+    next(r for r in reps if r.url == dead).stop()
+    r = _chat(url, DOCS, "What is the capital of Arvania?")  # its owner is gone: served by the other
+    assert r.status_code == 200 and r.headers["x-lazyrt-replica"] != dead
+    assert r.json()["choices"][0]["message"]["content"]
+    deadline = time.monotonic() + 10
+    while httpx.get(url + "/health", timeout=5).json()["replicas_up"] != 1 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert httpx.get(url + "/health", timeout=5).json()["replicas_up"] == 1
+    metrics = httpx.get(url + "/metrics", timeout=30).text
+    assert 'lazyrt_router_replica_up{replica="' + dead + '"} 0.0' in metrics
