@@ -35,8 +35,11 @@ def test_owner_is_stable_spread_and_moves_only_the_lost_replicas_keys():
 def test_choose_affinity_imbalance_and_no_documents():
     rng = random.Random()
     pol = AffinityPolicy(imbalance=0.5, slack=2)
-    docs = [f"doc {rng.random()}" for _ in range(5)]
-    keys = [doc_key(d) for d in docs]
+    while True:  # documents one replica owns strictly the most of (no tie to break)
+        keys = [doc_key(f"doc {rng.random()}") for _ in range(5)]
+        top = sorted((sum(owner(k, R) == r for k in keys) for r in R), reverse=True)
+        if top[0] > top[1]:
+            break
     load = {r: 0 for r in R}
     c = pol.choose(keys, load)
     counts = {r: sum(owner(k, R) == r for k in keys) for r in R}
@@ -48,8 +51,13 @@ def test_choose_affinity_imbalance_and_no_documents():
     assert pol.choose(keys, {**load, c.replica: 2}).replica == c.replica  # within the bound
     least = pol.choose([], {R[0]: 3, R[1]: 1, R[2]: 2})
     assert least.replica == R[1] and least.reason == "least_loaded"
-    ranked = pol.ranked(keys, load)
-    assert ranked[0] == c.replica and sorted(ranked) == sorted(R)
+    again, ranked = pol.ranked(keys, load)
+    assert again == c and ranked[0] == c.replica and sorted(ranked) == sorted(R)
+    rr = AffinityPolicy(mode="round_robin")
+    assert [rr.choose(keys, load).replica for _ in range(6)] == sorted(R) * 2
+    assert AffinityPolicy(mode="least_loaded").choose(keys, {R[0]: 1, R[1]: 0, R[2]: 0}).replica == R[1]
+    with pytest.raises(ValueError, match="policy"):
+        AffinityPolicy(mode="random")
     with pytest.raises(ValueError):
         pol.choose(keys, {})
 

@@ -15,7 +15,7 @@ import sys
 import uvicorn
 
 from lazyrt.router.app import Replica, RouterState, create_router_app
-from lazyrt.router.policy import AffinityPolicy
+from lazyrt.router.policy import POLICIES, AffinityPolicy
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip a request's document owner when its in-flight requests exceed "
                         "(1 + imbalance) x the least-loaded replica's + --slack")  # fmt: skip
     p.add_argument("--slack", type=int, default=4, help="see --imbalance")
+    p.add_argument("--policy", default="affinity", choices=POLICIES,
+                   help="affinity (above); least_loaded, round_robin: baselines that ignore documents")
     p.add_argument("--api-key", default=None, help="required from clients, and sent to the replicas")
     p.add_argument("--log-level", default="info", help="debug | info | warning | error")
     return p
@@ -67,8 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format=fmt)
     procs = _start_replicas(args.dp, args.dp_base_port, args.dp_devices, extra) if args.dp > 0 else []
     urls = list(args.worker) + [f"http://127.0.0.1:{args.dp_base_port + i}" for i in range(args.dp)]
-    state = RouterState([Replica(u.rstrip("/")) for u in urls], AffinityPolicy(args.imbalance, args.slack),
-                        args.api_key)  # fmt: skip
+    policy = AffinityPolicy(args.imbalance, args.slack, args.policy)
+    state = RouterState([Replica(u.rstrip("/")) for u in urls], policy, args.api_key)
     try:
         app = create_router_app(state)
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(), access_log=False)

@@ -129,8 +129,7 @@ def create_router_app(state: RouterState) -> FastAPI:
         live = {r.url: r.in_flight for r in state.replicas if r.healthy}
         if not live:
             return _error(503, "no replica is healthy")
-        order = state.policy.ranked(keys, live)
-        choice = state.policy.choose(keys, live)
+        choice, order = state.policy.ranked(keys, live)
         fwd_headers = {"content-type": request.headers.get("content-type", "application/json"), **headers}
         for attempt, url in enumerate(order):
             replica = state.by_url()[url]

@@ -38,12 +38,22 @@ class Choice:
     owned: int = 0  # of the request's documents, how many the chosen replica owns
 
 
+POLICIES = ("affinity", "least_loaded", "round_robin")
+
+
 @dataclass
 class AffinityPolicy:
-    """imbalance: the owner is skipped when its load exceeds (1 + imbalance) x the least load + slack."""
+    """imbalance: the owner is skipped when its load exceeds (1 + imbalance) x the least load + slack.
+    mode: "affinity" (the above), or the baselines "least_loaded" and "round_robin" (documents ignored)."""
 
     imbalance: float = 0.5
     slack: int = 4
+    mode: str = "affinity"
+    _turn: int = 0  # round_robin: requests routed so far
+
+    def __post_init__(self) -> None:
+        if self.mode not in POLICIES:
+            raise ValueError(f"policy {self.mode!r}: must be one of {', '.join(POLICIES)}")
 
     def choose(self, keys: Sequence[bytes], load: dict[str, int]) -> Choice:
         """load: requests in flight per healthy replica (at least one)."""
@@ -51,7 +61,10 @@ class AffinityPolicy:
             raise ValueError("no healthy replica")
         replicas = sorted(load)
         least = min(replicas, key=lambda r: (load[r], r))
-        if not keys:
+        if self.mode == "round_robin":
+            self._turn += 1
+            return Choice(replicas[(self._turn - 1) % len(replicas)], "round_robin")
+        if not keys or self.mode == "least_loaded":
             return Choice(least, "least_loaded")
         owned: dict[str, int] = {}
         for k in keys:
@@ -62,7 +75,7 @@ class AffinityPolicy:
             return Choice(least, "imbalance", owned.get(least, 0))
         return Choice(best, "affinity", owned[best])
 
-    def ranked(self, keys: Sequence[bytes], load: dict[str, int]) -> list[str]:
-        """Every replica, the chosen one first, then by least load: the order to retry in."""
-        first = self.choose(keys, load).replica
-        return [first] + sorted((r for r in load if r != first), key=lambda r: (load[r], r))
+    def ranked(self, keys: Sequence[bytes], load: dict[str, int]) -> tuple[Choice, list[str]]:
+        """The choice, and every replica in the order to try: the chosen one, then by least load."""
+        c = self.choose(keys, load)
+        return c, [c.replica] + sorted((r for r in load if r != c.replica), key=lambda r: (load[r], r))
