@@ -1,0 +1,155 @@
+"""Issue 17's router goals, side by side in one run: the chunk hit ratio and the throughput of the same
+RAG workload (rag_workload.py, Zipf popularity) on
+  one    one replica with 2C tokens of KV,
+  affinity / round_robin / least_loaded   two replicas with C each behind python -m lazyrt.router.
+Goals: affinity's hit ratio within 2 points of `one`'s and >= 10 points above round robin's;
+saturation throughput >= 1.8x one replica's (on separate devices: --devices 0,1).
+
+    python benchmarks/router_affinity.py --device cpu --kv-cache-tokens 3072 --num-requests 150
+    python benchmarks/router_affinity.py --device cuda --devices 0,1 --model dummy:llama3-8b ...
+
+Hit ratio = chunk hits / (hits + misses) summed over the replicas' /cache_stats. All requests are
+sent at once (--concurrency in flight), with --output-tokens each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from rag_serving import free_port, launch_server, load_tokenizer  # noqa: E402
+from rag_workload import WorkloadConfig, build_workload, fallback_words, single_token_words  # noqa: E402
+
+
+class Router:
+    def __init__(self, urls: list[str], policy: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "lazyrt.router", "--port", str(self.port), "--policy", policy,
+               "--log-level", "warning"] + [x for u in urls for x in ("--worker", u)]  # fmt: skip
+        self.proc = subprocess.Popen(cmd)
+
+    def wait(self, n: int, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.url + "/health", timeout=5).json().get("replicas_up") == n:
+                    return
+            except (httpx.TransportError, ValueError):
+                pass
+            time.sleep(0.3)
+        raise TimeoutError("the router never saw every replica healthy")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+
+
+async def run_point(url: str, wl, args) -> float:
+    sem = asyncio.Semaphore(args.concurrency)
+    async with httpx.AsyncClient(timeout=600) as client:
+
+        async def one(r) -> None:
+            body = {"text": r.question, "docs": [wl.docs[d] for d in r.doc_ids],
+                    "sampling_params": {"max_tokens": args.output_tokens, "ignore_eos": True}}  # fmt: skip
+            async with sem:
+                resp = await client.post(url + "/generate", json=body)
+                resp.raise_for_status()
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(r) for r in wl.requests))
+        return time.perf_counter() - t0
+
+
+def hit_ratio(urls: list[str]) -> tuple[float, int, int]:
+    hits = misses = 0
+    for u in urls:
+        s = httpx.get(u + "/cache_stats", timeout=30).json()
+        hits, misses = hits + s["chunk_hits"], misses + s["chunk_misses"]
+    return hits / max(hits + misses, 1), hits, misses
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None)
+    p.add_argument("--load-format", default="auto")
+    p.add_argument("--tokenizer-dir", default=None)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--devices", default=None, help="CUDA devices for the two replicas, e.g. 0,1")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kv-cache-tokens", type=int, default=3072, help="C: each of the two replicas' KV")
+    p.add_argument("--num-docs", type=int, default=60)
+    p.add_argument("--doc-tokens", type=int, default=128)
+    p.add_argument("--docs-per-request", type=int, default=3)
+    p.add_argument("--num-requests", type=int, default=150)
+    p.add_argument("--zipf-alpha", type=float, default=1.1)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--output-tokens", type=int, default=1)
+    p.add_argument("--server-args", default="")
+    p.add_argument("--startup-timeout", type=float, default=600)
+    p.add_argument("--out", default=None, help="write the rows as JSON here")
+    args = p.parse_args()
+    tok = load_tokenizer(args.tokenizer_dir, args.model, args.load_format)
+    words = single_token_words(tok) if tok is not None else fallback_words()
+    cfg = WorkloadConfig(num_docs=args.num_docs, doc_tokens=args.doc_tokens, seed=args.seed,
+                         docs_per_request=args.docs_per_request, num_requests=args.num_requests,
+                         zipf_alpha=args.zipf_alpha, rate=float("inf"))  # fmt: skip
+    wl = build_workload(cfg, words)
+    devs = args.devices.split(",") if args.devices else [None, None]
+    rows = []
+
+    def launch(kv: int, dev: str | None):
+        if dev is not None:
+            os.environ["CUDA_VISIBLE_DEVICES"] = dev
+        try:
+            return launch_server(args, "lazy", kv)
+        finally:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+
+    one = launch(2 * args.kv_cache_tokens, devs[0])
+    try:
+        wall = asyncio.run(run_point(one.url, wl, args))
+        ratio, h, m = hit_ratio([one.url])
+        rows.append({"setup": "one replica, 2C", "hit_ratio": ratio, "hits": h, "misses": m, "wall_s": wall})
+    finally:
+        one.stop()
+    reps = [launch(args.kv_cache_tokens, d) for d in devs]
+    try:
+        for policy in ("affinity", "round_robin", "least_loaded"):
+            for r in reps:
+                httpx.post(r.url + "/flush_cache", timeout=60)
+            before = hit_ratio([r.url for r in reps])
+            router = Router([r.url for r in reps], policy)
+            try:
+                router.wait(len(reps))
+                wall = asyncio.run(run_point(router.url, wl, args))
+            finally:
+                router.stop()
+            _, h, m = hit_ratio([r.url for r in reps])
+            h, m = h - before[1], m - before[2]
+            rows.append({"setup": f"2 x C, {policy}", "hit_ratio": h / max(h + m, 1), "hits": h, "misses": m,
+                         "wall_s": wall})  # fmt: skip
+    finally:
+        for r in reps:
+            r.stop()
+    print("\n| setup | chunk hit ratio | hits | misses | wall s | req/s |\n|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['setup']} | {r['hit_ratio']:.3f} | {r['hits']} | {r['misses']} | {r['wall_s']:.1f} | "
+              f"{args.num_requests / r['wall_s']:.2f} |")  # fmt: skip
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
