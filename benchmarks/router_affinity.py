@@ -1,7 +1,7 @@
 """Issue 17's router goals, side by side in one run: the chunk hit ratio and the throughput of the same
 RAG workload (rag_workload.py, Zipf popularity) on
   one    one replica with 2C tokens of KV,
-  affinity / round_robin / least_loaded   two replicas with C each behind python -m lazyrt.router.
+  affinity / hash / round_robin / least_loaded   two replicas with C each behind python -m lazyrt.router.
 Goals: affinity's hit ratio within 2 points of `one`'s and >= 10 points above round robin's;
 saturation throughput >= 1.8x one replica's (on separate devices: --devices 0,1).
 
@@ -124,7 +124,7 @@ def main() -> int:
         one.stop()
     reps = [launch(args.kv_cache_tokens, d) for d in devs]
     try:
-        for policy in ("affinity", "round_robin", "least_loaded"):
+        for policy in ("affinity", "hash", "round_robin", "least_loaded"):
             for r in reps:
                 httpx.post(r.url + "/flush_cache", timeout=60)
             before = hit_ratio([r.url for r in reps])

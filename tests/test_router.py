@@ -15,7 +15,7 @@ import httpx
 import pytest
 from server_util import DOCS, ServerProc, free_port
 
-from lazyrt.router.app import label_metrics, request_keys
+from lazyrt.router.app import label_metrics, request_docs
 from lazyrt.router.policy import AffinityPolicy, doc_key, owner
 
 R = ["http://a:1", "http://b:2", "http://c:3"]
@@ -41,9 +41,9 @@ def test_choose_affinity_imbalance_and_no_documents():
         if top[0] > top[1]:
             break
     load = {r: 0 for r in R}
-    c = pol.choose(keys, load)
+    c = pol.choose(keys, load)  # nothing held anywhere yet: the replica owning most of them
     counts = {r: sum(owner(k, R) == r for k in keys) for r in R}
-    assert c.reason == "affinity" and c.owned == max(counts.values()) == counts[c.replica]
+    assert c.reason == "affinity" and c.held == 0 and counts[c.replica] == max(counts.values())
     assert pol.choose(list(reversed(keys)), load).replica == c.replica  # order of documents
     busy = {**load, c.replica: 10}  # past (1 + 0.5) * 0 + 2: the least-loaded one instead
     far = pol.choose(keys, busy)
@@ -62,10 +62,37 @@ def test_choose_affinity_imbalance_and_no_documents():
         pol.choose(keys, {})
 
 
+def test_affinity_follows_what_each_replica_holds_within_its_capacity():
+    rng = random.Random()
+    pol, load = AffinityPolicy(), {r: 0 for r in R}
+    docs = [doc_key(f"doc {rng.random()}") for _ in range(6)]
+    sizes = [100] * 6
+    pol.view(R[0]).capacity = 300
+    pol.record(R[0], docs[:3], sizes[:3])
+    # held tokens win over the owners of the rest: 3 of 4 held on R[0]
+    c = pol.choose(docs[:3] + docs[5:], load, sizes[:4])
+    assert c.replica == R[0] and c.held == 300 and c.reason == "affinity"
+    assert AffinityPolicy(mode="hash").choose(docs[:3] + docs[5:], load, sizes[:4]).held == 0
+    # past its capacity the oldest documents leave the view (LRU): docs[0] is dropped, docs[1:4] kept
+    pol.record(R[0], docs[3:4], sizes[3:4])
+    v = pol.view(R[0])
+    assert list(v.held) == docs[1:4] and v.tokens == 300
+    assert pol.choose(docs[:1], load, sizes[:1]).held == 0  # docs[0]: back to its owner
+    assert pol.choose(docs[1:2], load, sizes[1:2]).replica == R[0]
+    # a request bigger than the capacity keeps all of its own documents
+    pol.record(R[1], docs, sizes)
+    assert len(pol.view(R[1]).held) == 6
+    v.clear()
+    assert v.tokens == 0 and not v.held
+    busy = pol.choose(docs[1:3], {**load, R[1]: 50}, sizes[1:3])  # R[1] holds them too but is too busy
+    assert busy.replica != R[1]
+
+
 def test_request_keys_and_metric_labels():
-    keys = request_keys({"documents": ["x", {"id": "d1"}, {"text": "x"}]})
-    assert keys == [doc_key("x"), doc_key({"id": "d1"}), doc_key("x")]
-    assert request_keys({"docs": ["y"]}) == [doc_key("y")] and request_keys({"prompt": "p"}) == []
+    keys, sizes = request_docs({"documents": ["x" * 40, {"id": "d1"}, {"text": "x" * 40}]})
+    assert keys == [doc_key("x" * 40), doc_key({"id": "d1"}), doc_key("x" * 40)] and sizes == [10, 512, 10]
+    assert request_docs({"docs": ["y"]}) == ([doc_key("y")], [1])
+    assert request_docs({"prompt": "p"}) == ([], [])
     text = '# HELP m h\n# TYPE m counter\nm_total 3.0\nq{a="1"} 2\n'
     assert label_metrics(text, "u") == ["# HELP m h", "# TYPE m counter", 'm_total{replica="u"} 3.0',
                                         'q{replica="u",a="1"} 2']  # fmt: skip
@@ -110,9 +137,11 @@ def _chat(url: str, docs: list[str], q: str, **kw) -> httpx.Response:
 def test_affinity_same_answers_streaming_and_bad_input(cluster):
     url, reps = cluster
     urls = [r.url for r in reps]
-    pol = AffinityPolicy()
+    pol = AffinityPolicy()  # replays the router's choices (one request at a time: no load)
     for docs in (DOCS, DOCS[:2], [DOCS[2], "The lorn was introduced in 1921."]):
-        want = pol.choose([doc_key(d) for d in docs], {u: 0 for u in urls}).replica
+        keys, sizes = request_docs({"documents": docs})
+        want = pol.choose(keys, {u: 0 for u in urls}, sizes).replica
+        pol.record(want, keys, sizes)
         first = _chat(url, docs, "What is the capital of Arvania?")
         assert first.status_code == 200 and first.headers["x-lazyrt-replica"] == want
         again = _chat(url, docs[::-1], "How tall is Mount Feller?")

@@ -39,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(1 + imbalance) x the least-loaded replica's + --slack")  # fmt: skip
     p.add_argument("--slack", type=int, default=4, help="see --imbalance")
     p.add_argument("--policy", default="affinity", choices=POLICIES,
-                   help="affinity (above); least_loaded, round_robin: baselines that ignore documents")
+                   help="affinity: where the documents are (the router's view of each cache), else their "
+                        "rendezvous owners; hash: the owners only; least_loaded, round_robin: baselines")
     p.add_argument("--api-key", default=None, help="required from clients, and sent to the replicas")
     p.add_argument("--log-level", default="info", help="debug | info | warning | error")
     return p

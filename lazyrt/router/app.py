@@ -22,7 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
-from lazyrt.router.policy import AffinityPolicy, doc_key
+from lazyrt.router.policy import AffinityPolicy, doc_key, doc_tokens
 
 logger = logging.getLogger("lazyrt.router")
 ROUTED = ("/generate", "/score", "/v1/completions", "/v1/chat/completions")
@@ -53,12 +53,14 @@ class RouterState:
         return {r.url: r for r in self.replicas}
 
 
-def request_keys(body: dict) -> list[bytes]:
-    """Routing keys of a request's documents (`documents` on the OpenAI endpoints, `docs` on /generate)."""
+def request_docs(body: dict) -> tuple[list[bytes], list[int]]:
+    """Routing keys and sizes (tokens, about) of a request's documents (`documents` on the OpenAI
+    endpoints, `docs` on /generate)."""
     docs = body.get("documents", body.get("docs"))
     if not isinstance(docs, list):
-        return []
-    return [doc_key(d) for d in docs if isinstance(d, (str, dict))]
+        return [], []
+    docs = [d for d in docs if isinstance(d, (str, dict))]
+    return [doc_key(d) for d in docs], [doc_tokens(d) for d in docs]
 
 
 def label_metrics(text: str, replica: str) -> list[str]:
@@ -107,12 +109,22 @@ def create_router_app(state: RouterState) -> FastAPI:
         return await call_next(request)
 
     async def check(replica: Replica) -> None:
+        was = replica.healthy
         try:
             r = await http.get(replica.url + "/health", headers=headers, timeout=5)
             replica.healthy = r.status_code == 200
         except httpx.HTTPError:
             replica.healthy = False
         state.up.labels(replica.url).set(int(replica.healthy))
+        if replica.healthy and not was:  # (re)joined: its cache may be new; learn its size
+            view = state.policy.view(replica.url)
+            view.clear()
+            try:
+                s = (await http.get(replica.url + "/cache_stats", headers=headers, timeout=10)).json()
+                # its documents share the pool with the running requests' own pages: count 80%
+                view.capacity = int(0.8 * s["total_pages"] * s["page_size"])
+            except (httpx.HTTPError, ValueError, KeyError, TypeError):
+                view.capacity = None
 
     async def health_loop() -> None:
         while True:
@@ -125,11 +137,11 @@ def create_router_app(state: RouterState) -> FastAPI:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError):
             body = None  # the replica answers the 400 naming the body
-        keys = request_keys(body) if isinstance(body, dict) else []
+        keys, sizes = request_docs(body) if isinstance(body, dict) else ([], [])
         live = {r.url: r.in_flight for r in state.replicas if r.healthy}
         if not live:
             return _error(503, "no replica is healthy")
-        choice, order = state.policy.ranked(keys, live)
+        choice, order = state.policy.ranked(keys, live, sizes)
         fwd_headers = {"content-type": request.headers.get("content-type", "application/json"), **headers}
         for attempt, url in enumerate(order):
             replica = state.by_url()[url]
@@ -146,6 +158,7 @@ def create_router_app(state: RouterState) -> FastAPI:
                 continue
             reason = choice.reason if attempt == 0 else "retry"
             state.routed.labels(url, reason).inc()
+            state.policy.record(url, keys, sizes)
             return StreamingResponse(
                 _relay(resp, replica), status_code=resp.status_code,
                 media_type=resp.headers.get("content-type"), headers={"x-lazyrt-replica": url},
@@ -197,6 +210,8 @@ def create_router_app(state: RouterState) -> FastAPI:
     @app.post("/flush_cache")
     async def flush() -> Response:
         done = await each("/flush_cache", "POST")
+        for r in state.replicas:
+            state.policy.view(r.url).clear()
         return JSONResponse({"replicas": [{"url": r.url, "ok": resp is not None and resp.status_code == 200}
                                           for r, resp in done]})  # fmt: skip
 

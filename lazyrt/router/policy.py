@@ -1,18 +1,26 @@
 """Which replica a request goes to: the one that already holds most of its documents' KV.
 
-Each document (its text, or its registry id) is a key; rendezvous hashing gives every key one owner
-replica among the healthy ones (highest hash of key + replica), so a document's chunks are computed
-on one replica and found there again, whatever the other documents of the request or their order,
-and only the keys of a replica that leaves move. A request goes to the replica owning most of its
-keys, unless that replica's load (requests in flight) is past the imbalance bound: then, and for
-requests without documents, to the least-loaded replica.
+The router keeps, per replica, what it believes that replica's chunk cache holds: an LRU of the
+document keys it sent there (a document's text, or its registry id), sized in tokens (about 4
+characters each) and bounded by the replica's KV capacity. A request goes to the replica holding the
+most of its documents' tokens; documents nobody holds yet are placed by rendezvous hashing (each key's
+owner among the healthy replicas, the highest hash of key + replica), so a new document set lands in
+the same place whatever its order. A replica whose load (requests in flight) is past the imbalance
+bound is skipped for the least-loaded one; so are requests without documents.
+
+Popular documents end up on every replica (requests bring them along), rare ones on one. With several
+documents per request, two caches of C hold less than one of 2C (see docs/benchmarks.md, router).
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+POLICIES = ("affinity", "hash", "least_loaded", "round_robin")
+ID_DOC_TOKENS = 512  # a registered document's size, unknown to the router
 
 
 def _weight(key: bytes, replica: str) -> int:
@@ -26,6 +34,13 @@ def doc_key(doc: object) -> bytes:
     return hashlib.blake2b(str(doc).encode(), digest_size=16).digest()
 
 
+def doc_tokens(doc: object) -> int:
+    """About how many tokens a document is (the router has no tokenizer)."""
+    if isinstance(doc, dict):
+        return ID_DOC_TOKENS if "id" in doc else doc_tokens(doc.get("text", ""))
+    return max(1, len(str(doc)) // 4)
+
+
 def owner(key: bytes, replicas: Sequence[str]) -> str:
     """The rendezvous-hashing owner of a key among replicas."""
     return max(replicas, key=lambda r: _weight(key, r))
@@ -34,29 +49,59 @@ def owner(key: bytes, replicas: Sequence[str]) -> str:
 @dataclass
 class Choice:
     replica: str
-    reason: str  # "affinity" | "least_loaded" (no documents) | "imbalance" (the owner was too busy)
-    owned: int = 0  # of the request's documents, how many the chosen replica owns
+    # "affinity" (held most of it, or owns most of the new ones) | "hash" | "least_loaded" (no documents,
+    # or that policy) | "imbalance" (the choice was too busy) | "round_robin"
+    reason: str
+    held: int = 0  # tokens of the request's documents the router believes the replica holds
 
 
-POLICIES = ("affinity", "least_loaded", "round_robin")
+@dataclass
+class ReplicaView:
+    """What the router believes one replica's chunk cache holds (an LRU of document keys -> tokens)."""
+
+    capacity: int | None = None  # tokens; None = not known yet (nothing is dropped)
+    held: OrderedDict = field(default_factory=OrderedDict)
+    tokens: int = 0
+
+    def holds(self, key: bytes) -> int:
+        return self.held.get(key, 0)
+
+    def add(self, keys: Sequence[bytes], sizes: Sequence[int]) -> None:
+        for k, n in zip(keys, sizes):
+            self.tokens += n - self.held.pop(k, 0)
+            self.held[k] = n
+        while self.capacity is not None and self.tokens > self.capacity and len(self.held) > len(keys):
+            _, n = self.held.popitem(last=False)
+            self.tokens -= n
+
+    def clear(self) -> None:
+        self.held.clear()
+        self.tokens = 0
 
 
 @dataclass
 class AffinityPolicy:
-    """imbalance: the owner is skipped when its load exceeds (1 + imbalance) x the least load + slack.
-    mode: "affinity" (the above), or the baselines "least_loaded" and "round_robin" (documents ignored)."""
+    """imbalance: a replica is skipped when its load exceeds (1 + imbalance) x the least load + slack.
+    mode: "affinity" (the above), "hash" (rendezvous owners only, no view of the caches), or the
+    baselines "least_loaded" and "round_robin", which ignore documents."""
 
     imbalance: float = 0.5
     slack: int = 4
     mode: str = "affinity"
+    views: dict[str, ReplicaView] = field(default_factory=dict)
     _turn: int = 0  # round_robin: requests routed so far
 
     def __post_init__(self) -> None:
         if self.mode not in POLICIES:
             raise ValueError(f"policy {self.mode!r}: must be one of {', '.join(POLICIES)}")
 
-    def choose(self, keys: Sequence[bytes], load: dict[str, int]) -> Choice:
-        """load: requests in flight per healthy replica (at least one)."""
+    def view(self, replica: str) -> ReplicaView:
+        return self.views.setdefault(replica, ReplicaView())
+
+    def choose(
+        self, keys: Sequence[bytes], load: dict[str, int], sizes: Sequence[int] | None = None
+    ) -> Choice:
+        """load: requests in flight per healthy replica (at least one); sizes: each key's tokens."""
         if not load:
             raise ValueError("no healthy replica")
         replicas = sorted(load)
@@ -66,16 +111,29 @@ class AffinityPolicy:
             return Choice(replicas[(self._turn - 1) % len(replicas)], "round_robin")
         if not keys or self.mode == "least_loaded":
             return Choice(least, "least_loaded")
-        owned: dict[str, int] = {}
-        for k in keys:
-            o = owner(k, replicas)
-            owned[o] = owned.get(o, 0) + 1
-        best = max(owned, key=lambda r: (owned[r], -load[r], r))
+        sizes = list(sizes) if sizes is not None else [1] * len(keys)
+        held = {r: 0 for r in replicas}
+        if self.mode == "affinity":
+            for r in replicas:
+                v = self.views.get(r)
+                held[r] = sum(n for k, n in zip(keys, sizes) if v is not None and v.holds(k))
+        owned = {r: 0 for r in replicas}  # of the documents no replica holds: their owners
+        for k, n in zip(keys, sizes):
+            if self.mode == "hash" or not any(self.views.get(r) and self.views[r].holds(k) for r in replicas):
+                owned[owner(k, replicas)] += n
+        best = max(replicas, key=lambda r: (held[r], owned[r], -load[r], r))
         if load[best] > (1 + self.imbalance) * load[least] + self.slack:
-            return Choice(least, "imbalance", owned.get(least, 0))
-        return Choice(best, "affinity", owned[best])
+            return Choice(least, "imbalance", held[least])
+        return Choice(best, "affinity" if self.mode == "affinity" else "hash", held[best])
 
-    def ranked(self, keys: Sequence[bytes], load: dict[str, int]) -> tuple[Choice, list[str]]:
+    def record(self, replica: str, keys: Sequence[bytes], sizes: Sequence[int]) -> None:
+        """The request went to `replica`: its documents are (about to be) in that cache."""
+        if self.mode == "affinity" and keys:
+            self.view(replica).add(keys, sizes)
+
+    def ranked(
+        self, keys: Sequence[bytes], load: dict[str, int], sizes: Sequence[int] | None = None
+    ) -> tuple[Choice, list[str]]:
         """The choice, and every replica in the order to try: the chosen one, then by least load."""
-        c = self.choose(keys, load)
+        c = self.choose(keys, load, sizes)
         return c, [c.replica] + sorted((r for r in load if r != c.replica), key=lambda r: (load[r], r))
