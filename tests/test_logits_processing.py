@@ -37,8 +37,9 @@ def test_apply_matches_hf_processors_and_openai_formula(trial):
     prompts = [ids(rng.randint(1, 30)) for _ in range(5)]
     outputs = [ids(rng.randint(1, 12)) for _ in range(5)]
     bias = {rng.randrange(vocab): rng.uniform(-5, 5) for _ in range(4)}
+    bias0 = {t: rng.uniform(-5, 5) for t in outputs[0][:2] + ids(2)}  # on repeated tokens too
     params = [
-        SamplingParams(repetition_penalty=rng.uniform(1.1, 2.0)),
+        SamplingParams(repetition_penalty=rng.uniform(1.1, 2.0), logit_bias=bias0),
         SamplingParams(repetition_penalty=rng.uniform(0.5, 0.9)),  # < 1 favours repeats
         SamplingParams(presence_penalty=rng.uniform(-2, 2), frequency_penalty=rng.uniform(-2, 2)),
         SamplingParams(logit_bias=bias, min_tokens=len(outputs[3]) + 1, stop_token_ids=[11]),
@@ -51,7 +52,9 @@ def test_apply_matches_hf_processors_and_openai_formula(trial):
     got = proc.apply(logits, rids, params, prompts)
 
     ctx = lambda i: torch.tensor([prompts[i] + outputs[i]])  # noqa: E731
-    want0 = RepetitionPenaltyLogitsProcessor(params[0].repetition_penalty)(ctx(0), logits[:1].clone())
+    # HF's order (vLLM's too): the bias, then the penalty
+    want0 = SequenceBiasLogitsProcessor([[[t], b] for t, b in bias0.items()])(ctx(0), logits[:1].clone())
+    want0 = RepetitionPenaltyLogitsProcessor(params[0].repetition_penalty)(ctx(0), want0)
     want1 = RepetitionPenaltyLogitsProcessor(params[1].repetition_penalty)(ctx(1), logits[1:2].clone())
     want2 = logits[2].clone()  # OpenAI: mu[j] - c[j] * alpha_frequency - (c[j] > 0) * alpha_presence
     for tok in range(vocab):

@@ -74,6 +74,11 @@ class LogitsProcessing:
         idx = torch.tensor(rows, dtype=torch.long).to(logits.device)
         x = out[idx]
         dev = x.device
+        # bias first, then penalties (the order of HF's processors and vLLM's sampler): a biased
+        # token that repeats is penalized with its bias included
+        for j, st in enumerate(states):
+            if st.bias is not None:
+                x[j] += st.bias
         counted = [j for j, st in enumerate(states) if st.counts is not None]
         if counted:
             j = torch.tensor(counted, dtype=torch.long).to(dev)
@@ -90,8 +95,6 @@ class LogitsProcessing:
             freq = torch.tensor([states[k].params.frequency_penalty for k in counted]).to(dev)[:, None]
             x[j] = xs - freq * counts - pres * (counts > 0).float()
         for j, st in enumerate(states):
-            if st.bias is not None:
-                x[j] += st.bias
             if st.generated < st.params.min_tokens:
                 banned = self.eos_ids + [t for t in st.params.stop_token_ids if t < x.shape[-1]]
                 x[j, torch.tensor(banned, dtype=torch.long).to(dev)] = float("-inf")
