@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -30,11 +31,12 @@ from rag_workload import WorkloadConfig, build_workload, fallback_words, single_
 
 
 class Router:
-    def __init__(self, urls: list[str], policy: str):
+    def __init__(self, urls: list[str], policy: str, extra: str = ""):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "lazyrt.router", "--port", str(self.port), "--policy", policy,
                "--log-level", "warning"] + [x for u in urls for x in ("--worker", u)]  # fmt: skip
+        cmd += shlex.split(extra)
         self.proc = subprocess.Popen(cmd)
 
     def wait(self, n: int, timeout: float = 120) -> None:
@@ -92,9 +94,12 @@ def main() -> int:
     p.add_argument("--docs-per-request", type=int, default=3)
     p.add_argument("--num-requests", type=int, default=150)
     p.add_argument("--zipf-alpha", type=float, default=1.1)
+    p.add_argument("--topics", type=int, default=0,
+                   help="> 0: documents in this many topics, a request's documents from one topic")
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--output-tokens", type=int, default=1)
     p.add_argument("--server-args", default="")
+    p.add_argument("--router-args", default="", help="more lazyrt.router flags, e.g. '--imbalance 2'")
     p.add_argument("--startup-timeout", type=float, default=600)
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     args = p.parse_args()
@@ -102,7 +107,7 @@ def main() -> int:
     words = single_token_words(tok) if tok is not None else fallback_words()
     cfg = WorkloadConfig(num_docs=args.num_docs, doc_tokens=args.doc_tokens, seed=args.seed,
                          docs_per_request=args.docs_per_request, num_requests=args.num_requests,
-                         zipf_alpha=args.zipf_alpha, rate=float("inf"))  # fmt: skip
+                         zipf_alpha=args.zipf_alpha, rate=float("inf"), topics=args.topics)  # fmt: skip
     wl = build_workload(cfg, words)
     devs = args.devices.split(",") if args.devices else [None, None]
     rows = []
@@ -128,7 +133,7 @@ def main() -> int:
             for r in reps:
                 httpx.post(r.url + "/flush_cache", timeout=60)
             before = hit_ratio([r.url for r in reps])
-            router = Router([r.url for r in reps], policy)
+            router = Router([r.url for r in reps], policy, args.router_args)
             try:
                 router.wait(len(reps))
                 wall = asyncio.run(run_point(router.url, wl, args))

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from server_util import DOCS, ServerProc, free_port
 
-from lazyrt.router.app import label_metrics, request_docs
+from lazyrt.router.app import answer_prompt_tokens, label_metrics, request_chars, request_docs
 from lazyrt.router.policy import AffinityPolicy, doc_key, owner
 
 R = ["http://a:1", "http://b:2", "http://c:3"]
@@ -88,11 +88,38 @@ def test_affinity_follows_what_each_replica_holds_within_its_capacity():
     assert busy.replica != R[1]
 
 
+def test_chars_per_token_is_learnt_and_sizes_the_views():
+    rng = random.Random()
+    ratio = rng.uniform(2.0, 9.0)
+    pol = AffinityPolicy()
+    pol.observe(0, 10)  # nothing to learn from
+    pol.observe(100, 0)
+    assert pol.chars_per_token == 4.0
+    for _ in range(200):
+        tokens = rng.randint(50, 500)
+        pol.observe(round(tokens * ratio * rng.uniform(0.9, 1.1)), tokens)
+    assert pol.chars_per_token == pytest.approx(ratio, rel=0.1)
+    first = pol.chars_per_token
+    pol.observe(1000, 1000)  # after the first answers, one answer moves it only a little
+    assert abs(pol.chars_per_token - first) <= 0.05 * abs(1.0 - first) + 1e-9
+
+
 def test_request_keys_and_metric_labels():
     keys, sizes = request_docs({"documents": ["x" * 40, {"id": "d1"}, {"text": "x" * 40}]})
     assert keys == [doc_key("x" * 40), doc_key({"id": "d1"}), doc_key("x" * 40)] and sizes == [10, 512, 10]
     assert request_docs({"docs": ["y"]}) == ([doc_key("y")], [1])
     assert request_docs({"prompt": "p"}) == ([], [])
+    assert request_docs({"docs": ["y" * 70]}, chars_per_token=7.0)[1] == [10]
+    # what the router learns characters per token from
+    msg = {"role": "user", "content": [{"type": "text", "text": "abc"}]}
+    body = {"messages": [msg], "documents": ["x" * 40]}
+    assert request_chars(body) == 43
+    assert request_chars({"documents": [{"id": "d1"}], "prompt": "p"}) < 0  # unknown text: not learnt from
+    assert request_chars({"docs": ["x"], "input_ids": [1, 2]}) < 0
+    assert answer_prompt_tokens({"usage": {"prompt_tokens": 7}}) == 7
+    assert answer_prompt_tokens({"meta": {"prompt_tokens": 5}}) == 5
+    assert answer_prompt_tokens([{"meta": {"prompt_tokens": 5}}, {"meta": {"prompt_tokens": 2}}]) == 7
+    assert answer_prompt_tokens({"error": {}}) == 0
     text = '# HELP m h\n# TYPE m counter\nm_total 3.0\nq{a="1"} 2\n'
     assert label_metrics(text, "u") == ["# HELP m h", "# TYPE m counter", 'm_total{replica="u"} 3.0',
                                         'q{replica="u",a="1"} 2']  # fmt: skip
@@ -127,6 +154,12 @@ def cluster():
             r.stop()
 
 
+def learn(pol: AffinityPolicy, docs: list[str], q: str, resp: httpx.Response) -> None:
+    """What the router learns from an answer: the request's characters per prompt token."""
+    body = {"messages": [{"role": "user", "content": q}], "documents": docs}
+    pol.observe(request_chars(body), resp.json()["usage"]["prompt_tokens"])
+
+
 def _chat(url: str, docs: list[str], q: str, **kw) -> httpx.Response:
     body = {"messages": [{"role": "user", "content": q}], "documents": docs, "max_tokens": 8}
     body.update({"temperature": 0, **kw})
@@ -139,13 +172,15 @@ def test_affinity_same_answers_streaming_and_bad_input(cluster):
     urls = [r.url for r in reps]
     pol = AffinityPolicy()  # replays the router's choices (one request at a time: no load)
     for docs in (DOCS, DOCS[:2], [DOCS[2], "The lorn was introduced in 1921."]):
-        keys, sizes = request_docs({"documents": docs})
+        keys, sizes = request_docs({"documents": docs}, pol.chars_per_token)
         want = pol.choose(keys, {u: 0 for u in urls}, sizes).replica
         pol.record(want, keys, sizes)
         first = _chat(url, docs, "What is the capital of Arvania?")
         assert first.status_code == 200 and first.headers["x-lazyrt-replica"] == want
+        learn(pol, docs, "What is the capital of Arvania?", first)
         again = _chat(url, docs[::-1], "How tall is Mount Feller?")
         assert again.headers["x-lazyrt-replica"] == want  # another order, another question: same replica
+        learn(pol, docs[::-1], "How tall is Mount Feller?", again)
         assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
         direct = _chat(want, docs[::-1], "How tall is Mount Feller?")
         text = lambda resp: resp.json()["choices"][0]["message"]["content"]  # noqa: E731
@@ -168,6 +203,9 @@ def test_affinity_same_answers_streaming_and_bad_input(cluster):
     assert len(stats["replicas"]) == 2
     assert stats["total"]["chunk_hits"] == sum(s["stats"]["chunk_hits"] for s in stats["replicas"])
     assert httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"] == "SmolLM2-135M-Instruct"
+    # the router learnt the tokenizer's characters per token from the answers, as the replay did
+    assert stats["router"]["chars_per_token"] == pytest.approx(pol.chars_per_token)
+    assert set(stats["router"]["views"]) == set(urls)
 
 
 @pytest.mark.slow

@@ -34,11 +34,12 @@ def doc_key(doc: object) -> bytes:
     return hashlib.blake2b(str(doc).encode(), digest_size=16).digest()
 
 
-def doc_tokens(doc: object) -> int:
-    """About how many tokens a document is (the router has no tokenizer)."""
+def doc_tokens(doc: object, chars_per_token: float = 4.0) -> int:
+    """About how many tokens a document is (the router has no tokenizer: the replicas' answers teach
+    it chars_per_token, see AffinityPolicy.observe)."""
     if isinstance(doc, dict):
-        return ID_DOC_TOKENS if "id" in doc else doc_tokens(doc.get("text", ""))
-    return max(1, len(str(doc)) // 4)
+        return ID_DOC_TOKENS if "id" in doc else doc_tokens(doc.get("text", ""), chars_per_token)
+    return max(1, round(len(str(doc)) / chars_per_token))
 
 
 def owner(key: bytes, replicas: Sequence[str]) -> str:
@@ -89,11 +90,24 @@ class AffinityPolicy:
     slack: int = 4
     mode: str = "affinity"
     views: dict[str, ReplicaView] = field(default_factory=dict)
+    # characters per prompt token, learnt from answers (the views are sized in tokens, like the
+    # replicas' caches; 4 is English prose, synthetic or code-heavy text is far from it)
+    chars_per_token: float = 4.0
     _turn: int = 0  # round_robin: requests routed so far
+    _observed: int = 0
 
     def __post_init__(self) -> None:
         if self.mode not in POLICIES:
             raise ValueError(f"policy {self.mode!r}: must be one of {', '.join(POLICIES)}")
+
+    def observe(self, chars: int, prompt_tokens: int) -> None:
+        """An answer's prompt held prompt_tokens for `chars` characters of request text: update the
+        ratio (a running mean over the first answers, then an exponential one that follows drift)."""
+        if chars <= 0 or prompt_tokens <= 0:
+            return
+        self._observed += 1
+        w = max(1.0 / self._observed, 0.05)
+        self.chars_per_token += w * (chars / prompt_tokens - self.chars_per_token)
 
     def view(self, replica: str) -> ReplicaView:
         return self.views.setdefault(replica, ReplicaView())
