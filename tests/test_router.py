@@ -15,8 +15,9 @@ import httpx
 import pytest
 from server_util import DOCS, ServerProc, free_port
 
+from lazyrt.cache import ChunkTable
 from lazyrt.router.app import answer_prompt_tokens, label_metrics, request_chars, request_docs
-from lazyrt.router.policy import AffinityPolicy, doc_key, owner
+from lazyrt.router.policy import AffinityPolicy, ReplicaView, doc_key, owner
 
 R = ["http://a:1", "http://b:2", "http://c:3"]
 
@@ -73,9 +74,11 @@ def test_affinity_follows_what_each_replica_holds_within_its_capacity():
     c = pol.choose(docs[:3] + docs[5:], load, sizes[:4])
     assert c.replica == R[0] and c.held == 300 and c.reason == "affinity"
     assert AffinityPolicy(mode="hash").choose(docs[:3] + docs[5:], load, sizes[:4]).held == 0
-    # past its capacity the oldest documents leave the view (LRU): docs[0] is dropped, docs[1:4] kept
-    pol.record(R[0], docs[3:4], sizes[3:4])
+    # past its capacity the view evicts like the replica's table (lru here): docs[0] leaves for docs[3]
     v = pol.view(R[0])
+    v.reset(300, "lru", page_size=10)
+    pol.record(R[0], docs[:3], sizes[:3])
+    pol.record(R[0], docs[3:4], sizes[3:4])
     assert list(v.held) == docs[1:4] and v.tokens == 300
     assert pol.choose(docs[:1], load, sizes[:1]).held == 0  # docs[0]: back to its owner
     assert pol.choose(docs[1:2], load, sizes[1:2]).replica == R[0]
@@ -86,6 +89,48 @@ def test_affinity_follows_what_each_replica_holds_within_its_capacity():
     assert v.tokens == 0 and not v.held
     busy = pol.choose(docs[1:3], {**load, R[1]: 50}, sizes[1:3])  # R[1] holds them too but is too busy
     assert busy.replica != R[1]
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "gdsf"])
+def test_view_holds_what_a_chunk_table_with_the_same_policy_holds(policy):
+    """The reference: a real ChunkTable over a pool of `cap` pages, driven as the scheduler admits a
+    request (its documents looked up, the hits pinned, room made for the new ones at once, then each
+    used in order: a hit recorded or an insert; released when it ends), on a random Zipf stream of
+    documents of random sizes."""
+    rng = random.Random()
+    page, cap = rng.choice([4, 16]), rng.randint(30, 80)
+    docs = [tuple(rng.randrange(1000) for _ in range(rng.randint(1, 6 * page))) for _ in range(40)]
+    table, free = ChunkTable("m", page, policy), list(range(cap))
+    view = ReplicaView()
+    view.reset(cap * page, policy, page)
+    weights = [1 / (i + 1) ** 1.1 for i in range(len(docs))]
+    compared = 0
+    for _ in range(300):
+        req = list(dict.fromkeys(rng.choices(range(len(docs)), weights, k=rng.randint(1, 4))))
+        found = {i: table.lookup((), docs[i], record=False) for i in req}
+        for c in found.values():
+            if c is not None:
+                table.acquire(c)
+        need = sum(table.pages_needed(len(docs[i])) for i, c in found.items() if c is None)
+        if len(free) < need:
+            free += table.evict(need - len(free))
+        if len(free) < need:  # the replica would keep it waiting (the view has no such state): stop
+            break
+        for i, c in found.items():
+            table.record_use(c)
+            if c is None:
+                pages = [free.pop() for _ in range(table.pages_needed(len(docs[i])))]
+                c = found[i] = table.insert((), docs[i], pages)
+                c.ready = True
+                table.acquire(c)
+        view.add([bytes([i]) for i in req], [len(docs[i]) for i in req])
+        for c in found.values():
+            table.release(c)
+        held = {i for i in range(len(docs)) if table.lookup((), docs[i], record=False) is not None}
+        assert {k[0] for k in view.held} == held
+        assert view.pages == table.num_pages
+        compared += 1
+    assert compared > 50
 
 
 def test_chars_per_token_is_learnt_and_sizes_the_views():

@@ -151,15 +151,15 @@ def create_router_app(state: RouterState) -> FastAPI:
         except httpx.HTTPError:
             replica.healthy = False
         state.up.labels(replica.url).set(int(replica.healthy))
-        if replica.healthy and not was:  # (re)joined: its cache may be new; learn its size
+        if replica.healthy and not was:  # (re)joined: its cache may be new; learn its size and policy
             view = state.policy.view(replica.url)
-            view.clear()
             try:
                 s = (await http.get(replica.url + "/cache_stats", headers=headers, timeout=10)).json()
                 # its documents share the pool with the running requests' own pages: count 80%
-                view.capacity = int(0.8 * s["total_pages"] * s["page_size"])
+                view.reset(int(0.8 * s["total_pages"] * s["page_size"]), s.get("eviction_policy", "lfu"),
+                           s["page_size"])  # fmt: skip
             except (httpx.HTTPError, ValueError, KeyError, TypeError):
-                view.capacity = None
+                view.reset(None)
 
     async def health_loop() -> None:
         while True:
@@ -247,9 +247,9 @@ def create_router_app(state: RouterState) -> FastAPI:
             for k, v in (s or {}).items():
                 if isinstance(v, (int, float)) and not isinstance(v, bool):
                     total[k] = total.get(k, 0) + v
-        views = {u: {"documents": len(v.held), "tokens": v.tokens, "capacity": v.capacity}
-                 for u, v in state.policy.views.items()}  # fmt: skip
         pol = state.policy
+        views = {u: {"documents": len(v.held), "tokens": v.tokens, "capacity": v.capacity,
+                     "eviction_policy": v.eviction_policy} for u, v in pol.views.items()}  # fmt: skip
         router = {"policy": pol.mode, "chars_per_token": pol.chars_per_token, "views": views}
         return JSONResponse({"replicas": [{"url": u, "stats": s} for u, s in stats], "total": total,
                              "router": router})  # fmt: skip
