@@ -292,7 +292,10 @@ class Engine:
             raise TypeError(f"precompute must be a bool, got {type(precompute).__name__}")
         if system is not None and not precompute:
             raise ValueError("system only applies with precompute=True")
-        data, _ = register(self.documents, self._doc_tokens.get, text, id, metadata, self.max_context)
+        # the tokenizer call the document token cache makes, but not the cache: without precompute
+        # this touches no state of the step loop, so an EngineLoop thread may be running meanwhile
+        tokenize = lambda t: self._tokens(t, "text", False)  # noqa: E731
+        data, _ = register(self.documents, tokenize, text, id, metadata, self.max_context)
         if precompute:
             self.generate(self.precompute_prompt(data["id"], system), SamplingParams(max_tokens=1))
         return data["id"]
