@@ -165,23 +165,44 @@ class DocumentStore:
     def __init__(self, path: str, model_id: str):
         self.path = path
         self.model_id = model_id
-        if path != ":memory:":
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(path, timeout=30, check_same_thread=False, isolation_level=None)
-        with self._lock:
-            self._db.executescript(_SCHEMA)
-            self._db.execute("INSERT OR IGNORE INTO store_info VALUES ('model_id', ?)", (model_id,))
-            (owner,) = self._db.execute("SELECT value FROM store_info WHERE key = 'model_id'").fetchone()
-        if owner != model_id:
-            self.close()
+        self._conn: sqlite3.Connection | None = None  # opened on first use: most engines never need it
+
+    @property
+    def _db(self) -> sqlite3.Connection:
+        """The connection (callers hold the lock); the first use creates the file and checks its model."""
+        if self._conn is not None:
+            return self._conn
+        if self.path != ":memory:":
+            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        db = sqlite3.connect(self.path, timeout=30, check_same_thread=False, isolation_level=None)
+        try:
+            db.executescript(_SCHEMA)
+            db.execute("INSERT OR IGNORE INTO store_info VALUES ('model_id', ?)", (self.model_id,))
+            (owner,) = db.execute("SELECT value FROM store_info WHERE key = 'model_id'").fetchone()
+        except BaseException:
+            db.close()
+            raise
+        if owner != self.model_id:
+            db.close()
             raise ValueError(
-                f"document store {path}: its documents were tokenized for model {owner!r}, not {model_id!r}; "
-                "give another path (--document-store / document_store)"
+                f"document store {self.path}: its documents were tokenized for model {owner!r}, not "
+                f"{self.model_id!r}; give another path (--document-store / document_store)"
             )
+        self._conn = db
+        return db
+
+    def open(self) -> DocumentStore:
+        """Open now (create the file, check its model) rather than on first use."""
+        with self._lock:
+            self._db  # noqa: B018
+        return self
 
     def close(self) -> None:
-        self._db.close()
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
 
     def __len__(self) -> int:
         with self._lock:

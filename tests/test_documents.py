@@ -4,6 +4,7 @@ documents, and the Engine / frontend API (add_document, {"id": ...} in rag and g
 from __future__ import annotations
 
 import hashlib
+import os
 import random
 
 import pytest
@@ -15,7 +16,9 @@ from lazyrt.documents import (
     DocumentStore,
     UnknownDocument,
     check_doc_item,
+    content_id,
     default_store_path,
+    open_store,
 )
 from lazyrt.runtime.ipc.messages import DocumentReq, GenerateReq
 from lazyrt.runtime.tokenizer.document_ops import handle_document_req
@@ -37,6 +40,9 @@ def test_store_roundtrip_pagination_delete_and_reopen(tmp_path):
     rng = random.Random()
     path = str(tmp_path / "docs.sqlite")
     store = DocumentStore(path, "model-a")
+    with pytest.raises(UnknownDocument):
+        store.get("doc-x")
+    assert len(store) == 0 and os.path.exists(path)  # created on first use
     added = []  # (id, text, ids, metadata) in registration order
     for i in range(rng.randint(7, 15)):
         text, ids = f"{i} {_text(rng, rng.randint(3, 30))}", _ids(rng, rng.randint(1, 300))
@@ -86,8 +92,11 @@ def test_store_roundtrip_pagination_delete_and_reopen(tmp_path):
     docs, more = reopened.list(100)
     assert not more and [(d.id, d.text, d.token_ids, d.metadata) for d in docs] == left
     assert len(reopened) == len(left)
+    other = DocumentStore(path, "model-b")
     with pytest.raises(ValueError, match="model-a"):  # its token ids belong to model-a's tokenizer
-        DocumentStore(path, "model-b")
+        other.open()
+    with pytest.raises(ValueError, match="model-a"):
+        other.list()
 
 
 @pytest.mark.parametrize(
@@ -136,6 +145,11 @@ def test_default_path_is_per_model_under_the_cache_dir(monkeypatch, tmp_path):
     monkeypatch.setenv("LAZYRT_CACHE_DIR", str(tmp_path))
     a, b = default_store_path("m.gguf:abc"), default_store_path("other/model:1")
     assert a.startswith(str(tmp_path / "documents")) and a.endswith(".sqlite") and a != b
+    store = open_store(None, "m.gguf:abc")
+    assert store.path == a and not os.path.exists(a)  # nothing written until a document is used
+    store.add("text", [1, 2])
+    assert os.path.exists(a) and DocumentStore(a, "m.gguf:abc").get(content_id("text")).token_ids == [1, 2]
+    assert open_store("none", "m") is None
 
 
 # ---- the tokenizer process: registering and resolving ------------------------------------------

@@ -8,6 +8,7 @@ scheduler frees the pages; tokens the scheduler produced meanwhile are dropped h
 from __future__ import annotations
 
 import logging
+import os
 import sqlite3
 import time
 from dataclasses import dataclass, field
@@ -150,13 +151,13 @@ def run_tokenizer_process(ipc: IpcPaths, log_level: str, document_store: str | N
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(ready.tokenizer_path)
-    try:
-        store = open_store(document_store, ready.model_id)
-    except (OSError, ValueError, sqlite3.Error) as e:  # the server cannot keep its promise: stop
-        logger.error("cannot open the document store: %s", e)
-        raise SystemExit(1) from e
-    if store is not None:
-        logger.info("document store %s (%d documents)", store.path, len(store))
+    store = open_store(document_store, ready.model_id)
+    if store is not None and os.path.exists(store.path):  # else created by the first registration
+        try:
+            logger.info("document store %s (%d documents)", store.path, len(store.open()))
+        except (OSError, ValueError, sqlite3.Error) as e:  # another model's file, say: stop
+            logger.error("cannot open the document store: %s", e)
+            raise SystemExit(1) from e
     loop = TokenizerLoop(tokenizer, ready, to_sched, to_http, store)
     ready.tool_format = tool_format(getattr(tokenizer, "chat_template", None))
     send(to_http, ready)
