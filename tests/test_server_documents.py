@@ -206,6 +206,30 @@ def test_list_pagination(http):
     assert texts["data"][0]["id"] == mine[1] and texts["data"][0]["text"].startswith(f"{tag} 1 ")
 
 
+def test_frontend_doc_by_id_on_the_http_backend(served):
+    from lazyrt_frontend import RuntimeEndpoint, doc, function, gen, rag, user
+
+    rng = random.Random()
+    texts = [_text(rng, rng.randint(8, 25)) for _ in range(2)]
+    backend = RuntimeEndpoint(served.url)
+    ids = [backend.add_document(t, metadata={"i": i}, precompute=(i == 0)) for i, t in enumerate(texts)]
+
+    @function
+    def qa(s, docs):
+        for d in docs:
+            s += d
+        s += user("Which river?")
+        s += gen("answer", max_tokens=6)
+
+    by_id = qa.run([doc(id=i) for i in ids], backend=backend)
+    assert by_id.metas["answer"]["chunk_hits"] == 1  # the precomputed one (no system prompt either)
+    by_text = qa.run([doc(t) for t in texts], backend=backend)
+    assert by_id["answer"] == by_text["answer"] and by_text.metas["answer"]["chunk_hits"] == 2
+    want = rag(texts[::-1], "Which?", max_tokens=4, backend=backend)
+    assert rag([{"id": ids[1]}, texts[0]], "Which?", max_tokens=4, backend=backend) == want
+    backend.close()
+
+
 def test_restart_keeps_the_registry(served, http):
     """Last in the module: restarts the server on the same store file."""
     rng = random.Random()
