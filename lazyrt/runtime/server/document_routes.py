@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -24,6 +25,7 @@ from lazyrt.runtime.server.pipeline_client import PipelineClient
 from lazyrt.runtime.server.protocol import ApiError, bad
 from lazyrt.sampling_params import SamplingParams
 
+T = TypeVar("T")
 _ADD_KEYS = ("text", "id", "metadata", "precompute")
 _ERROR_TYPES = {404: "not_found_error", 409: "conflict_error"}
 
@@ -37,7 +39,7 @@ def _api_error(resp: DocumentResp) -> ApiError:
     return ApiError(resp.status, resp.message, resp.param, kind)
 
 
-def _checked(fn: Callable, *args: object) -> object:
+def _checked(fn: Callable[..., T], *args: object) -> T:
     try:
         return fn(*args)
     except DocumentError as e:
@@ -80,7 +82,7 @@ def parse_add(body: dict) -> tuple[DocumentReq, str | None, bool]:
             raise bad("precompute.system", f"must be a string, got {type(system).__name__}")
     elif pre is not None and not isinstance(pre, bool):
         raise bad("precompute", f"must be true, false or {{'system': str}}, got {pre!r}")
-    req = DocumentReq(-1, "add", id=doc_id, text=text, metadata=metadata)  # type: ignore[arg-type]
+    req = DocumentReq(-1, "add", id=doc_id, text=text, metadata=metadata)
     return req, system, bool(pre) or isinstance(pre, dict)
 
 
