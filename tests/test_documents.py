@@ -4,6 +4,7 @@ documents, and the Engine / frontend API (add_document, {"id": ...} in rag and g
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import random
 
@@ -334,3 +335,24 @@ def test_frontend_doc_by_id_equals_doc_by_text(engine):
     )
     with pytest.raises(ValueError, match="exactly one"):
         doc("text", id="x")
+
+
+def test_batch_lines_take_documents_by_id(engine):
+    from lazyrt.batch_input import parse_line
+    from lazyrt.batch_runners import LocalRunner
+
+    rng = random.Random()
+    text = _text(rng, 15)
+    doc_id = engine.add_document(text)
+    lines = [
+        {"id": "a", "docs": [{"id": doc_id}], "question": "Which?"},
+        {"id": "b", "docs": [{"text": text}], "question": "Which?"},
+        {"id": "c", "docs": [text, {"id": "doc-missing"}], "question": "Which?"},
+        {"id": "d", "docs": [{"id": doc_id, "text": text}], "question": "Which?"},
+    ]
+    jobs = [parse_line(json.dumps(x), i + 1, {"max_tokens": 4}) for i, x in enumerate(lines)]
+    assert jobs[0].docs == [{"id": doc_id}] and jobs[1].docs == [text]
+    assert jobs[3].error is not None and "docs[0]" in jobs[3].error and "exactly one" in jobs[3].error
+    out = [res for _, res in LocalRunner(engine, 4).run(jobs[:3])]
+    assert out[0]["text"] == out[1]["text"] and out[1]["meta"]["chunk_hits"] == 1
+    assert "docs[1].id" in out[2]["error"]["message"]
