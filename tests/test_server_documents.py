@@ -12,6 +12,8 @@ import pytest
 from openai import OpenAI
 from server_util import ServerProc
 
+from lazyrt.documents import DocumentStore
+
 pytestmark = pytest.mark.slow
 
 WORDS = ["river", "Quenta", "1822", "lumen", "tides", "é", "北京", "the", "of", "Arvania", ".", ","]
@@ -42,8 +44,9 @@ class Served:
     def url(self) -> str:
         return self.srv.url
 
-    def restart(self) -> None:
+    def restart(self, store: str | None = None) -> None:
         assert self.srv.stop() == 0
+        self.store = store or self.store
         self.srv = self._start()
 
 
@@ -245,3 +248,27 @@ def test_restart_keeps_the_registry(served, http):
         out = c.post("/generate", json={**body, "docs": [{"id": doc["id"]}]}).json()
         assert out["token_ids"] == want["token_ids"]
         assert (out["meta"]["chunk_hits"], out["meta"]["chunk_misses"]) == (0, 1)  # KV recomputed
+
+
+def test_without_a_store_and_with_another_models_store(served, tmp_path):
+    """After the restart test: --document-store none refuses ids by name; another model's file
+    stops the server at startup, saying why."""
+    served.restart("none")
+    with httpx.Client(base_url=served.url, timeout=120) as c:
+        msgs = [{"role": "user", "content": "q"}]
+        body = {"messages": msgs, "documents": [{"id": "doc-x"}], "max_tokens": 2}
+        r = c.post("/v1/chat/completions", json=body)
+        msg = _err(r, 400, "documents[0].id")
+        assert "document store" in msg
+        assert c.get("/v1/documents").status_code == 501
+        assert c.post("/generate", json={"text": "q", "docs": ["a text"]}).status_code == 200
+    other = str(tmp_path / "other.sqlite")
+    DocumentStore(other, "another-model:1").open().close()
+    srv = ServerProc("--model", served.model, "--device", "cpu", "--kv-cache-tokens", "1024",
+                     "--document-store", other)  # fmt: skip
+    try:
+        with pytest.raises(RuntimeError, match="exited") as e:
+            srv.wait_healthy()
+        assert "another-model:1" in str(e.value) and "document store" in str(e.value)
+    finally:
+        srv.stop()
