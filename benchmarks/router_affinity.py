@@ -30,6 +30,17 @@ from rag_serving import free_port, launch_server, load_tokenizer  # noqa: E402
 from rag_workload import WorkloadConfig, build_workload, fallback_words, single_token_words  # noqa: E402
 
 
+def routing_reasons(url: str) -> dict[str, int]:
+    """How many requests the router sent for each reason (affinity, imbalance, ...), from /metrics."""
+    out: dict[str, int] = {}
+    for line in httpx.get(url + "/metrics", timeout=60).text.splitlines():
+        if line.startswith("lazyrt_router_requests_total{"):
+            labels, _, value = line.partition("} ")
+            reason = labels.split('reason="')[1].split('"')[0]
+            out[reason] = out.get(reason, 0) + int(float(value))
+    return out
+
+
 class Router:
     def __init__(self, urls: list[str], policy: str, extra: str = ""):
         self.port = free_port()
@@ -137,12 +148,17 @@ def main() -> int:
             try:
                 router.wait(len(reps))
                 wall = asyncio.run(run_point(router.url, wl, args))
+                reasons = routing_reasons(router.url)
+                views = httpx.get(router.url + "/cache_stats", timeout=60).json()["router"]["views"]
             finally:
                 router.stop()
             _, h, m = hit_ratio([r.url for r in reps])
             h, m = h - before[1], m - before[2]
+            held = [httpx.get(r.url + "/cache_stats", timeout=60).json()["chunks"] for r in reps]
             rows.append({"setup": f"2 x C, {policy}", "hit_ratio": h / max(h + m, 1), "hits": h, "misses": m,
-                         "wall_s": wall})  # fmt: skip
+                         "wall_s": wall, "reasons": reasons, "replica_chunks": held,
+                         "view_documents": [v["documents"] for v in views.values()]})  # fmt: skip
+            print(rows[-1])
     finally:
         for r in reps:
             r.stop()

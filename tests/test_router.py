@@ -171,9 +171,10 @@ def test_request_keys_and_metric_labels():
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(tmp_path_factory):
     args = ("--device", "cpu", "--kv-cache-tokens", "8192", "--log-level", "warning")
-    reps = [ServerProc(*args) for _ in range(2)]
+    store = tmp_path_factory.mktemp("stores")  # a registry each, as replicas on two hosts would have
+    reps = [ServerProc(*args, "--document-store", str(store / f"r{i}.sqlite")) for i in range(2)]
     port = free_port()
     cmd = [sys.executable, "-m", "lazyrt.router", "--port", str(port), "--log-level", "warning"]
     for r in reps:
@@ -251,6 +252,38 @@ def test_affinity_same_answers_streaming_and_bad_input(cluster):
     # the router learnt the tokenizer's characters per token from the answers, as the replay did
     assert stats["router"]["chars_per_token"] == pytest.approx(pol.chars_per_token)
     assert set(stats["router"]["views"]) == set(urls)
+
+
+@pytest.mark.slow
+def test_documents_through_the_router(cluster):
+    url, reps = cluster
+    urls = [r.url for r in reps]
+    text = f"The lorn of Vell{random.randrange(10**6)} was introduced in 1921 by the Bank of Vell."
+    doc = httpx.post(url + "/v1/documents", json={"text": text, "precompute": True}, timeout=120).json()
+    assert doc["object"] == "document" and doc["precompute"]["chunk_misses"] == 1 and doc["replica"] in urls
+    for u in urls:  # registered on every replica, with the same id and tokens
+        got = httpx.get(f"{u}/v1/documents/{doc['id']}", timeout=30).json()
+        assert got["id"] == doc["id"] and got["tokens"] == doc["tokens"]
+    assert httpx.get(f"{url}/v1/documents/{doc['id']}", timeout=30).json()["tokens"] == doc["tokens"]
+    # a request naming it goes where it was computed, and hits it
+    by_id = _chat(url, [{"id": doc["id"]}], "When was the lorn introduced?")
+    assert by_id.status_code == 200 and by_id.headers["x-lazyrt-replica"] == doc["replica"]
+    assert by_id.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= doc["tokens"]
+    by_text = _chat(doc["replica"], [text], "When was the lorn introduced?")
+    text_of = lambda resp: resp.json()["choices"][0]["message"]["content"]  # noqa: E731
+    assert text_of(by_id) == text_of(by_text)
+    # the replicas' errors come back as they are, naming the field
+    bad = httpx.post(url + "/v1/documents", json={"text": text, "colour": 1}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "colour"
+    clash = httpx.post(url + "/v1/documents", json={"text": text + "!", "id": doc["id"]}, timeout=30)
+    assert clash.status_code == 409
+    listed = httpx.get(url + "/v1/documents", params={"limit": 100}, timeout=30).json()
+    assert doc["id"] in [d["id"] for d in listed["data"]]
+    assert httpx.delete(f"{url}/v1/documents/{doc['id']}", timeout=30).status_code == 200
+    for u in urls:
+        assert httpx.get(f"{u}/v1/documents/{doc['id']}", timeout=30).status_code == 404
+    gone = _chat(url, [{"id": doc["id"]}], "When was the lorn introduced?")
+    assert gone.status_code == 404 and gone.json()["error"]["param"] == "documents[0].id"
 
 
 @pytest.mark.slow

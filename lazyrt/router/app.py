@@ -22,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
+from lazyrt.router.document_routes import add_router_document_routes
 from lazyrt.router.policy import AffinityPolicy, doc_key, doc_tokens
 
 logger = logging.getLogger("lazyrt.router")
@@ -54,14 +55,16 @@ class RouterState:
         return {r.url: r for r in self.replicas}
 
 
-def request_docs(body: dict, chars_per_token: float = 4.0) -> tuple[list[bytes], list[int]]:
+def request_docs(
+    body: dict, chars_per_token: float = 4.0, id_tokens: dict[str, int] | None = None
+) -> tuple[list[bytes], list[int]]:
     """Routing keys and sizes (tokens, about) of a request's documents (`documents` on the OpenAI
     endpoints, `docs` on /generate)."""
     docs = body.get("documents", body.get("docs"))
     if not isinstance(docs, list):
         return [], []
     docs = [d for d in docs if isinstance(d, (str, dict))]
-    return [doc_key(d) for d in docs], [doc_tokens(d, chars_per_token) for d in docs]
+    return [doc_key(d) for d in docs], [doc_tokens(d, chars_per_token, id_tokens) for d in docs]
 
 
 def request_chars(body: dict) -> int:
@@ -172,7 +175,9 @@ def create_router_app(state: RouterState) -> FastAPI:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError):
             body = None  # the replica answers the 400 naming the body
-        keys, sizes = request_docs(body, state.policy.chars_per_token) if isinstance(body, dict) else ([], [])
+        pol = state.policy
+        is_dict = isinstance(body, dict)
+        keys, sizes = request_docs(body, pol.chars_per_token, pol.id_tokens) if is_dict else ([], [])
         chars = request_chars(body) if isinstance(body, dict) and keys else 0
         live = {r.url: r.in_flight for r in state.replicas if r.healthy}
         if not live:
@@ -215,6 +220,8 @@ def create_router_app(state: RouterState) -> FastAPI:
 
     for path in ROUTED:
         app.add_api_route(path, route(path), methods=["POST"])
+
+    add_router_document_routes(app, state, http, headers, _error)
 
     @app.get("/health")
     async def health() -> Response:

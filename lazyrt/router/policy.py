@@ -38,11 +38,13 @@ def doc_key(doc: object) -> bytes:
     return hashlib.blake2b(str(doc).encode(), digest_size=16).digest()
 
 
-def doc_tokens(doc: object, chars_per_token: float = 4.0) -> int:
+def doc_tokens(doc: object, chars_per_token: float = 4.0, id_tokens: dict[str, int] | None = None) -> int:
     """About how many tokens a document is (the router has no tokenizer: the replicas' answers teach
-    it chars_per_token, see AffinityPolicy.observe)."""
+    it chars_per_token, see AffinityPolicy.observe; id_tokens: documents registered through it)."""
     if isinstance(doc, dict):
-        return ID_DOC_TOKENS if "id" in doc else doc_tokens(doc.get("text", ""), chars_per_token)
+        if "id" in doc:
+            return (id_tokens or {}).get(str(doc["id"]), ID_DOC_TOKENS)
+        return doc_tokens(doc.get("text", ""), chars_per_token)
     return max(1, round(len(str(doc)) / chars_per_token))
 
 
@@ -161,6 +163,7 @@ class AffinityPolicy:
     # characters per prompt token, learnt from answers (the views are sized in tokens, like the
     # replicas' caches; 4 is English prose, synthetic or code-heavy text is far from it)
     chars_per_token: float = 4.0
+    id_tokens: dict[str, int] = field(default_factory=dict)  # documents registered through the router
     _turn: int = 0  # round_robin: requests routed so far
     _observed: int = 0
 
