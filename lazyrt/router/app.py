@@ -154,14 +154,20 @@ def create_router_app(state: RouterState) -> FastAPI:
         except httpx.HTTPError:
             replica.healthy = False
         state.up.labels(replica.url).set(int(replica.healthy))
-        if replica.healthy and not was:  # (re)joined: its cache may be new; learn its size and policy
-            view = state.policy.view(replica.url)
-            try:
-                s = (await http.get(replica.url + "/cache_stats", headers=headers, timeout=10)).json()
-                # its documents share the pool with the running requests' own pages: count 80%
-                view.reset(int(0.8 * s["total_pages"] * s["page_size"]), s.get("eviction_policy", "lfu"),
-                           s["page_size"])  # fmt: skip
-            except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        if not replica.healthy:
+            return
+        view = state.policy.view(replica.url)
+        try:
+            s = (await http.get(replica.url + "/cache_stats", headers=headers, timeout=10)).json()
+            # what documents can hold now: the pool less the running requests' own pages (and the
+            # prefix cache's), refreshed every check as the load changes
+            capacity = (s["chunk_pages"] + s["free_pages"]) * s["page_size"]
+            if not was:  # (re)joined: its cache may be new; learn its size and policy
+                view.reset(capacity, s.get("eviction_policy", "lfu"), s["page_size"])
+            else:
+                view.capacity = capacity
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            if not was:
                 view.reset(None)
 
     async def health_loop() -> None:
