@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from lazyrt.runtime.ipc.messages import GenerateReq
+from lazyrt.runtime.server.constraint_fields import generate_constraint, openai_constraint
+from lazyrt.runtime.server.errors import ApiError, bad
 from lazyrt.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams, positive_number
 
 ROLES = ("system", "user", "assistant")
@@ -22,29 +24,7 @@ _UNSUPPORTED = {
     "function_call": "none",
     "suffix": None,
     "prompt_logprobs": None,
-    # structured output (OpenAI's and vLLM's names): refused until decoding enforces it
-    "guided_json": None,
-    "guided_regex": None,
-    "guided_choice": None,
-    "guided_grammar": None,
 }
-
-
-class ApiError(Exception):
-    def __init__(
-        self, status: int, message: str, param: str | None = None, type: str = "invalid_request_error"
-    ):
-        super().__init__(message)
-        self.status, self.message, self.param, self.type = status, message, param, type
-
-    def body(self) -> dict:
-        return {
-            "error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}
-        }
-
-
-def bad(param: str, why: str) -> ApiError:
-    return ApiError(400, f"{param}: {why}", param)
 
 
 @dataclass
@@ -95,8 +75,11 @@ def _bool(body: dict, key: str, default: bool = False) -> bool:
     return v
 
 
-def _sampling(src: dict, prefix: str, default_max_tokens: int, default_temperature: float) -> SamplingParams:
-    """Validate each sampling field by name (prefix names where it sits in the body)."""
+def _sampling(
+    src: dict, prefix: str, default_max_tokens: int, default_temperature: float, constraint: dict
+) -> SamplingParams:
+    """Validate each sampling field by name (prefix names where it sits in the body); constraint:
+    the structured-output field, checked already (constraint_fields.py)."""
     p = lambda k: prefix + k  # noqa: E731
     max_tokens = src.get("max_tokens")
     if max_tokens is None:
@@ -139,6 +122,7 @@ def _sampling(src: dict, prefix: str, default_max_tokens: int, default_temperatu
     if retrieval_top_k is not None and (not _is_int(retrieval_top_k) or retrieval_top_k < 1):
         raise bad(p("retrieval_top_k"), f"must be an integer >= 1, got {retrieval_top_k!r}")
     return SamplingParams(
+        **constraint,
         **_parity(src, prefix),
         retrieval_top_k=retrieval_top_k,
         doc_positions=doc_positions,
@@ -225,9 +209,6 @@ def _logprobs(body: dict, chat: bool) -> int | None:
 
 
 def _check_unsupported(body: dict) -> None:
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise bad("response_format", "is not supported by this server yet (only {'type': 'text'})")
     for key, default in _UNSUPPORTED.items():
         v = body.get(key)
         if v is not None and v != default:
@@ -272,7 +253,7 @@ def parse_completion(body: dict, served: str) -> Parsed:
     echo_only = echo and body.get("max_tokens") == 0
     if echo_only:  # a 1-token request whose token is dropped: the prompt's logprobs are the point
         body = {**body, "max_tokens": 1}
-    sp = _sampling(body, "", 16, 1.0)
+    sp = _sampling(body, "", 16, 1.0, openai_constraint(body))
     sp.logprobs = _logprobs(body, chat=False)
     if sp.n * len(prompts) > MAX_N:
         raise bad("n", f"n x prompts must be at most {MAX_N}, got {sp.n} x {len(prompts)}")
@@ -338,7 +319,7 @@ def parse_chat(body: dict, served: str) -> Parsed:
     if docs and not any(m["role"] == "user" for m in messages):
         raise bad("messages", "documents need a user message to attach to")
     tools, parallel = _tools(body)
-    sp = _sampling(body, "", 128, 1.0)
+    sp = _sampling(body, "", 128, 1.0, openai_constraint(body))
     sp.logprobs = _logprobs(body, chat=True)
     stream, usage = _stream(body)
     req = GenerateReq(-1, sp, messages=messages, docs=docs, param="messages", tools=tools)
@@ -460,7 +441,8 @@ def _generate_sampling(body: dict) -> SamplingParams:
     unknown = sorted(set(sp_in) - set(SamplingParams.__dataclass_fields__))
     if unknown:
         raise bad(f"sampling_params.{unknown[0]}", "unknown sampling parameter")
-    sp = _sampling(sp_in, "sampling_params.", 128, 0.0)
+    prefix = "sampling_params."
+    sp = _sampling(sp_in, prefix, 128, 0.0, generate_constraint(sp_in, prefix))
     lp = sp_in.get("logprobs")
     if lp is not None and (not _is_int(lp) or not 0 <= lp <= MAX_LOGPROBS):
         raise bad("sampling_params.logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] or null")
