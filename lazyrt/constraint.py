@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 
-from llguidance import LLMatcher, grammar_from
+from llguidance import LLMatcher, grammar_from, regex_to_lark
 
 # JSON output without free whitespace: small and random models otherwise loop on whitespace tokens
 # between items until max_tokens. Separators as json.dumps writes them.
@@ -43,7 +43,8 @@ def grammar_text(kind: str, value: object) -> str:
     elif kind == "regex":
         if not isinstance(value, str) or not value:
             raise ValueError("must be a non-empty regular expression string")
-        grammar = LLMatcher.grammar_from_regex(value)
+        # \d as [0-9] (Python's re.ASCII, ECMAScript, JSON schema); Rust's \d takes any Unicode digit
+        grammar = LLMatcher.grammar_from_lark(f"start: /{regex_to_lark(value, 'd')}/")
     elif kind == "choice":
         if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
             raise ValueError("must be a non-empty list of non-empty strings")
