@@ -368,6 +368,7 @@ def test_citations_equal_engine(server, oai, engine):
 
 # ---- bad input -----------------------------------------------------------------------------------
 LONG = "word " * 9000
+JS3 = {"name": "a", "schema": {"type": 3}}  # a schema whose type is not a type name
 X = {"messages": [{"role": "user", "content": "x"}]}
 BAD = [
     ("/v1/chat/completions", b"{not json", 400, "body"),
@@ -428,7 +429,7 @@ BAD = [
     ("/v1/chat/completions", {**X, "response_format": "json"}, 400, "response_format"),
     (
         "/v1/chat/completions",
-        {**X, "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": 3}}}},
+        {**X, "response_format": {"type": "json_schema", "json_schema": JS3}},
         400,
         "response_format.json_schema.schema",
     ),

@@ -43,8 +43,9 @@ SCHEMAS = [
     },
     {
         "type": "object",
-        "properties": {"city": {"type": "string", "maxLength": 6}, "score": {"type": "number",
-                       "minimum": 0, "maximum": 1}}, # fmt: skip
+        # numbers and unbounded strings would let a random model write digits until max_tokens
+        "properties": {"city": {"type": "string", "maxLength": 6},
+                       "rank": {"type": "integer", "minimum": 1, "maximum": 5}},  # fmt: skip
         "required": ["city"],
         "additionalProperties": False,
     },
