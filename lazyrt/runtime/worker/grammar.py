@@ -18,10 +18,12 @@ applied to the request's logits before sampling.
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 
 import llguidance
 import llguidance.hf
+import numpy as np
 import torch
 from llguidance import LLMatcher
 
@@ -65,7 +67,8 @@ class GrammarConstraints:
                 )
             except ValueError as e:
                 raise ValueError(f"structured output needs a fast (tokenizers) HF tokenizer: {e}") from e
-            self._executor = llguidance.LLExecutor()
+            # half the cores: the other half keep torch's own threads (CPU logits) from starving
+            self._executor = llguidance.LLExecutor(max(1, min(16, (os.cpu_count() or 2) // 2)))
         return self._ll_tokenizer
 
     def _matcher(self, rid: int, params: SamplingParams) -> LLMatcher:
@@ -114,22 +117,36 @@ class GrammarConstraints:
             self._copied.synchronize()
         mask = self._bitmask[: len(rows)]
         live = [(m, j) for j, m in enumerate(matchers) if not m.is_error()]
-        if live:
+        if len(live) == 1:  # no thread hop for one row
+            m, j = live[0]
+            m.unsafe_compute_mask_ptr(mask[j].data_ptr(), words * 4)
+        elif live:
             self._executor.unsafe_compute_mask_ptr(live, mask.data_ptr(), words * 4, len(rows))
         for j, m in enumerate(matchers):
             if m.is_error():  # nothing valid can follow: end the request
                 mask[j].zero_()
                 for e in self.eos_ids:
                     mask[j, e // 32] |= 1 << (e % 32)
+        return self._masked(logits, rows, mask)
+
+    def _masked(self, logits: torch.Tensor, rows: list[int], mask: torch.Tensor) -> torch.Tensor:
+        """logits with the tokens whose bit is 0 in mask[j] set to -inf in row rows[j]."""
+        n, v = len(rows), logits.shape[-1]
         dev = logits.device
-        bits = (mask.to(dev, non_blocking=True)[:, :, None] >> self._bits.to(dev)) & 1
-        if dev.type == "cuda":
+        if dev.type == "cpu":  # one pass of numpy over the bytes (int32 words are little-endian)
+            bits = np.unpackbits(mask.numpy().view(np.uint8), axis=1, count=v, bitorder="little")
+            allowed = torch.from_numpy(bits.view(np.bool_))
+        else:  # upload the 32x smaller bitmask and unpack it on the device
+            words = mask.to(dev, non_blocking=True)
             self._copied = torch.cuda.Event()
             self._copied.record()
-        allowed = bits.reshape(len(rows), words * 32)[:, : logits.shape[-1]].bool()
+            allowed = ((words[:, :, None] >> self._bits.to(dev)) & 1).view(n, -1)[:, :v].bool()
+        ninf = torch.tensor(float("-inf"), dtype=logits.dtype, device=dev)
+        if n == logits.shape[0]:
+            return torch.where(allowed, logits, ninf)
         idx = torch.tensor(rows, dtype=torch.long).to(dev)
         out = logits.clone()
-        out[idx] = out[idx].masked_fill(~allowed, float("-inf"))
+        out[idx] = torch.where(allowed, logits[idx], ninf)
         return out
 
     def advance(self, rids: list[int], params: list[SamplingParams], tokens: torch.Tensor) -> None:
