@@ -174,3 +174,72 @@ def test_frontend_gen_constraints_same_on_both_backends(server, tiny_path):
     assert pick in CHOICES[2]
     assert re.fullmatch(REGEXES[1], code, re.ASCII)
     jsonschema.validate(json.loads(obj), SCHEMAS[1])
+
+
+# ---- tool_choice forcing a call ----------------------------------------------------------------------
+BOUNDED_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Paris", "Quenta", "Oslo"]},
+                                         "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+        "required": ["city", "days"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "convert", "parameters": {
+        "type": "object", "properties": {"amount": {"type": "integer", "minimum": 0, "maximum": 999},
+                                         "to": {"enum": ["lorn", "pim"]}},
+        "required": ["amount", "to"], "additionalProperties": False}}},
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tool_server(tiny_path, tmp_path_factory, tokenizer):
+    import shutil
+
+    from test_tool_calls import TEMPLATE
+
+    d = tmp_path_factory.mktemp("tiny_tools_so")
+    shutil.copytree(tiny_path, d, dirs_exist_ok=True)
+    tok = tokenizer.__class__.from_pretrained(str(d))
+    tok.chat_template = TEMPLATE
+    tok.save_pretrained(str(d))
+    srv = ServerProc("--model", str(d), "--device", "cpu", "--kv-cache-tokens", "8192",
+                     "--log-level", "warning")  # fmt: skip
+    try:
+        srv.wait_healthy()
+        yield openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    finally:
+        srv.stop()
+
+
+def test_tool_choice_required_and_named_force_valid_calls(tool_server):
+    """A random model forced to call: every answer is tool_calls of the allowed tool(s) whose
+    arguments validate against the tool's parameters schema, whole and streamed."""
+    rng = random.Random()
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in BOUNDED_TOOLS}
+    model = tool_server.models.list().data[0].id
+    kw = dict(model=model, tools=BOUNDED_TOOLS, max_tokens=80, parallel_tool_calls=False)
+    convert = {"type": "function", "function": {"name": "convert"}}
+    for choice, allowed in [("required", set(schemas)), (convert, {"convert"})]:
+        for _ in range(3):
+            msgs = [{"role": "user", "content": words(rng)}]
+            r = tool_server.chat.completions.create(messages=msgs, tool_choice=choice, temperature=0.9,
+                                                    seed=rng.randrange(1 << 30), **kw)  # fmt: skip
+            ch = r.choices[0]
+            assert ch.finish_reason == "tool_calls" and len(ch.message.tool_calls) == 1, ch
+            call = ch.message.tool_calls[0].function
+            assert call.name in allowed
+            jsonschema.validate(json.loads(call.arguments), schemas[call.name])
+    msgs = [{"role": "user", "content": words(rng)}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    whole = tool_server.chat.completions.create(messages=msgs, tool_choice=named, temperature=0, **kw)
+    chunks = list(tool_server.chat.completions.create(messages=msgs, tool_choice=named, temperature=0,
+                                                      stream=True, **kw))  # fmt: skip
+    args = "".join(tc.function.arguments or "" for c in chunks if c.choices
+                   for tc in (c.choices[0].delta.tool_calls or []))  # fmt: skip
+    assert args == whole.choices[0].message.tool_calls[0].function.arguments
+    jsonschema.validate(json.loads(args), schemas["get_weather"])
+    nope = {"type": "function", "function": {"name": "nope"}}
+    for bad_kw, param in [({"tool_choice": nope}, "tool_choice"),
+                          ({"tool_choice": "required", "response_format": {"type": "json_object"}},
+                           "tool_choice")]:  # fmt: skip
+        with pytest.raises(openai.BadRequestError) as e:
+            tool_server.chat.completions.create(messages=msgs, **{**kw, **bad_kw})
+        assert e.value.body["param"] == param

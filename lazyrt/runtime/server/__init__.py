@@ -6,6 +6,7 @@
 - app.py: the FastAPI routes (/generate, /score, /v1/*, /health, /metrics, /cache_stats, ...).
 - protocol.py: request bodies -> GenerateReq, with 4xx errors naming the field.
 - constraint_fields.py: response_format / guided_* / sampling_params constraints -> SamplingParams.
+- tool_grammar.py: tool_choice 'required' / a named function as a grammar in the tool-call format.
 - errors.py: ApiError, the 4xx/5xx with OpenAI's error body.
 - pipeline_client.py: sends GenerateReqs to the tokenizer process, routes TextOuts back per request.
 - metrics.py: Prometheus metrics in the server's own registry.

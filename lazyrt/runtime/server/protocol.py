@@ -35,6 +35,7 @@ class Parsed:
     more: list[GenerateReq] = dataclasses.field(default_factory=list)  # /v1/completions: prompts 2..
     echo_only: bool = False  # completions echo with max_tokens 0: the prompt back, nothing generated
     parallel_tool_calls: bool = True  # chat with tools: False keeps the first call only
+    forced_tool: str | None = None  # tool_choice: '*' (required) or the named function; a grammar
 
     def requests(self) -> list[GenerateReq]:
         """One request per completion: each prompt's n samples in turn (choice index = position)."""
@@ -318,12 +319,18 @@ def parse_chat(body: dict, served: str) -> Parsed:
     docs = _str_list(body, "documents")
     if docs and not any(m["role"] == "user" for m in messages):
         raise bad("messages", "documents need a user message to attach to")
-    tools, parallel = _tools(body)
-    sp = _sampling(body, "", 128, 1.0, openai_constraint(body))
+    tools, parallel, forced = _tools(body)
+    constraint = openai_constraint(body)
+    if forced is not None and constraint:
+        raise bad("tool_choice", "forcing a call cannot be combined with response_format or guided_*")
+    if forced is not None and (body.get("ignore_eos") or body.get("min_tokens")):
+        name = "ignore_eos" if body.get("ignore_eos") else "min_tokens"
+        raise bad(name, "cannot be combined with tool_choice forcing a call")
+    sp = _sampling(body, "", 128, 1.0, constraint)
     sp.logprobs = _logprobs(body, chat=True)
     stream, usage = _stream(body)
     req = GenerateReq(-1, sp, messages=messages, docs=docs, param="messages", tools=tools)
-    return Parsed(req, stream, usage, parallel_tool_calls=parallel)
+    return Parsed(req, stream, usage, parallel_tool_calls=parallel, forced_tool=forced)
 
 
 def _tool_message(m: dict, i: int) -> dict:
@@ -361,20 +368,27 @@ def _tool_message(m: dict, i: int) -> dict:
     return {"role": "assistant", "content": text, "tool_calls": out_calls}
 
 
-def _tools(body: dict) -> tuple[list[dict] | None, bool]:
-    """tools (function definitions, checked) and parallel_tool_calls; tool_choice 'none' leaves the
-    tools out of the prompt, 'auto' (the default) lets the model call them. Forcing a call
-    ('required' or a named function) needs decoding that enforces it: refused for now."""
+def _tools(body: dict) -> tuple[list[dict] | None, bool, str | None]:
+    """tools (function definitions, checked), parallel_tool_calls and the forced call: tool_choice
+    'none' leaves the tools out of the prompt, 'auto' (the default) lets the model call them,
+    'required' ('*') or {'type': 'function', 'function': {'name'}} forces a call (a grammar)."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     parallel = _bool(body, "parallel_tool_calls", True)
-    if choice is not None and choice not in ("none", "auto"):
-        if choice == "required" or isinstance(choice, dict):
-            raise bad("tool_choice", "forcing a call ('required' or a named function) is not supported yet")
+    forced = None
+    if choice == "required":
+        forced = "*"
+    elif isinstance(choice, dict):
+        fn = choice.get("function")
+        named = isinstance(fn, dict) and isinstance(fn.get("name"), str)
+        if choice.get("type") != "function" or not named:
+            raise bad("tool_choice", "must be {'type': 'function', 'function': {'name': str}}")
+        forced = fn["name"]
+    elif choice is not None and choice not in ("none", "auto"):
         raise bad("tool_choice", f"must be 'none', 'auto', 'required' or a named function, got {choice!r}")
     if tools is None:
-        if choice == "auto":
+        if choice is not None and choice != "none":
             raise bad("tool_choice", "needs tools")
-        return None, parallel
+        return None, parallel, None
     if not isinstance(tools, list) or not tools:
         raise bad("tools", "must be a non-empty list of {'type': 'function', 'function': {...}}")
     out = []
@@ -387,7 +401,9 @@ def _tools(body: dict) -> tuple[list[dict] | None, bool]:
         if fn.get("description") is not None and not isinstance(fn["description"], str):
             raise bad(f"tools[{i}].function.description", "must be a string")
         out.append({"type": "function", "function": fn})
-    return (None if choice == "none" else out), parallel
+    if forced not in (None, "*") and forced not in [t["function"]["name"] for t in out]:
+        raise bad("tool_choice", f"names {forced!r}, which is not in tools")
+    return (None if choice == "none" else out), parallel, forced
 
 
 def _messages(body: dict) -> list[dict]:
