@@ -13,6 +13,7 @@ import jsonschema
 import pytest
 import torch
 from conftest import cpu_engine
+from test_overlap_schedule import record_steps
 
 from lazyrt import Engine, SamplingParams
 from lazyrt.constraint import grammar_text
@@ -174,7 +175,9 @@ def test_constrained_rows_leave_free_rows_unchanged_overlap_on_and_off(tiny_mode
             SamplingParams(max_tokens=80, json_schema=SCHEMAS[0], temperature=1, seed=seed + 2)]  # fmt: skip
     mixed = [free[0], cons[0], free[1], cons[1], free[2], cons[2], free[3], cons[3]]
     engines = {on: cpu_engine(path, "prefix", overlap_schedule=on) for on in (True, False)}
+    steps = record_steps(engines[True])
     both = {on: e.generate(prompts, mixed) for on, e in engines.items()}
+    assert any(defer and pending for defer, pending in steps)  # constrained decodes ran a step ahead
     free_prompts = [prompts[i] for i in (0, 2, 4, 6)]
     alone = engines[False].generate(free_prompts, free)
     got_free = [both[True][i]["token_ids"] for i in (0, 2, 4, 6)]
@@ -198,6 +201,7 @@ def test_grammar_and_n_copies(tiny_engine):
 
 
 # ---- the default model ---------------------------------------------------------------------------
+@pytest.mark.slow
 def test_default_model_json_object_and_schema():
     """SmolLM2-135M-Instruct asked for JSON (one batch): json_object outputs parse as objects, the
     schema'd one validates, and all end by themselves (EOS once the object is closed)."""
