@@ -6,6 +6,7 @@ import importlib.util
 from dataclasses import dataclass
 
 from lazyrt.cache.eviction import EVICTION_POLICIES
+from lazyrt.documents import check_store_option
 from lazyrt.sampling_params import positive_number
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -77,6 +78,9 @@ class EngineConfig:
     # Overlapped scheduling: plan and build step N+1 on the host while the device runs step N
     # (scheduler/engine_core.py); same outputs, one step's compute wasted when a request hits EOS.
     overlap_schedule: bool = True
+    # Registered documents (lazyrt/documents.py; requests name them by id): a sqlite file path;
+    # None = $LAZYRT_CACHE_DIR/documents/<model id>.sqlite; "none" = no store.
+    document_store: str | None = None
     seed: int = 0
 
     def validate(self) -> None:
@@ -109,6 +113,7 @@ class EngineConfig:
         check_doc_attention(self.cache_mode, self.doc_attention_temperature, self.doc_attention_scale)
         recompute = bool(self.recompute_pages or self.recompute_ratio or self.recompute_head_pages)
         check_doc_positions(self.cache_mode, self.doc_positions, recompute)
+        check_store_option(self.document_store)
 
 
 def check_recompute_options(

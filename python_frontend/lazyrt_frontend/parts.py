@@ -12,9 +12,15 @@ class System:
 
 @dataclass(frozen=True)
 class Doc:
-    """A retrieved document: its KV is computed once and reused wherever it appears."""
+    """A retrieved document: its KV is computed once and reused wherever it appears. Either its
+    text, or the id of a document registered on the backend (POST /v1/documents, Engine.add_document)."""
 
-    text: str
+    text: str | None = None
+    id: str | None = None
+
+    def ref(self) -> str | dict:
+        """As a request's documents take it: the text, or {"id": ...}."""
+        return self.text if self.id is None else {"id": self.id}
 
 
 @dataclass(frozen=True)
@@ -52,7 +58,14 @@ def system(text: str) -> System:
     return System(_text("system", text))
 
 
-def doc(text: str) -> Doc:
+def doc(text: str | None = None, *, id: str | None = None) -> Doc:  # noqa: A002 (the API's name)
+    """doc(text), or doc(id=...) for a document registered on the backend (its stored tokens)."""
+    if (text is None) == (id is None):
+        raise ValueError("doc() takes a text or id=..., exactly one")
+    if id is not None:
+        if not isinstance(id, str) or not id:
+            raise TypeError(f"doc(id=...) takes a non-empty string, got {id!r}")
+        return Doc(id=id)
     if not _text("doc", text).strip():
         raise ValueError("doc() text is empty")
     return Doc(text)

@@ -1,4 +1,5 @@
-"""The HTTP app: lazyrt's /generate, the OpenAI-compatible endpoints, health, metrics, cache control.
+"""The HTTP app: lazyrt's /generate, the OpenAI-compatible endpoints, health, metrics, cache control
+(and /v1/documents, from document_routes.py).
 
 Handlers only validate, submit to the pipeline and format what comes back; every request is one
 GenerateReq and one stream of TextOuts. A client that goes away aborts its request, which frees
@@ -20,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from lazyrt.runtime.ipc.messages import ErrorOut, TextOut
+from lazyrt.runtime.server.document_routes import add_document_routes
 from lazyrt.runtime.server.metrics import ServerMetrics
 from lazyrt.runtime.server.pipeline_client import PipelineClient
 from lazyrt.runtime.server.protocol import (
@@ -197,6 +199,8 @@ def create_app(state: ServerState) -> FastAPI:
         if not isinstance(body, dict):
             raise ApiError(400, "request body must be a JSON object", "body")
         return body
+
+    add_document_routes(app, client, read_json)
 
     async def next_out(q: asyncio.Queue, request: Request) -> TextOut | ErrorOut | None:
         """The next output, or None if the client went away (non-streaming waits)."""

@@ -1,7 +1,8 @@
 """HTTP request bodies -> GenerateReq, with OpenAI-style errors that name the offending field.
 
 Three shapes: POST /generate (lazyrt native: text | input_ids, docs, system, sampling_params,
-stream), POST /v1/completions and POST /v1/chat/completions (OpenAI, plus `documents: [str]`).
+stream), POST /v1/completions and POST /v1/chat/completions (OpenAI, plus `documents`). Documents
+(`docs` / `documents`) are texts, {"text": ...} or {"id": ...} of a registered document.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from lazyrt.documents import DocumentError, check_doc_item
 from lazyrt.runtime.ipc.messages import GenerateReq
 from lazyrt.runtime.server.constraint_fields import generate_constraint, openai_constraint
 from lazyrt.runtime.server.errors import ApiError, bad
@@ -53,18 +55,19 @@ def _is_num(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def _str_list(body: dict, key: str, allow_empty_items: bool = False) -> list[str] | None:
+def _doc_list(body: dict, key: str) -> list[str | dict] | None:
+    """A request's documents: each a text or {"id": ...} ({"text": t} becomes t); errors name the
+    item (`documents[2].id`). Whether an id exists is the tokenizer process's check (404)."""
     v = body.get(key)
     if v is None:
         return None
     if not isinstance(v, list):
-        raise bad(key, f"must be a list of strings, got {type(v).__name__}")
-    for i, s in enumerate(v):
-        if not isinstance(s, str):
-            raise bad(f"{key}[{i}]", f"must be a string, got {type(s).__name__}")
-        if not allow_empty_items and not s.strip():
-            raise bad(f"{key}[{i}]", "must not be empty")
-    return v
+        raise bad(key, f"must be a list of documents (strings, {{'text': str}} or {{'id': str}}), "
+                  f"got {type(v).__name__}")  # fmt: skip
+    try:
+        return [check_doc_item(d, f"{key}[{i}]") for i, d in enumerate(v)]
+    except DocumentError as e:
+        raise ApiError(400, str(e), e.param) from e
 
 
 def _bool(body: dict, key: str, default: bool = False) -> bool:
@@ -249,7 +252,7 @@ def parse_completion(body: dict, served: str) -> Parsed:
     prompts = prompt if batch else [prompt]
     if len(prompts) > MAX_N:
         raise bad("prompt", f"a batch holds at most {MAX_N} prompts, got {len(prompts)}")
-    docs = _str_list(body, "documents")
+    docs = _doc_list(body, "documents")
     echo = _bool(body, "echo")
     echo_only = echo and body.get("max_tokens") == 0
     if echo_only:  # a 1-token request whose token is dropped: the prompt's logprobs are the point
@@ -316,7 +319,7 @@ def parse_chat(body: dict, served: str) -> Parsed:
             raise bad(f"messages[{i}].role", f"must be one of {', '.join(ROLES)}, tool, got {role!r}")
         messages.append(_tool_message(m, i) if role == "tool" or m.get("tool_calls") else
                         {"role": role, "content": _content(m, i)})  # fmt: skip
-    docs = _str_list(body, "documents")
+    docs = _doc_list(body, "documents")
     if docs and not any(m["role"] == "user" for m in messages):
         raise bad("messages", "documents need a user message to attach to")
     tools, parallel, forced = _tools(body)
@@ -424,7 +427,7 @@ def _parse_program(body: dict, sp: SamplingParams) -> GenerateReq:
     """/generate with `messages` (a frontend program's state): docs go into messages[doc_turn]
     (default: the last user message); continue_final continues the last, assistant, message."""
     messages = _messages(body)
-    docs = _str_list(body, "docs")
+    docs = _doc_list(body, "docs")
     if body.get("system") is not None:
         raise bad("system", "with messages, give the system prompt as a system message")
     doc_turn = body.get("doc_turn")
@@ -478,7 +481,7 @@ def parse_generate(body: dict) -> Parsed:
         raise bad("text", "must be a non-empty string")
     if ids is not None and (not isinstance(ids, list) or not ids or not all(_is_int(t) for t in ids)):
         raise bad("input_ids", "must be a non-empty list of integer token ids")
-    docs = _str_list(body, "docs")
+    docs = _doc_list(body, "docs")
     system = body.get("system")
     if system is not None and not isinstance(system, str):
         raise bad("system", f"must be a string, got {type(system).__name__}")
