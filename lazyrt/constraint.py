@@ -2,12 +2,13 @@
 an llguidance grammar, checked without a tokenizer (so every process can reject a bad one early).
 
 Why llguidance (not xgrammar): it computes each token mask on the fly from a lexer over a token trie
-(tens of microseconds per token for JSON on a 49k-152k vocabulary), with no per-schema precompilation
-of the whole vocabulary, so a new schema costs well under a millisecond before its first step; its
-executor fills the masks of a whole batch in one call on a Rust thread pool with the GIL released,
-which is the shape of our batch sampler (one int32 bitmask row per constrained row); it takes JSON
-schema, regex, Lark and GBNF grammars; and the wheel has no dependencies (xgrammar pulls
-apache-tvm-ffi and needs a per-schema compilation that costs tens to hundreds of ms on a CPU).
+(measured here: 0.01-0.07 ms per row for JSON on the 49k SmolLM2 vocabulary, 0.2 ms for 16 rows in
+one call), with no per-schema pass over the vocabulary (a new schema costs < 1 ms before its first
+step); its executor fills the masks of a whole batch in one call on a Rust thread pool with the GIL
+released, which is the shape of our batch sampler (one int32 bitmask row per constrained row); it
+takes JSON schema, regex, Lark and GBNF grammars; and its wheel has no dependencies (xgrammar's
+needs apache-tvm-ffi, and it compiles each schema against the vocabulary before the first token).
+xgrammar was not benchmarked side by side.
 """
 
 from __future__ import annotations
