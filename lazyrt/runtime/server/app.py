@@ -9,6 +9,7 @@ its pages in the scheduler.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -31,6 +32,7 @@ from lazyrt.runtime.server.protocol import (
     parse_generate,
     parse_score,
 )
+from lazyrt.runtime.server.tool_grammar import tool_call_grammar
 from lazyrt.runtime.tokenizer.tool_calls import ToolCall, ToolCallStream, parse_tool_calls
 
 logger = logging.getLogger("lazyrt.http")
@@ -453,6 +455,12 @@ def create_app(state: ServerState) -> FastAPI:
             p = parse_chat(body, state.served_model)
             if p.req.tools and fmt is None:
                 raise ApiError(400, "tools: this model's chat template has no tool support", "tools")
+            if p.forced_tool is not None:
+                grammar = tool_call_grammar(p.req.tools, p.forced_tool, fmt, p.parallel_tool_calls)
+                try:
+                    p.req.sampling = dataclasses.replace(p.req.sampling, grammar=grammar)
+                except ValueError as e:  # a tool's parameters schema llguidance cannot take
+                    raise ApiError(400, f"tool_choice: cannot force this call: {e}", "tool_choice") from e
             asked.append(p)
             return p
 

@@ -19,6 +19,7 @@ from lazyrt.retrieval.host_attention import RetrievalOptions
 from lazyrt.runtime.ipc.messages import StepMsg, StepResult, WorkerReady
 from lazyrt.runtime.scheduler.plan import StepPlan
 from lazyrt.runtime.scheduler.step_wire import StepDecoder
+from lazyrt.runtime.worker.grammar import GrammarConstraints
 from lazyrt.runtime.worker.logits_processing import LogitsProcessing, logprob_entries, token_logprobs
 from lazyrt.runtime.worker.model_runner import ModelRunner
 from lazyrt.runtime.worker.sampler import sample_tokens_device
@@ -89,6 +90,7 @@ class ModelWorker:
         self.eos_ids = eos
         self._generators: dict[int, torch.Generator | None] = {}
         self._logits = LogitsProcessing(c.vocab_size, self.model.device, eos)
+        self._grammar = GrammarConstraints(self.tokenizer, c.vocab_size, eos, self.model.device)
         self._decoder = StepDecoder()
         self._deferred: DeferredTokens | None = None  # the launched step whose tokens are not sent yet
 
@@ -126,6 +128,7 @@ class ModelWorker:
         except BaseException as e:
             # the scheduler drops its step in flight and aborts the requests: start clean
             self._deferred, self.runner.prev_tokens = None, None
+            self._grammar.drop_pending()
             if isinstance(e, torch.cuda.OutOfMemoryError) and torch.cuda.is_available():
                 torch.cuda.empty_cache()  # hand the failed step's cached blocks back before the next
             raise
@@ -134,6 +137,7 @@ class ModelWorker:
         for rid in msg.release:
             self._generators.pop(rid, None)
             self._logits.release(rid)
+            self._grammar.release(rid)
         plan = self._decoder.decode(msg)
         if self._deferred is not None and not msg.defer:
             if plan.items or plan.probes or plan.has_copies:
@@ -156,8 +160,11 @@ class ModelWorker:
             gens = [self._generators[r.rid] for r in rows]
             params, rids = [r.params for r in rows], [r.rid for r in rows]
             processed = self._logits.apply(logits, rids, params, [r.suffix for r in rows])  # stub: prompt
+            # after the forward is launched: the grammar masks are computed while the device runs it
+            processed = self._grammar.apply(processed, rids, params)
             tokens = sample_tokens_device(processed, params, gens)
             self._logits.advance(rids, tokens)
+            self._grammar.advance(rids, params, tokens)
             logprobs = token_logprobs(logits, tokens, params)
         if not msg.defer:
             self.runner.prev_tokens = None  # the scheduler has every token before its next plan
