@@ -292,8 +292,9 @@ class ModelRunner:
             return None
         backend, rids = probe
         if self.model.all_reduce is not None:  # each rank's mean over its heads -> mean over all heads
-            for m in backend.mass:
-                self.model.all_reduce(m).div_(self.tp_size)
+            with torch.inference_mode():  # the masses are inference tensors
+                for m in backend.mass:
+                    self.model.all_reduce(m).div_(self.tp_size)
         return dict(zip(rids, backend.result()))
 
     @torch.inference_mode()
