@@ -132,6 +132,11 @@ class ModelWorker:
             budget = int(free * self.config.kv_cache_memory_fraction)
         return max(1, budget // per_page)
 
+    def close(self) -> None:
+        """Closes rank 0's links to the other tensor-parallel ranks (nothing to do otherwise)."""
+        if self._followers is not None:
+            self._followers.close()
+
     def ready_info(self) -> WorkerReady:
         return WorkerReady(
             model_id=self.model_id,

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import os
 import tempfile
-from dataclasses import dataclass, field
+import weakref
+from dataclasses import dataclass
 
 import zmq
 
@@ -45,25 +46,28 @@ class TPMember:
     rank: int
 
 
-@dataclass
 class PlanLinks:
     """Rank 0's PUSH sockets to the followers' plan inboxes."""
 
-    rendezvous: TPRendezvous
-    ctx: zmq.Context = field(default_factory=zmq.Context)
-    socks: list[zmq.Socket] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.socks = [socket(self.ctx, zmq.PUSH, a, bind=False) for a in self.rendezvous.plan_addrs]
+    def __init__(self, rendezvous: TPRendezvous):
+        ctx = zmq.Context()
+        self.socks = [socket(ctx, zmq.PUSH, a, bind=False) for a in rendezvous.plan_addrs]
+        # Close the sockets before the context, explicitly: a context left to the garbage collector
+        # with its sockets can block in term() (seen when an Engine was dropped without close()).
+        self._finalizer = weakref.finalize(self, _close, self.socks, ctx)
 
     def send(self, msg: StepMsg) -> None:
         for s in self.socks:
             send(s, msg)
 
     def close(self) -> None:
-        for s in self.socks:
-            s.close(0)
-        self.ctx.term()
+        self._finalizer()
+
+
+def _close(socks: list[zmq.Socket], ctx: zmq.Context) -> None:
+    for s in socks:
+        s.close(0)
+    ctx.term()
 
 
 def check_devices(cfg: EngineConfig) -> None:
