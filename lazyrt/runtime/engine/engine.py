@@ -48,7 +48,8 @@ class Engine:
         # Tensor parallelism: this process runs rank 0; ranks 1..N-1 are processes of their own.
         self._tp_ranks = FollowerRanks(cfg) if cfg.tensor_parallel_size > 1 else None
         try:
-            self.worker = ModelWorker(cfg, self._tp_ranks.member0 if self._tp_ranks else None)
+            ranks = self._tp_ranks
+            self.worker = ModelWorker(cfg, *((ranks.member0, ranks.check_alive) if ranks else ()))
         except BaseException:
             self.close()
             raise

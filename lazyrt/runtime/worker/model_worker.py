@@ -8,6 +8,8 @@ previous deferred step's tokens, so the host builds one step while the device ru
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from lazyrt.cache.host_pool import HostKVPool
@@ -36,9 +38,12 @@ def resolve_device(device: str) -> str:
 
 
 class ModelWorker:
-    def __init__(self, cfg: EngineConfig, tp: TPMember | None = None):
+    def __init__(
+        self, cfg: EngineConfig, tp: TPMember | None = None, tp_check: Callable[[], None] | None = None
+    ):
         """tp: this worker's rank in a tensor-parallel group (required when
-        cfg.tensor_parallel_size > 1; rank 0 forwards every step to the others, tp_ranks.py)."""
+        cfg.tensor_parallel_size > 1; rank 0 forwards every step to the others, tp_ranks.py).
+        tp_check: raises while the group forms if the other ranks cannot join (a dead process)."""
         if (tp.rendezvous.size if tp is not None else 1) != cfg.tensor_parallel_size:
             raise ValueError(
                 f"tensor_parallel_size={cfg.tensor_parallel_size}: the worker needs a TPMember of a "
@@ -51,8 +56,10 @@ class ModelWorker:
         dtype_name = (
             cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if dev.startswith("cuda") else "float32")
         )
+        # ranks >= 1 only run steps (rank 0 samples for them): no tokenizer, no transformers import
         loaded = load_model(
-            cfg.model, load_format=cfg.load_format, dtype=DTYPES[dtype_name], seed=cfg.seed, device=dev
+            cfg.model, load_format=cfg.load_format, dtype=DTYPES[dtype_name], seed=cfg.seed, device=dev,
+            tokenizer=tp is None or tp.rank == 0,
         )
         self.config = cfg
         self.tokenizer = loaded.tokenizer
@@ -65,7 +72,7 @@ class ModelWorker:
         loaded.weights.clear()  # the model owns (and on CUDA fuses) the weights from here
         # rank 0 forwards each step to the other ranks; every rank joins the group once its shard is in
         self._followers = PlanLinks(tp.rendezvous) if tp is not None and tp.rank == 0 else None
-        self.tp = TPGroup(tp.rendezvous, tp.rank, torch.device(dev)) if tp is not None else None
+        self.tp = TPGroup(tp.rendezvous, tp.rank, torch.device(dev), tp_check) if tp is not None else None
         reduce = self.tp.all_reduce if self.tp is not None else None
         self.model = LlamaModel(local_config, weights, all_reduce=reduce)
         del weights
@@ -107,7 +114,7 @@ class ModelWorker:
                 min(cfg.cuda_graph_max_batch, cfg.max_running_requests), self.max_context, doc_attention
             )
         eos = set(loaded.config.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_ids = eos
         self._generators: dict[int, torch.Generator | None] = {}

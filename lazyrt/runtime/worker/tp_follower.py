@@ -70,8 +70,14 @@ class FollowerRanks:
     def member0(self) -> TPMember:
         return TPMember(self.rendezvous, 0)
 
-    def dead(self) -> list[str]:
-        return [p.name for p in self.procs if not p.is_alive()]
+    def check_alive(self) -> None:
+        """RuntimeError naming the ranks whose process has exited."""
+        dead = [f"{p.name} (exit code {p.exitcode})" for p in self.procs if not p.is_alive()]
+        if dead:
+            raise RuntimeError(
+                f"tensor_parallel_size={self.rendezvous.size}: {', '.join(dead)} exited; its error is in "
+                "its log (stderr)"
+            )
 
     def stop(self) -> None:
         self._finalizer()

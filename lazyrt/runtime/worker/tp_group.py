@@ -10,6 +10,8 @@ collective timing out.
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -25,10 +27,19 @@ TIMEOUT_S = 600
 
 
 class TPGroup:
-    def __init__(self, rendezvous: TPRendezvous, rank: int, device: torch.device):
+    def __init__(
+        self,
+        rendezvous: TPRendezvous,
+        rank: int,
+        device: torch.device,
+        check: Callable[[], None] | None = None,
+    ):
+        """Blocks until every rank has joined. check: called while waiting for the others; it raises
+        to give up (e.g. when a rank's process has died instead of joining)."""
         self.rank, self.size, self.device = rank, rendezvous.size, device
         store = dist.FileStore(rendezvous.store_path, self.size)
         store.set_timeout(timedelta(seconds=TIMEOUT_S))
+        _wait_for_all(store, rank, self.size, check)
         if device.type == "cuda":
             os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never rely on NVLink multicast
             opts = dist.ProcessGroupNCCL.Options()
@@ -58,3 +69,17 @@ class TPGroup:
         opts.rootRank = root
         self.pg.broadcast([t], opts).wait()
         return t
+
+
+def _wait_for_all(store: dist.Store, rank: int, size: int, check: Callable[[], None] | None) -> None:
+    """A barrier in Python before the process group's own (which blocks in C++ until its timeout):
+    a rank that died while loading is noticed at once by a caller whose check() can see it."""
+    store.set(f"joined/{rank}", b"1")
+    keys = [f"joined/{r}" for r in range(size)]
+    deadline = time.monotonic() + TIMEOUT_S
+    while not store.check(keys):
+        if check is not None:
+            check()
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"tensor_parallel_size={size}: not every rank joined within {TIMEOUT_S} s")
+        time.sleep(0.05)
