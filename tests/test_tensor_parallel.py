@@ -24,6 +24,17 @@ from lazyrt.runtime.worker.tp_ranks import TPRendezvous
 VOCAB = 49152
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread_per_rank():
+    """Rank 0 runs in this process, beside rank 1's (which takes its share of the cores, one of two
+    here): one torch thread each, or the idle thread pools spin against each other and cost more CPU
+    than the tiny models' math."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, before // 2))
+    yield
+    torch.set_num_threads(before)
+
+
 def ids(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(100, VOCAB) for _ in range(n)]
 

@@ -24,6 +24,10 @@ def run_worker_process(cfg: EngineConfig, ipc: IpcPaths, log_level: str, tp: TPM
     ctx = zmq.Context()
     inbox = socket(ctx, zmq.PULL, ipc.worker_in, bind=True)
     outbox = socket(ctx, zmq.PUSH, ipc.worker_out, bind=False)
+    if tp is not None:
+        from lazyrt.runtime.worker.tp_follower import share_cpu_threads
+
+        share_cpu_threads(cfg)
     worker = ModelWorker(cfg, tp)
     info = worker.ready_info()
     logger.info("model %s loaded on %s; %d KV pages", info.model_id, info.device, info.num_pages)

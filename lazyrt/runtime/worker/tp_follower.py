@@ -22,6 +22,8 @@ def run_follower_process(cfg: EngineConfig, member: TPMember, log_level: str) ->
     watch = child_setup(f"tp rank {member.rank}", log_level)
     from lazyrt.runtime.worker.model_worker import ModelWorker  # heavy imports after setup
 
+    share_cpu_threads(cfg)
+
     ctx = zmq.Context()
     inbox = socket(ctx, zmq.PULL, member.rendezvous.plan_addrs[member.rank - 1], bind=True)
     worker = ModelWorker(cfg, member)
@@ -35,6 +37,15 @@ def run_follower_process(cfg: EngineConfig, member: TPMember, log_level: str) ->
         except Exception:
             # rank 0 runs the same step and fails it the same way; its scheduler aborts the requests
             logger.exception("model step failed on tensor-parallel rank %d", member.rank)
+
+
+def share_cpu_threads(cfg: EngineConfig) -> None:
+    """On CPU the ranks share one machine's cores: each rank's torch gets its share of the threads
+    (the default, all cores per rank, makes N ranks' thread pools spin against each other)."""
+    import torch
+
+    if cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available()):
+        torch.set_num_threads(max(1, torch.get_num_threads() // cfg.tensor_parallel_size))
 
 
 def follower_processes(
