@@ -15,6 +15,7 @@ import torch
 from lazyrt.cache.host_pool import HostKVPool
 from lazyrt.cache.page_pool import PagePool
 from lazyrt.config import EngineConfig
+from lazyrt.models.config import ModelConfig
 from lazyrt.models.llama import LlamaModel
 from lazyrt.models.loader import load_model
 from lazyrt.models.tensor_parallel import kv_replicas, shard_weights
@@ -82,7 +83,7 @@ class ModelWorker:
         c = local_config
         self.pool = PagePool(
             c.num_layers,
-            self._num_pages(DTYPES[dtype_name]),
+            self._num_pages(DTYPES[dtype_name], local_config),
             cfg.page_size,
             c.num_kv_heads,
             c.head_dim,
@@ -122,14 +123,14 @@ class ModelWorker:
         self._decoder = StepDecoder()
         self._deferred: DeferredTokens | None = None  # the launched step whose tokens are not sent yet
 
-    def _num_pages(self, dtype: torch.dtype) -> int:
-        """KV pages from the budget (this rank's KV heads); under tensor parallelism the smallest
-        rank's count, so every rank holds the same page ids."""
-        n = self._rank_pages(dtype)
+    def _num_pages(self, dtype: torch.dtype, model_config: ModelConfig | None = None) -> int:
+        """KV pages from the budget for model_config's KV heads (this rank's; default the whole
+        model's); under tensor parallelism the smallest rank's count, so all hold the same page ids."""
+        n = self._rank_pages(dtype, model_config or self.model_config)
         return self.tp.min_int(n) if self.tp is not None else n
 
-    def _rank_pages(self, dtype: torch.dtype) -> int:
-        c, ps = self.model.config, self.config.page_size
+    def _rank_pages(self, dtype: torch.dtype, c: ModelConfig) -> int:
+        ps = self.config.page_size
         if self.config.kv_cache_tokens is not None:
             return -(-self.config.kv_cache_tokens // ps)
         per_page = PagePool.bytes_per_page(c.num_layers, ps, c.num_kv_heads, c.head_dim, dtype)
