@@ -196,11 +196,13 @@ def _assert_same(got: list[dict], want: list[dict]) -> None:
 
 
 # Each mode also runs an option that all-reduces something besides the layers: the host KV tier in
-# lazy (pages copied per rank), deviation recompute probes in block (per-head sums), a KV budget from
-# memory in none (pages per rank's heads).
+# lazy (pages copied per rank), deviation recompute probes (per-head sums) and document attention in
+# block, a KV budget from memory in none (pages per rank's heads). Every mode also scores.
 MODE_KW = {
     "lazy": dict(kv_cache_tokens=16 * 18, host_kv_cache_tokens=16 * 64, max_running_requests=2),
-    "block": dict(kv_cache_tokens=8192, recompute_policy="deviation", recompute_pages=1),
+    "block": dict(
+        kv_cache_tokens=8192, recompute_policy="deviation", recompute_pages=1, doc_attention_temperature=1.5
+    ),
     "prefix": dict(kv_cache_tokens=8192),
     "none": dict(kv_cache_memory_gb=0.01),
 }
@@ -221,6 +223,8 @@ def test_engine_tp2_equals_tp1(family, mode, tiny_model_dir):
         assert two.pool.num_kv_heads == 1
         got = _run(two, batches)
         stats = two.cache_stats()
+        conts = ["a b c", "the end"]
+        assert two.score(batches[0][0], conts) == pytest.approx(one.score(batches[0][0], conts), abs=1e-4)
         if mode == "none":  # same memory, half the KV heads per page: twice the pages
             page = two.worker.ready_info().page_bytes  # a page id's bytes over both ranks
             assert page == one.worker.ready_info().page_bytes
