@@ -273,6 +273,17 @@ def test_engine_tp2_with_a_replicated_kv_head(one_kv_head_model):
     _assert_same(got, want)
 
 
+@pytest.mark.slow
+def test_a_dead_rank_fails_the_step_naming_it(tiny_model_dir):
+    with Engine(tiny_model_dir("llama3"), device="cpu", kv_cache_tokens=1024, tensor_parallel_size=2) as two:
+        rank1 = two._tp_ranks.procs[0]
+        rank1.kill()
+        rank1.join(30)
+        named = r"tensor_parallel_size=2: model worker rank 1 \(exit code -9\)"
+        with pytest.raises(RuntimeError, match=named):
+            two.generate("Hello", SamplingParams(max_tokens=2))
+
+
 def test_engine_with_a_size_the_heads_do_not_divide_is_refused(tiny_model_dir):
     with pytest.raises(ValueError, match="tensor_parallel_size=3"):
         Engine(tiny_model_dir("llama3"), device="cpu", kv_cache_tokens=1024, tensor_parallel_size=3)

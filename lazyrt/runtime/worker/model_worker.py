@@ -44,7 +44,8 @@ class ModelWorker:
     ):
         """tp: this worker's rank in a tensor-parallel group (required when
         cfg.tensor_parallel_size > 1; rank 0 forwards every step to the others, tp_ranks.py).
-        tp_check: raises while the group forms if the other ranks cannot join (a dead process)."""
+        tp_check: raises if another rank's process has died (while the group forms, and when a step
+        fails: its collective broke off)."""
         if (tp.rendezvous.size if tp is not None else 1) != cfg.tensor_parallel_size:
             raise ValueError(
                 f"tensor_parallel_size={cfg.tensor_parallel_size}: the worker needs a TPMember of a "
@@ -74,6 +75,7 @@ class ModelWorker:
         # rank 0 forwards each step to the other ranks; every rank joins the group once its shard is in
         self._followers = PlanLinks(tp.rendezvous) if tp is not None and tp.rank == 0 else None
         self.tp = TPGroup(tp.rendezvous, tp.rank, torch.device(dev), tp_check) if tp is not None else None
+        self._tp_check = tp_check
         reduce = self.tp.all_reduce if self.tp is not None else None
         self.model = LlamaModel(local_config, weights, all_reduce=reduce)
         del weights
@@ -173,6 +175,8 @@ class ModelWorker:
             self._deferred, self.runner.prev_tokens = None, None
             if isinstance(e, torch.cuda.OutOfMemoryError) and torch.cuda.is_available():
                 torch.cuda.empty_cache()  # hand the failed step's cached blocks back before the next
+            if self._tp_check is not None:
+                self._tp_check()  # a collective failed because a rank died: say which
             raise
 
     def _execute(self, msg: StepMsg) -> StepResult:
