@@ -331,3 +331,18 @@ def test_launch_flag_is_validated_before_anything_starts():
         capture_output=True, text=True, timeout=120,
     )
     assert r.returncode == 2 and "--tensor-parallel-size: tensor_parallel_size=0" in r.stderr, r.stderr
+
+
+# ---- CUDA: NCCL, one GPU per rank (run on a machine with two GPUs) ---------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("mode", ["lazy", "prefix"])
+def test_cuda_tp2_equals_tp1(mode, tiny_model_dir):
+    path = tiny_model_dir("qwen3")
+    batches = _batches(random.Random())
+    kw = dict(device="cuda", dtype="float32", cache_mode=mode, kv_cache_tokens=8192)
+    want = _run(Engine(path, **kw), batches)
+    with Engine(path, tensor_parallel_size=2, **kw) as two:
+        assert str(two.model.device) == "cuda:0" and two.pool.num_kv_heads == 1
+        got = _run(two, batches)
+    _assert_same(got, want)

@@ -7,6 +7,10 @@
 - step_inputs.py: a StepPlan flattened to host int arrays (token ids, page tables, store slots).
 - cuda_graph.py: decode steps replayed from CUDA graphs.
 - sampler.py: greedy / temperature / top-k / top-p, seeded per request.
+- tp_group.py: TPGroup, a rank's torch.distributed process group (gloo / NCCL) for the
+  model's all-reduces, the page-count minimum and the sampled tokens.
+- tp_ranks.py: TPRendezvous, TPMember, PlanLinks (rank 0 forwards each StepMsg to the others).
+- tp_follower.py: the process of ranks >= 1, and FollowerRanks (the Engine starts them itself).
 - host_segments.py: retrieval attention's host-tier segments taken out of a step (lazyrt.retrieval
   attends them).
 
