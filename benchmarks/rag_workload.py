@@ -34,6 +34,9 @@ class WorkloadConfig:
     zipf_alpha: float = 2.1
     rate: float = 1.0  # requests/s; inf = all at t=0
     seed: int = 0
+    # > 0: documents fall into this many topics; a request draws its topic by the popularity law,
+    # then its documents within the topic uniformly (retrieval returns related documents together)
+    topics: int = 0
 
 
 @dataclass
@@ -124,8 +127,18 @@ def build_workload(cfg: WorkloadConfig, words: list[str]) -> Workload:
     k = min(cfg.docs_per_request, cfg.num_docs)
     reqs = []
     wrng = random.Random(cfg.seed * 1_000_003 + 17)
+    if cfg.topics > 0:
+        point_seed.append(cfg.topics)  # (topics = 0 keeps the earlier streams)
+        rng = np.random.default_rng(point_seed)
+        groups = np.array_split(np.arange(cfg.num_docs), cfg.topics)
+        tp = popularity_weights(cfg.topics, cfg.popularity, cfg.zipf_alpha)
+        if min(map(len, groups)) < k:
+            raise ValueError(f"topics={cfg.topics}: a topic holds fewer than docs_per_request={k} documents")
     for i in range(cfg.num_requests):
-        ranks = rng.choice(cfg.num_docs, size=k, replace=False, p=p)  # draw order = prompt order
+        if cfg.topics > 0:
+            ranks = rng.choice(groups[rng.choice(cfg.topics, p=tp)], size=k, replace=False)
+        else:
+            ranks = rng.choice(cfg.num_docs, size=k, replace=False, p=p)  # draw order = prompt order
         q = " ".join(wrng.choice(words) for _ in range(max(cfg.question_tokens - 4, 1)))
         reqs.append(RagRequest(i, float(arrivals[i]), [int(perm[r]) for r in ranks], f"Question {i}: {q}?"))
     return Workload(cfg, docs, reqs)

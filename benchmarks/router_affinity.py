@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -29,12 +30,24 @@ from rag_serving import free_port, launch_server, load_tokenizer  # noqa: E402
 from rag_workload import WorkloadConfig, build_workload, fallback_words, single_token_words  # noqa: E402
 
 
+def routing_reasons(url: str) -> dict[str, int]:
+    """How many requests the router sent for each reason (affinity, imbalance, ...), from /metrics."""
+    out: dict[str, int] = {}
+    for line in httpx.get(url + "/metrics", timeout=60).text.splitlines():
+        if line.startswith("lazyrt_router_requests_total{"):
+            labels, _, value = line.partition("} ")
+            reason = labels.split('reason="')[1].split('"')[0]
+            out[reason] = out.get(reason, 0) + int(float(value))
+    return out
+
+
 class Router:
-    def __init__(self, urls: list[str], policy: str):
+    def __init__(self, urls: list[str], policy: str, extra: str = ""):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "lazyrt.router", "--port", str(self.port), "--policy", policy,
                "--log-level", "warning"] + [x for u in urls for x in ("--worker", u)]  # fmt: skip
+        cmd += shlex.split(extra)
         self.proc = subprocess.Popen(cmd)
 
     def wait(self, n: int, timeout: float = 120) -> None:
@@ -92,9 +105,12 @@ def main() -> int:
     p.add_argument("--docs-per-request", type=int, default=3)
     p.add_argument("--num-requests", type=int, default=150)
     p.add_argument("--zipf-alpha", type=float, default=1.1)
+    p.add_argument("--topics", type=int, default=0,
+                   help="> 0: documents in this many topics, a request's documents from one topic")
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--output-tokens", type=int, default=1)
     p.add_argument("--server-args", default="")
+    p.add_argument("--router-args", default="", help="more lazyrt.router flags, e.g. '--imbalance 2'")
     p.add_argument("--startup-timeout", type=float, default=600)
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     args = p.parse_args()
@@ -102,7 +118,7 @@ def main() -> int:
     words = single_token_words(tok) if tok is not None else fallback_words()
     cfg = WorkloadConfig(num_docs=args.num_docs, doc_tokens=args.doc_tokens, seed=args.seed,
                          docs_per_request=args.docs_per_request, num_requests=args.num_requests,
-                         zipf_alpha=args.zipf_alpha, rate=float("inf"))  # fmt: skip
+                         zipf_alpha=args.zipf_alpha, rate=float("inf"), topics=args.topics)  # fmt: skip
     wl = build_workload(cfg, words)
     devs = args.devices.split(",") if args.devices else [None, None]
     rows = []
@@ -128,16 +144,21 @@ def main() -> int:
             for r in reps:
                 httpx.post(r.url + "/flush_cache", timeout=60)
             before = hit_ratio([r.url for r in reps])
-            router = Router([r.url for r in reps], policy)
+            router = Router([r.url for r in reps], policy, args.router_args)
             try:
                 router.wait(len(reps))
                 wall = asyncio.run(run_point(router.url, wl, args))
+                reasons = routing_reasons(router.url)
+                views = httpx.get(router.url + "/cache_stats", timeout=60).json()["router"]["views"]
             finally:
                 router.stop()
             _, h, m = hit_ratio([r.url for r in reps])
             h, m = h - before[1], m - before[2]
+            held = [httpx.get(r.url + "/cache_stats", timeout=60).json()["chunks"] for r in reps]
             rows.append({"setup": f"2 x C, {policy}", "hit_ratio": h / max(h + m, 1), "hits": h, "misses": m,
-                         "wall_s": wall})  # fmt: skip
+                         "wall_s": wall, "reasons": reasons, "replica_chunks": held,
+                         "view_documents": [v["documents"] for v in views.values()]})  # fmt: skip
+            print(rows[-1])
     finally:
         for r in reps:
             r.stop()

@@ -25,7 +25,8 @@ example:
   {"id": "q1", "line": 1, "text": "The capital of Arvania is Quenta.", "meta": {"prompt_tokens": 57, ...}}
   {"id": "q2", "line": 2, "text": " Mount Everest, ...", "meta": {...}}
 
-Each input line is {"id", "docs", "question", "system"?, "sampling_params"?} or {"id", "prompt",
+Each input line is {"id", "docs", "question", "system"?, "sampling_params"?} (a doc is a text or
+{"id": ...} of a document registered with POST /v1/documents / Engine.add_document) or {"id", "prompt",
 "sampling_params"?}. One output line per input line, in input order: {"id", "line", "text", "meta"}, or
 {"id", "line", "error": {"message"}} for a bad line (the job goes on). Re-running with the same
 --output skips ids already there and appends the rest. --endpoint URL uses a running
@@ -83,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="local engine, lazy: read each document a step's requests share once (default on)")
     p.add_argument("--overlap-schedule", action=argparse.BooleanOptionalAction, default=None,
                    help="local engine: build the next step while the device runs this one (default on)")
+    p.add_argument("--document-store", default=None, metavar="PATH|none",
+                   help="local engine: the registered documents {\"id\"} docs name (default: the model's "
+                   "file under $LAZYRT_CACHE_DIR/documents/)")
     g = p.add_argument_group("sampling defaults (a line's sampling_params override them)")
     g.add_argument("--max-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0)
@@ -153,7 +157,7 @@ def make_runner(args: argparse.Namespace):
     from lazyrt.runtime.engine.engine import Engine
 
     opts = ("kv_cache_tokens", "host_kv_cache_tokens", "recompute_policy", "recompute_pages")
-    opts += ("recompute_ratio", "shared_chunk_attention", "overlap_schedule")
+    opts += ("recompute_ratio", "shared_chunk_attention", "overlap_schedule", "document_store")
     kw = {k: getattr(args, k) for k in opts if getattr(args, k) is not None}
     engine = Engine(args.model, device=args.device or "auto", cache_mode=args.cache_mode or "lazy", **kw)
     return LocalRunner(engine, args.concurrency or 32)
@@ -172,7 +176,7 @@ def results(runner, jobs: list[Job]) -> Iterator[tuple[Job, dict]]:
 # Options of the local engine: a running server (--endpoint) has its own, set on lazyrt.launch.
 LOCAL_ENGINE_OPTIONS = ("model", "device", "cache_mode", "kv_cache_tokens", "host_kv_cache_tokens",
                         "recompute_policy", "recompute_pages", "recompute_ratio", "shared_chunk_attention",
-                        "overlap_schedule")
+                        "overlap_schedule", "document_store")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from lazyrt.documents import DocumentError, check_doc_item
 from lazyrt.sampling_params import SamplingParams
 
 
@@ -14,7 +15,7 @@ class Job:
     id: str | int | None
     sampling: SamplingParams | None = None
     prompt: str | None = None  # {"id", "prompt"}
-    docs: list[str] | None = None  # {"id", "docs", "question", "system"?}
+    docs: list[str | dict] | None = None  # {"id", "docs", "question", "system"?}; {"id": ...} items too
     question: str | None = None
     system: str | None = None
     error: str | None = None  # set: the line is bad; write an error record instead of running it
@@ -62,9 +63,10 @@ def parse_line(text: str, line: int, defaults: dict) -> Job:
     docs = obj.get("docs", [])
     if not isinstance(docs, list):
         return fail(f"field 'docs' must be a list of strings, got {type(docs).__name__}")
-    for i, d in enumerate(docs):
-        if not isinstance(d, str) or not d.strip():
-            return fail(f"field 'docs[{i}]' must be a non-empty string")
+    try:  # texts, {"text": ...} or {"id": ...} of a registered document
+        docs = [check_doc_item(d, f"docs[{i}]") for i, d in enumerate(docs)]
+    except DocumentError as e:
+        return fail(f"field {e}")
     system = obj.get("system")
     if system is not None and not isinstance(system, str):
         return fail(f"field 'system' must be a string, got {type(system).__name__}")

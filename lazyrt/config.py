@@ -6,6 +6,7 @@ import importlib.util
 from dataclasses import dataclass
 
 from lazyrt.cache.eviction import EVICTION_POLICIES
+from lazyrt.documents import check_store_option
 from lazyrt.sampling_params import positive_number
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -80,6 +81,9 @@ class EngineConfig:
     # Tensor parallelism: the model split Megatron-style over this many ranks, one worker process per
     # rank (one GPU each on CUDA over NCCL; gloo on CPU), each holding its share of the KV heads.
     tensor_parallel_size: int = 1
+    # Registered documents (lazyrt/documents.py; requests name them by id): a sqlite file path;
+    # None = $LAZYRT_CACHE_DIR/documents/<model id>.sqlite; "none" = no store.
+    document_store: str | None = None
     seed: int = 0
 
     def validate(self) -> None:
@@ -112,6 +116,7 @@ class EngineConfig:
         check_doc_attention(self.cache_mode, self.doc_attention_temperature, self.doc_attention_scale)
         recompute = bool(self.recompute_pages or self.recompute_ratio or self.recompute_head_pages)
         check_doc_positions(self.cache_mode, self.doc_positions, recompute)
+        check_store_option(self.document_store)
         check_tensor_parallel_size(self)
 
 

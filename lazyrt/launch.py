@@ -22,7 +22,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m lazyrt.launch",
         description="Serve a model: POST /generate, /v1/completions, /v1/chat/completions "
         "(OpenAI-compatible, "
-        "with an extra body field `documents: [str]`), GET /health, /v1/models, /metrics, /cache_stats, "
+        "with an extra body field `documents`: texts or {\"id\"} of registered documents), "
+        "POST/GET/DELETE /v1/documents, GET /health, /v1/models, /metrics, /cache_stats, "
         "POST /flush_cache.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -165,6 +166,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="split the model Megatron-style over N ranks, one process each (CUDA: one GPU per rank, "
         "NCCL; CPU: gloo); heads must divide by N",
     )
+    p.add_argument(
+        "--document-store",
+        default=d.document_store,
+        metavar="PATH|none",
+        help="sqlite file of the documents registered with POST /v1/documents (kept across restarts); "
+        "default: $LAZYRT_CACHE_DIR/documents/<model id>.sqlite; none = no store",
+    )
     p.add_argument("--seed", type=int, default=d.seed, help="seed for dummy weights")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (except /health)")
     p.add_argument("--served-model-name", default=None, help="model name in the API; default from --model")
@@ -214,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         shared_chunk_attention=args.shared_chunk_attention,
         overlap_schedule=args.overlap_schedule,
         tensor_parallel_size=args.tensor_parallel_size,
+        document_store=args.document_store,
         seed=args.seed,
     )
     try:

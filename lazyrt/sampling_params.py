@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from lazyrt.constraint import FIELDS as CONSTRAINT_FIELDS
+from lazyrt.constraint import grammar_text
 
 
 def positive_number(v: object) -> bool:
@@ -65,6 +69,14 @@ class SamplingParams:
     # Report each document's share of the attention the generated tokens paid (meta["citations"]);
     # its steps run eagerly and synchronously.
     citations: bool = False
+    # Structured output (at most one; enforced while decoding by a token mask, the request ends
+    # with EOS once the output is complete): a JSON schema, any JSON object, a regex the whole
+    # output matches, one of a list of strings, or a Lark / GBNF grammar.
+    json_schema: dict | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -89,6 +101,15 @@ class SamplingParams:
             or self.logit_bias
             or self.min_tokens
         )
+
+    @property
+    def constraint(self) -> tuple[str, object] | None:
+        """(field name, value) of the structured-output constraint, or None."""
+        for name in CONSTRAINT_FIELDS:
+            v = getattr(self, name)
+            if v not in (None, False):
+                return name, v
+        return None
 
     def validate(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -139,6 +160,26 @@ class SamplingParams:
             raise bad("citations", "must be a boolean")
         if not _int(self.n) or not 1 <= self.n <= MAX_N:
             raise bad("n", f"must be an integer in [1, {MAX_N}]")
+        self._validate_constraint(bad)
+
+    def _validate_constraint(self, bad: Callable[[str, str], ValueError]) -> None:
+        if not isinstance(self.json_object, bool):
+            raise bad("json_object", "must be a boolean")
+        given = [n for n in CONSTRAINT_FIELDS if getattr(self, n) not in (None, False)]
+        if len(given) > 1:
+            raise bad(given[1], f"cannot be combined with {given[0]} (one constraint per request)")
+        if not given:
+            return
+        name = given[0]
+        try:
+            grammar_text(name, getattr(self, name))
+        except ValueError as e:
+            raise bad(name, str(e)) from None
+        # the grammar decides when the output ends: it needs EOS allowed from the first token on
+        if self.ignore_eos:
+            raise bad("ignore_eos", f"cannot be combined with {name} (the constraint ends the output)")
+        if self.min_tokens:
+            raise bad("min_tokens", f"cannot be combined with {name} (the constraint ends the output)")
 
     def expand_n(self) -> list[SamplingParams]:
         """One n=1 copy per completion; seeded ones take seed, seed + 1, ... (reproducible, distinct)."""

@@ -15,8 +15,9 @@ import httpx
 import pytest
 from server_util import DOCS, ServerProc, free_port
 
-from lazyrt.router.app import label_metrics, request_docs
-from lazyrt.router.policy import AffinityPolicy, doc_key, owner
+from lazyrt.cache import ChunkTable
+from lazyrt.router.app import answer_prompt_tokens, label_metrics, request_chars, request_docs
+from lazyrt.router.policy import AffinityPolicy, ReplicaView, doc_key, owner
 
 R = ["http://a:1", "http://b:2", "http://c:3"]
 
@@ -73,9 +74,11 @@ def test_affinity_follows_what_each_replica_holds_within_its_capacity():
     c = pol.choose(docs[:3] + docs[5:], load, sizes[:4])
     assert c.replica == R[0] and c.held == 300 and c.reason == "affinity"
     assert AffinityPolicy(mode="hash").choose(docs[:3] + docs[5:], load, sizes[:4]).held == 0
-    # past its capacity the oldest documents leave the view (LRU): docs[0] is dropped, docs[1:4] kept
-    pol.record(R[0], docs[3:4], sizes[3:4])
+    # past its capacity the view evicts like the replica's table (lru here): docs[0] leaves for docs[3]
     v = pol.view(R[0])
+    v.reset(300, "lru", page_size=10)
+    pol.record(R[0], docs[:3], sizes[:3])
+    pol.record(R[0], docs[3:4], sizes[3:4])
     assert list(v.held) == docs[1:4] and v.tokens == 300
     assert pol.choose(docs[:1], load, sizes[:1]).held == 0  # docs[0]: back to its owner
     assert pol.choose(docs[1:2], load, sizes[1:2]).replica == R[0]
@@ -88,20 +91,90 @@ def test_affinity_follows_what_each_replica_holds_within_its_capacity():
     assert busy.replica != R[1]
 
 
+@pytest.mark.parametrize("policy", ["lru", "lfu", "gdsf"])
+def test_view_holds_what_a_chunk_table_with_the_same_policy_holds(policy):
+    """The reference: a real ChunkTable over a pool of `cap` pages, driven as the scheduler admits a
+    request (its documents looked up, the hits pinned, room made for the new ones at once, then each
+    used in order: a hit recorded or an insert; released when it ends), on a random Zipf stream of
+    documents of random sizes."""
+    rng = random.Random()
+    page, cap = rng.choice([4, 16]), rng.randint(30, 80)
+    docs = [tuple(rng.randrange(1000) for _ in range(rng.randint(1, 6 * page))) for _ in range(40)]
+    table, free = ChunkTable("m", page, policy), list(range(cap))
+    view = ReplicaView()
+    view.reset(cap * page, policy, page)
+    weights = [1 / (i + 1) ** 1.1 for i in range(len(docs))]
+    compared = 0
+    for _ in range(300):
+        req = list(dict.fromkeys(rng.choices(range(len(docs)), weights, k=rng.randint(1, 4))))
+        found = {i: table.lookup((), docs[i], record=False) for i in req}
+        for c in found.values():
+            if c is not None:
+                table.acquire(c)
+        need = sum(table.pages_needed(len(docs[i])) for i, c in found.items() if c is None)
+        if len(free) < need:
+            free += table.evict(need - len(free))
+        if len(free) < need:  # the replica would keep it waiting (the view has no such state): stop
+            break
+        for i, c in found.items():
+            table.record_use(c)
+            if c is None:
+                pages = [free.pop() for _ in range(table.pages_needed(len(docs[i])))]
+                c = found[i] = table.insert((), docs[i], pages)
+                c.ready = True
+                table.acquire(c)
+        view.add([bytes([i]) for i in req], [len(docs[i]) for i in req])
+        for c in found.values():
+            table.release(c)
+        held = {i for i in range(len(docs)) if table.lookup((), docs[i], record=False) is not None}
+        assert {k[0] for k in view.held} == held
+        assert view.pages == table.num_pages
+        compared += 1
+    assert compared > 50
+
+
+def test_chars_per_token_is_learnt_and_sizes_the_views():
+    rng = random.Random()
+    ratio = rng.uniform(2.0, 9.0)
+    pol = AffinityPolicy()
+    pol.observe(0, 10)  # nothing to learn from
+    pol.observe(100, 0)
+    assert pol.chars_per_token == 4.0
+    for _ in range(200):
+        tokens = rng.randint(50, 500)
+        pol.observe(round(tokens * ratio * rng.uniform(0.9, 1.1)), tokens)
+    assert pol.chars_per_token == pytest.approx(ratio, rel=0.1)
+    first = pol.chars_per_token
+    pol.observe(1000, 1000)  # after the first answers, one answer moves it only a little
+    assert abs(pol.chars_per_token - first) <= 0.05 * abs(1.0 - first) + 1e-9
+
+
 def test_request_keys_and_metric_labels():
     keys, sizes = request_docs({"documents": ["x" * 40, {"id": "d1"}, {"text": "x" * 40}]})
     assert keys == [doc_key("x" * 40), doc_key({"id": "d1"}), doc_key("x" * 40)] and sizes == [10, 512, 10]
     assert request_docs({"docs": ["y"]}) == ([doc_key("y")], [1])
     assert request_docs({"prompt": "p"}) == ([], [])
+    assert request_docs({"docs": ["y" * 70]}, chars_per_token=7.0)[1] == [10]
+    # what the router learns characters per token from
+    msg = {"role": "user", "content": [{"type": "text", "text": "abc"}]}
+    body = {"messages": [msg], "documents": ["x" * 40]}
+    assert request_chars(body) == 43
+    assert request_chars({"documents": [{"id": "d1"}], "prompt": "p"}) < 0  # unknown text: not learnt from
+    assert request_chars({"docs": ["x"], "input_ids": [1, 2]}) < 0
+    assert answer_prompt_tokens({"usage": {"prompt_tokens": 7}}) == 7
+    assert answer_prompt_tokens({"meta": {"prompt_tokens": 5}}) == 5
+    assert answer_prompt_tokens([{"meta": {"prompt_tokens": 5}}, {"meta": {"prompt_tokens": 2}}]) == 7
+    assert answer_prompt_tokens({"error": {}}) == 0
     text = '# HELP m h\n# TYPE m counter\nm_total 3.0\nq{a="1"} 2\n'
     assert label_metrics(text, "u") == ["# HELP m h", "# TYPE m counter", 'm_total{replica="u"} 3.0',
                                         'q{replica="u",a="1"} 2']  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(tmp_path_factory):
     args = ("--device", "cpu", "--kv-cache-tokens", "8192", "--log-level", "warning")
-    reps = [ServerProc(*args) for _ in range(2)]
+    store = tmp_path_factory.mktemp("stores")  # a registry each, as replicas on two hosts would have
+    reps = [ServerProc(*args, "--document-store", str(store / f"r{i}.sqlite")) for i in range(2)]
     port = free_port()
     cmd = [sys.executable, "-m", "lazyrt.router", "--port", str(port), "--log-level", "warning"]
     for r in reps:
@@ -127,6 +200,12 @@ def cluster():
             r.stop()
 
 
+def learn(pol: AffinityPolicy, docs: list[str], q: str, resp: httpx.Response) -> None:
+    """What the router learns from an answer: the request's characters per prompt token."""
+    body = {"messages": [{"role": "user", "content": q}], "documents": docs}
+    pol.observe(request_chars(body), resp.json()["usage"]["prompt_tokens"])
+
+
 def _chat(url: str, docs: list[str], q: str, **kw) -> httpx.Response:
     body = {"messages": [{"role": "user", "content": q}], "documents": docs, "max_tokens": 8}
     body.update({"temperature": 0, **kw})
@@ -139,13 +218,15 @@ def test_affinity_same_answers_streaming_and_bad_input(cluster):
     urls = [r.url for r in reps]
     pol = AffinityPolicy()  # replays the router's choices (one request at a time: no load)
     for docs in (DOCS, DOCS[:2], [DOCS[2], "The lorn was introduced in 1921."]):
-        keys, sizes = request_docs({"documents": docs})
+        keys, sizes = request_docs({"documents": docs}, pol.chars_per_token)
         want = pol.choose(keys, {u: 0 for u in urls}, sizes).replica
         pol.record(want, keys, sizes)
         first = _chat(url, docs, "What is the capital of Arvania?")
         assert first.status_code == 200 and first.headers["x-lazyrt-replica"] == want
+        learn(pol, docs, "What is the capital of Arvania?", first)
         again = _chat(url, docs[::-1], "How tall is Mount Feller?")
         assert again.headers["x-lazyrt-replica"] == want  # another order, another question: same replica
+        learn(pol, docs[::-1], "How tall is Mount Feller?", again)
         assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
         direct = _chat(want, docs[::-1], "How tall is Mount Feller?")
         text = lambda resp: resp.json()["choices"][0]["message"]["content"]  # noqa: E731
@@ -168,6 +249,41 @@ def test_affinity_same_answers_streaming_and_bad_input(cluster):
     assert len(stats["replicas"]) == 2
     assert stats["total"]["chunk_hits"] == sum(s["stats"]["chunk_hits"] for s in stats["replicas"])
     assert httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"] == "SmolLM2-135M-Instruct"
+    # the router learnt the tokenizer's characters per token from the answers, as the replay did
+    assert stats["router"]["chars_per_token"] == pytest.approx(pol.chars_per_token)
+    assert set(stats["router"]["views"]) == set(urls)
+
+
+@pytest.mark.slow
+def test_documents_through_the_router(cluster):
+    url, reps = cluster
+    urls = [r.url for r in reps]
+    text = f"The lorn of Vell{random.randrange(10**6)} was introduced in 1921 by the Bank of Vell."
+    doc = httpx.post(url + "/v1/documents", json={"text": text, "precompute": True}, timeout=120).json()
+    assert doc["object"] == "document" and doc["precompute"]["chunk_misses"] == 1 and doc["replica"] in urls
+    for u in urls:  # registered on every replica, with the same id and tokens
+        got = httpx.get(f"{u}/v1/documents/{doc['id']}", timeout=30).json()
+        assert got["id"] == doc["id"] and got["tokens"] == doc["tokens"]
+    assert httpx.get(f"{url}/v1/documents/{doc['id']}", timeout=30).json()["tokens"] == doc["tokens"]
+    # a request naming it goes where it was computed, and hits it
+    by_id = _chat(url, [{"id": doc["id"]}], "When was the lorn introduced?")
+    assert by_id.status_code == 200 and by_id.headers["x-lazyrt-replica"] == doc["replica"]
+    assert by_id.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= doc["tokens"]
+    by_text = _chat(doc["replica"], [text], "When was the lorn introduced?")
+    text_of = lambda resp: resp.json()["choices"][0]["message"]["content"]  # noqa: E731
+    assert text_of(by_id) == text_of(by_text)
+    # the replicas' errors come back as they are, naming the field
+    bad = httpx.post(url + "/v1/documents", json={"text": text, "colour": 1}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "colour"
+    clash = httpx.post(url + "/v1/documents", json={"text": text + "!", "id": doc["id"]}, timeout=30)
+    assert clash.status_code == 409
+    listed = httpx.get(url + "/v1/documents", params={"limit": 100}, timeout=30).json()
+    assert doc["id"] in [d["id"] for d in listed["data"]]
+    assert httpx.delete(f"{url}/v1/documents/{doc['id']}", timeout=30).status_code == 200
+    for u in urls:
+        assert httpx.get(f"{u}/v1/documents/{doc['id']}", timeout=30).status_code == 404
+    gone = _chat(url, [{"id": doc["id"]}], "When was the lorn introduced?")
+    assert gone.status_code == 404 and gone.json()["error"]["param"] == "documents[0].id"
 
 
 @pytest.mark.slow

@@ -368,6 +368,7 @@ def test_citations_equal_engine(server, oai, engine):
 
 # ---- bad input -----------------------------------------------------------------------------------
 LONG = "word " * 9000
+JS3 = {"name": "a", "schema": {"type": 3}}  # a schema whose type is not a type name
 X = {"messages": [{"role": "user", "content": "x"}]}
 BAD = [
     ("/v1/chat/completions", b"{not json", 400, "body"),
@@ -424,8 +425,32 @@ BAD = [
     ("/v1/chat/completions", {**X, "stop_token_ids": [999999]}, 400, "stop_token_ids"),
     ("/v1/chat/completions", {**X, "tools": [{"type": "function"}]}, 400, "tools[0]"),
     ("/v1/chat/completions", {**X, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
-    ("/v1/chat/completions", {**X, "response_format": {"type": "json_object"}}, 400, "response_format"),
-    ("/v1/completions", {"prompt": "x", "guided_regex": "a+"}, 400, "guided_regex"),
+    ("/v1/chat/completions", {**X, "response_format": {"type": "xml"}}, 400, "response_format.type"),
+    ("/v1/chat/completions", {**X, "response_format": "json"}, 400, "response_format"),
+    (
+        "/v1/chat/completions",
+        {**X, "response_format": {"type": "json_schema", "json_schema": JS3}},
+        400,
+        "response_format.json_schema.schema",
+    ),
+    ("/v1/completions", {"prompt": "x", "guided_regex": "a+("}, 400, "guided_regex"),
+    ("/v1/completions", {"prompt": "x", "guided_json": "{nope"}, 400, "guided_json"),
+    ("/v1/completions", {"prompt": "x", "guided_choice": []}, 400, "guided_choice"),
+    ("/v1/completions", {"prompt": "x", "guided_grammar": "start: nothere"}, 400, "guided_grammar"),
+    (
+        "/v1/completions",
+        {"prompt": "x", "response_format": {"type": "json_object"}, "guided_regex": "a+"},
+        400,
+        "guided_regex",
+    ),
+    ("/v1/completions", {"prompt": "x", "guided_regex": "a+", "ignore_eos": True}, 400, "ignore_eos"),
+    ("/generate", {"text": "hi", "sampling_params": {"regex": "[a"}}, 400, "sampling_params.regex"),
+    (
+        "/generate",
+        {"text": "hi", "sampling_params": {"regex": "a", "choice": ["a"]}},
+        400,
+        "sampling_params.choice",
+    ),
     ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
     ("/v1/chat/completions", {**X, "citations": "yes"}, 400, "citations"),
     ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1, "stream": True}, 400, "echo"),

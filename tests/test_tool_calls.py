@@ -167,7 +167,7 @@ def test_tool_conversation_turns_and_bad_tools_are_named():
         errors = []
         bad_call = [{"function": {"name": "f", "arguments": "{"}}]
         for kw in ({"tools": [{"type": "function"}]}, {"tools": "x"},
-                   {"tool_choice": "required", "tools": TOOLS},
+                   {"tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": TOOLS},
                    {"tool_choice": "auto"}, {"tools": TOOLS, "parallel_tool_calls": "no"},
                    {"messages": [{"role": "tool", "content": 5}]},
                    {"messages": [{"role": "assistant", "tool_calls": bad_call}]}):

@@ -6,7 +6,8 @@
   answering, health checks, the union of the replicas' /metrics and /cache_stats.
 - __main__.py: the command line (`--worker URL` ..., or `--dp N` to start the replicas).
 
-It talks to replicas over HTTP only: it never loads a model, a tokenizer or a cache.
+It talks to replicas over HTTP only: it never loads a model, a tokenizer or a cache; its views of the
+replicas' caches use their eviction policies (lazyrt.cache.eviction).
 
-May import: nothing from lazyrt.
+May import: lazyrt.cache.
 """

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import httpx
@@ -22,11 +22,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
+from lazyrt.router.document_routes import add_router_document_routes
 from lazyrt.router.policy import AffinityPolicy, doc_key, doc_tokens
 
 logger = logging.getLogger("lazyrt.router")
 ROUTED = ("/generate", "/score", "/v1/completions", "/v1/chat/completions")
 _HEALTH_S = 1.0
+_LEARN_BYTES = 1 << 20  # answers kept to learn characters per token from (larger ones are not)
 
 
 @dataclass
@@ -53,14 +55,50 @@ class RouterState:
         return {r.url: r for r in self.replicas}
 
 
-def request_docs(body: dict) -> tuple[list[bytes], list[int]]:
+def request_docs(
+    body: dict, chars_per_token: float = 4.0, id_tokens: dict[str, int] | None = None
+) -> tuple[list[bytes], list[int]]:
     """Routing keys and sizes (tokens, about) of a request's documents (`documents` on the OpenAI
     endpoints, `docs` on /generate)."""
     docs = body.get("documents", body.get("docs"))
     if not isinstance(docs, list):
         return [], []
     docs = [d for d in docs if isinstance(d, (str, dict))]
-    return [doc_key(d) for d in docs], [doc_tokens(d) for d in docs]
+    return [doc_key(d) for d in docs], [doc_tokens(d, chars_per_token, id_tokens) for d in docs]
+
+
+def request_chars(body: dict) -> int:
+    """Characters of text the request's prompt is made of (documents given by id excluded: the router
+    does not know their text), to learn the tokenizer's characters per token from the answer."""
+
+    def chars(x: object) -> int:
+        if isinstance(x, str):
+            return len(x)
+        if isinstance(x, int) and not isinstance(x, bool):
+            return -(10**9)  # a token id prompt: no characters to learn from
+        if isinstance(x, list):
+            return sum(chars(y) for y in x)
+        if isinstance(x, dict):
+            if "id" in x and "text" not in x and "content" not in x:
+                return -(10**9)  # a registered document: its size is unknown, skip this answer
+            return chars(x.get("text")) + chars(x.get("content"))
+        return 0
+
+    keys = ("documents", "docs", "prompt", "text", "input_ids", "messages", "question", "system")
+    return sum(chars(body.get(k)) for k in keys)
+
+
+def answer_prompt_tokens(answer: object) -> int:
+    """Prompt tokens an answer reports (usage on the OpenAI endpoints, meta on /generate); 0 if none."""
+    if isinstance(answer, list):
+        return sum(answer_prompt_tokens(a) for a in answer)
+    if not isinstance(answer, dict):
+        return 0
+    for k in ("usage", "meta"):
+        n = answer.get(k, {}).get("prompt_tokens") if isinstance(answer.get(k), dict) else None
+        if isinstance(n, int):
+            return n
+    return 0
 
 
 def label_metrics(text: str, replica: str) -> list[str]:
@@ -116,15 +154,21 @@ def create_router_app(state: RouterState) -> FastAPI:
         except httpx.HTTPError:
             replica.healthy = False
         state.up.labels(replica.url).set(int(replica.healthy))
-        if replica.healthy and not was:  # (re)joined: its cache may be new; learn its size
-            view = state.policy.view(replica.url)
-            view.clear()
-            try:
-                s = (await http.get(replica.url + "/cache_stats", headers=headers, timeout=10)).json()
-                # its documents share the pool with the running requests' own pages: count 80%
-                view.capacity = int(0.8 * s["total_pages"] * s["page_size"])
-            except (httpx.HTTPError, ValueError, KeyError, TypeError):
-                view.capacity = None
+        if not replica.healthy:
+            return
+        view = state.policy.view(replica.url)
+        try:
+            s = (await http.get(replica.url + "/cache_stats", headers=headers, timeout=10)).json()
+            # what documents can hold now: the pool less the running requests' own pages (and the
+            # prefix cache's), refreshed every check as the load changes
+            capacity = (s["chunk_pages"] + s["free_pages"]) * s["page_size"]
+            if not was:  # (re)joined: its cache may be new; learn its size and policy
+                view.reset(capacity, s.get("eviction_policy", "lfu"), s["page_size"])
+            else:
+                view.capacity = capacity
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            if not was:
+                view.reset(None)
 
     async def health_loop() -> None:
         while True:
@@ -137,7 +181,10 @@ def create_router_app(state: RouterState) -> FastAPI:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError):
             body = None  # the replica answers the 400 naming the body
-        keys, sizes = request_docs(body) if isinstance(body, dict) else ([], [])
+        pol = state.policy
+        is_dict = isinstance(body, dict)
+        keys, sizes = request_docs(body, pol.chars_per_token, pol.id_tokens) if is_dict else ([], [])
+        chars = request_chars(body) if isinstance(body, dict) and keys else 0
         live = {r.url: r.in_flight for r in state.replicas if r.healthy}
         if not live:
             return _error(503, "no replica is healthy")
@@ -159,8 +206,14 @@ def create_router_app(state: RouterState) -> FastAPI:
             reason = choice.reason if attempt == 0 else "retry"
             state.routed.labels(url, reason).inc()
             state.policy.record(url, keys, sizes)
+            learn = None
+            h = resp.headers
+            if chars > 0 and resp.status_code == 200 and "json" in h.get("content-type", "") and (
+                h.get("content-encoding", "identity") == "identity"
+            ):
+                learn = lambda answer: state.policy.observe(chars, answer_prompt_tokens(answer))  # noqa: E731
             return StreamingResponse(
-                _relay(resp, replica), status_code=resp.status_code,
+                _relay(resp, replica, learn), status_code=resp.status_code,
                 media_type=resp.headers.get("content-type"), headers={"x-lazyrt-replica": url},
             )  # fmt: skip
         return _error(503, "every replica failed to answer this request")
@@ -173,6 +226,8 @@ def create_router_app(state: RouterState) -> FastAPI:
 
     for path in ROUTED:
         app.add_api_route(path, route(path), methods=["POST"])
+
+    add_router_document_routes(app, state, http, headers, _error)
 
     @app.get("/health")
     async def health() -> Response:
@@ -205,7 +260,12 @@ def create_router_app(state: RouterState) -> FastAPI:
             for k, v in (s or {}).items():
                 if isinstance(v, (int, float)) and not isinstance(v, bool):
                     total[k] = total.get(k, 0) + v
-        return JSONResponse({"replicas": [{"url": u, "stats": s} for u, s in stats], "total": total})
+        pol = state.policy
+        views = {u: {"documents": len(v.held), "tokens": v.tokens, "capacity": v.capacity,
+                     "eviction_policy": v.eviction_policy} for u, v in pol.views.items()}  # fmt: skip
+        router = {"policy": pol.mode, "chars_per_token": pol.chars_per_token, "views": views}
+        return JSONResponse({"replicas": [{"url": u, "stats": s} for u, s in stats], "total": total,
+                             "router": router})  # fmt: skip
 
     @app.post("/flush_cache")
     async def flush() -> Response:
@@ -226,11 +286,27 @@ def create_router_app(state: RouterState) -> FastAPI:
     return app
 
 
-async def _relay(resp: httpx.Response, replica: Replica) -> AsyncIterator[bytes]:
-    """The replica's answer as it comes; a connection lost mid-answer ends it with an error event."""
+async def _relay(
+    resp: httpx.Response, replica: Replica, learn: Callable[[object], None] | None = None
+) -> AsyncIterator[bytes]:
+    """The replica's answer as it comes; a connection lost mid-answer ends it with an error event.
+    learn: called with a whole JSON answer (kept up to 1 MB; the bytes are relayed untouched)."""
+    kept: list[bytes] | None = [] if learn is not None else None
+    size = 0
     try:
         async for chunk in resp.aiter_raw():
+            if kept is not None:
+                size += len(chunk)
+                if size <= _LEARN_BYTES:
+                    kept.append(chunk)
+                else:
+                    kept = None
             yield chunk
+        if kept is not None and learn is not None:
+            try:
+                learn(json.loads(b"".join(kept)))
+            except (ValueError, UnicodeDecodeError):
+                pass
     except httpx.TransportError as e:
         replica.healthy = False
         err = {"error": {"message": f"the replica failed mid-answer: {e}", "type": "server_error"}}

@@ -1,23 +1,27 @@
 """Which replica a request goes to: the one that already holds most of its documents' KV.
 
-The router keeps, per replica, what it believes that replica's chunk cache holds: an LRU of the
-document keys it sent there (a document's text, or its registry id), sized in tokens (about 4
-characters each) and bounded by the replica's KV capacity. A request goes to the replica holding the
-most of its documents' tokens; documents nobody holds yet are placed by rendezvous hashing (each key's
-owner among the healthy replicas, the highest hash of key + replica), so a new document set lands in
-the same place whatever its order. A replica whose load (requests in flight) is past the imbalance
-bound is skipped for the least-loaded one; so are requests without documents.
+The router keeps, per replica, what it believes that replica's chunk cache holds: the document keys
+it sent there (a document's text, or its registry id), sized in tokens (characters per token learnt
+from the answers), kept and evicted by the replica's own eviction policy within its KV capacity. A
+request goes to the replica holding the most of its documents' tokens; documents nobody holds yet are
+placed by rendezvous hashing (each key's owner among the healthy replicas, the highest hash of key +
+replica), so a new document set lands in the same place whatever its order. A replica whose load
+(requests in flight) is past the imbalance bound is skipped for the least-loaded one; so are requests
+without documents.
 
-Popular documents end up on every replica (requests bring them along), rare ones on one. With several
-documents per request, two caches of C hold less than one of 2C (see docs/benchmarks.md, router).
+When requests draw related documents (one topic's), requests follow their topic and two caches of C
+hold about what one of 2C does. When each request's documents are drawn independently, a request's
+other documents are computed wherever its majority lives and popular ones end up on every replica:
+two caches of C then hold less than one of 2C (docs/benchmarks.md, router).
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from lazyrt.cache.eviction import Access, EvictionPolicy, make_policy
 
 POLICIES = ("affinity", "hash", "least_loaded", "round_robin")
 ID_DOC_TOKENS = 512  # a registered document's size, unknown to the router
@@ -34,11 +38,14 @@ def doc_key(doc: object) -> bytes:
     return hashlib.blake2b(str(doc).encode(), digest_size=16).digest()
 
 
-def doc_tokens(doc: object) -> int:
-    """About how many tokens a document is (the router has no tokenizer)."""
+def doc_tokens(doc: object, chars_per_token: float = 4.0, id_tokens: dict[str, int] | None = None) -> int:
+    """About how many tokens a document is (the router has no tokenizer: the replicas' answers teach
+    it chars_per_token, see AffinityPolicy.observe; id_tokens: documents registered through it)."""
     if isinstance(doc, dict):
-        return ID_DOC_TOKENS if "id" in doc else doc_tokens(doc.get("text", ""))
-    return max(1, len(str(doc)) // 4)
+        if "id" in doc:
+            return (id_tokens or {}).get(str(doc["id"]), ID_DOC_TOKENS)
+        return doc_tokens(doc.get("text", ""), chars_per_token)
+    return max(1, round(len(str(doc)) / chars_per_token))
 
 
 def owner(key: bytes, replicas: Sequence[str]) -> str:
@@ -56,27 +63,91 @@ class Choice:
 
 
 @dataclass
+class HeldDocument:
+    """A document the router believes a replica holds, as that replica's eviction policy sees a chunk."""
+
+    tokens: int
+    pages: range
+    priority: float = 0.0
+    hits: int = 0
+    seq: int = 0  # the last access that set its priority: ties go to the older one, as in the table
+
+
+@dataclass
 class ReplicaView:
-    """What the router believes one replica's chunk cache holds (an LRU of document keys -> tokens)."""
+    """What the router believes one replica's chunk cache holds: its documents, kept and evicted the
+    way the replica's ChunkTable does (its eviction policy, lru / lfu / gdsf, learnt from /cache_stats;
+    whole pages; a document evicted only when a new one needs its room, never one of the request being
+    placed). An LRU view of an LFU cache forgets the popular documents the replica keeps and remembers
+    one-off ones it dropped."""
 
     capacity: int | None = None  # tokens; None = not known yet (nothing is dropped)
-    held: OrderedDict = field(default_factory=OrderedDict)
+    eviction_policy: str = "lfu"  # the replicas' default
+    page_size: int = 16
+    held: dict[bytes, HeldDocument] = field(default_factory=dict)
     tokens: int = 0
+    pages: int = 0
+    _policy: EvictionPolicy | None = None
+    _tick: int = 0
 
     def holds(self, key: bytes) -> int:
-        return self.held.get(key, 0)
+        d = self.held.get(key)
+        return d.tokens if d is not None else 0
 
     def add(self, keys: Sequence[bytes], sizes: Sequence[int]) -> None:
-        for k, n in zip(keys, sizes):
-            self.tokens += n - self.held.pop(k, 0)
-            self.held[k] = n
-        while self.capacity is not None and self.tokens > self.capacity and len(self.held) > len(keys):
-            _, n = self.held.popitem(last=False)
-            self.tokens -= n
+        """The documents of one request sent to the replica, admitted as its scheduler does: the held
+        ones are pinned (an access: lru refreshes them), room is made for the new ones at once (never by
+        evicting this request's), then each is used in order: a hit, or an insert."""
+        if self._policy is None:
+            self._policy = make_policy(self.eviction_policy)
+        order = list(dict.fromkeys(zip(keys, sizes)))
+        for k, _ in order:
+            if k in self.held:
+                self._access(self.held[k], "acquire")
+        new = [(k, HeldDocument(n, range(-(-n // self.page_size)))) for k, n in order if k not in self.held]
+        if self.capacity is not None:
+            self._make_room(sum(len(d.pages) for _, d in new), {k for k, _ in order})
+        fresh = dict(new)
+        for k, _ in order:
+            d = fresh.get(k)
+            if d is None:
+                d = self.held[k]
+                d.hits += 1
+                self._access(d, "hit")
+            else:
+                self.held[k] = d
+                self.tokens += d.tokens
+                self.pages += len(d.pages)
+                self._access(d, "insert")
+
+    def _access(self, d: HeldDocument, kind: Access) -> None:
+        assert self._policy is not None
+        self._tick += 1
+        if self._policy.on_access(d, kind, self._tick):
+            d.seq = self._tick
+
+    def _make_room(self, need: int, keep: set[bytes]) -> None:
+        assert self._policy is not None and self.capacity is not None
+        limit = self.capacity // self.page_size
+        while self.pages + need > limit:
+            victims = [(d.priority, d.seq, k) for k, d in self.held.items() if k not in keep]
+            if not victims:
+                return
+            k = min(victims)[2]
+            self._policy.on_evict(self.held[k])
+            d = self.held.pop(k)
+            self.tokens -= d.tokens
+            self.pages -= len(d.pages)
+
+    def reset(self, capacity: int | None, eviction_policy: str = "lfu", page_size: int = 16) -> None:
+        """Forget everything (the replica (re)joined or was flushed), with its cache's size and policy."""
+        self.clear()
+        self.capacity, self.eviction_policy, self.page_size = capacity, eviction_policy, page_size
 
     def clear(self) -> None:
         self.held.clear()
-        self.tokens = 0
+        self.tokens = self.pages = 0
+        self._policy = None
 
 
 @dataclass
@@ -89,11 +160,25 @@ class AffinityPolicy:
     slack: int = 4
     mode: str = "affinity"
     views: dict[str, ReplicaView] = field(default_factory=dict)
+    # characters per prompt token, learnt from answers (the views are sized in tokens, like the
+    # replicas' caches; 4 is English prose, synthetic or code-heavy text is far from it)
+    chars_per_token: float = 4.0
+    id_tokens: dict[str, int] = field(default_factory=dict)  # documents registered through the router
     _turn: int = 0  # round_robin: requests routed so far
+    _observed: int = 0
 
     def __post_init__(self) -> None:
         if self.mode not in POLICIES:
             raise ValueError(f"policy {self.mode!r}: must be one of {', '.join(POLICIES)}")
+
+    def observe(self, chars: int, prompt_tokens: int) -> None:
+        """An answer's prompt held prompt_tokens for `chars` characters of request text: update the
+        ratio (a running mean over the first answers, then an exponential one that follows drift)."""
+        if chars <= 0 or prompt_tokens <= 0:
+            return
+        self._observed += 1
+        w = max(1.0 / self._observed, 0.05)
+        self.chars_per_token += w * (chars / prompt_tokens - self.chars_per_token)
 
     def view(self, replica: str) -> ReplicaView:
         return self.views.setdefault(replica, ReplicaView())

@@ -12,9 +12,15 @@ class System:
 
 @dataclass(frozen=True)
 class Doc:
-    """A retrieved document: its KV is computed once and reused wherever it appears."""
+    """A retrieved document: its KV is computed once and reused wherever it appears. Either its
+    text, or the id of a document registered on the backend (POST /v1/documents, Engine.add_document)."""
 
-    text: str
+    text: str | None = None
+    id: str | None = None
+
+    def ref(self) -> str | dict:
+        """As a request's documents take it: the text, or {"id": ...}."""
+        return self.text if self.id is None else {"id": self.id}
 
 
 @dataclass(frozen=True)
@@ -52,7 +58,14 @@ def system(text: str) -> System:
     return System(_text("system", text))
 
 
-def doc(text: str) -> Doc:
+def doc(text: str | None = None, *, id: str | None = None) -> Doc:  # noqa: A002 (the API's name)
+    """doc(text), or doc(id=...) for a document registered on the backend (its stored tokens)."""
+    if (text is None) == (id is None):
+        raise ValueError("doc() takes a text or id=..., exactly one")
+    if id is not None:
+        if not isinstance(id, str) or not id:
+            raise TypeError(f"doc(id=...) takes a non-empty string, got {id!r}")
+        return Doc(id=id)
     if not _text("doc", text).strip():
         raise ValueError("doc() text is empty")
     return Doc(text)
@@ -85,13 +98,22 @@ def gen(
     stop_token_ids: list[int] | None = None,
     logprobs: int | None = None,
     citations: bool | None = None,
+    json_schema: dict | None = None,
+    json_object: bool | None = None,
+    regex: str | None = None,
+    choices: list[str] | None = None,
+    grammar: str | None = None,
 ) -> Gen:
     """Generate into the assistant turn; the text is stored as s[name]. temperature 0 = greedy.
     doc_attention_temperature / doc_attention_scale / doc_positions: the program's documents as
     lazyrt.SamplingParams takes them (None: the engine's setting). The penalties, logit_bias,
     min_tokens and stop_token_ids are lazyrt.SamplingParams'; with logprobs (the number of top
     tokens, 0 = the sampled one's only), s.metas[name]["logprobs"] holds one entry per token; with
-    citations, s.metas[name]["citations"] ranks the program's documents by the attention paid them."""
+    citations, s.metas[name]["citations"] ranks the program's documents by the attention paid them.
+    Structured output (at most one, enforced while decoding): json_schema (a JSON schema dict),
+    json_object=True (any JSON object), regex (the whole output matches it), choices (the output is
+    one of them; unlike select(), which scores each choice, this generates under a grammar) or
+    grammar (Lark / GBNF)."""
     sampling: dict = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k}
     if stop:
         sampling["stop"] = [stop] if isinstance(stop, str) else list(stop)
@@ -99,7 +121,9 @@ def gen(
                 "doc_attention_scale": doc_attention_scale, "doc_positions": doc_positions,
                 "presence_penalty": presence_penalty, "frequency_penalty": frequency_penalty,
                 "repetition_penalty": repetition_penalty, "logit_bias": logit_bias, "min_tokens": min_tokens,
-                "stop_token_ids": stop_token_ids, "logprobs": logprobs, "citations": citations}  # fmt: skip
+                "stop_token_ids": stop_token_ids, "logprobs": logprobs, "citations": citations,
+                "json_schema": json_schema, "json_object": json_object, "regex": regex, "choice": choices,
+                "grammar": grammar}  # fmt: skip
     sampling.update({k: v for k, v in optional.items() if v is not None})
     return Gen(_text("gen", name), sampling)
 

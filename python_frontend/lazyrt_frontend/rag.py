@@ -8,7 +8,7 @@ from lazyrt_frontend.backend_registry import resolve_backend
 
 
 def rag(
-    docs: Sequence[str],
+    docs: Sequence[str | dict],
     question: str,
     *,
     system: str | None = None,
@@ -17,9 +17,10 @@ def rag(
     backend: object = None,
     **sampling: object,
 ) -> str:
-    """Answer `question` from `docs` (each doc's KV is reused from the chunk table when seen before)."""
-    if isinstance(docs, str) or not docs or not all(isinstance(d, str) and d.strip() for d in docs):
-        raise ValueError("rag() needs docs: a non-empty list of non-empty strings")
+    """Answer `question` from `docs` (each doc's KV is reused from the chunk table when seen before).
+    A doc is a text, or {"id": ...} of a document registered on the backend."""
+    if isinstance(docs, str) or not docs or not all(_is_doc(d) for d in docs):
+        raise ValueError("rag() needs docs: a non-empty list of texts, {'id': str} or {'text': str}")
     lost = {"n": sampling.get("n", 1) != 1, "logprobs": sampling.get("logprobs") is not None,
             "citations": sampling.get("citations", False) is not False}  # fmt: skip
     for name in (k for k, v in lost.items() if v):  # rag() returns the answer's text only
@@ -27,3 +28,9 @@ def rag(
                          "use a program (gen) or lazyrt.Engine.rag for it")  # fmt: skip
     params = {"max_tokens": max_tokens, "temperature": temperature, **sampling}
     return resolve_backend(backend).rag(list(docs), question, system, params)["text"]
+
+
+def _is_doc(d: object) -> bool:
+    if isinstance(d, str):
+        return bool(d.strip())
+    return isinstance(d, dict) and len(d) == 1 and isinstance(d.get("id", d.get("text")), str)

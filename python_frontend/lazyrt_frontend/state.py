@@ -26,12 +26,12 @@ class ProgramState:
     def __init__(self, backend: Backend, stream: bool = False):
         self.backend = backend
         self.messages: list[dict] = []
-        self.docs: list[str] = []
+        self.docs: list[str | dict] = []  # texts, or {"id": ...} of registered documents
         self.doc_turn: int | None = None
         self.variables: dict[str, str] = {}
         self.metas: dict[str, dict] = {}  # gen name -> the backend's meta (tokens, chunk hits, ...)
         self.error: BaseException | None = None
-        self._pending_docs: list[str] = []
+        self._pending_docs: list[str | dict] = []
         self._open = False  # the last message is an assistant turn gen/select still write into
         self._stream: queue.Queue | None = queue.Queue() if stream else None
         self._done = threading.Event()
@@ -49,7 +49,7 @@ class ProgramState:
         elif isinstance(part, Doc):
             if self.doc_turn is not None:
                 raise ProgramError("all doc()s of a program must come before the same user() turn")
-            self._pending_docs.append(part.text)
+            self._pending_docs.append(part.ref())
         elif isinstance(part, User):
             self._close()
             self.messages.append({"role": "user", "content": part.text})

@@ -9,11 +9,13 @@ from dataclasses import asdict
 from typing import Any
 
 from lazyrt.config import EngineConfig
+from lazyrt.documents import DocumentStore, list_json, open_store
 from lazyrt.prompt import RagPrompt
 from lazyrt.runtime.scheduler.engine_core import EngineCore
 from lazyrt.runtime.scheduler.request import Request, RequestState
 from lazyrt.runtime.scheduler.scheduler import Scheduler
 from lazyrt.runtime.tokenizer.detokenizer import IncrementalDetokenizer
+from lazyrt.runtime.tokenizer.doc_refs import register, resolve_doc, resolve_docs
 from lazyrt.runtime.tokenizer.doc_token_cache import DocTokenCache
 from lazyrt.runtime.tokenizer.rag_template import build_rag_prompt
 from lazyrt.runtime.tokenizer.token_text import TokenTexts
@@ -70,9 +72,15 @@ class Engine:
         # a popular document's text is tokenized once (as in the server's tokenizer process)
         self._doc_tokens = DocTokenCache(lambda text: self._tokens(text, "document", False))
         self.token_texts = TokenTexts(self.tokenizer)
+        # registered documents, used by id (EngineConfig.document_store; None when "none")
+        self.documents: DocumentStore | None = open_store(cfg.document_store, self.model_id)
 
     # ---- tokenization and validation ----------------------------------------------------------
     def _doc_ids(self, doc: Any, i: int) -> list[int]:
+        if isinstance(doc, dict):  # {"id"}: the stored ids (text + separator); {"text": t}: as t
+            doc = resolve_doc(doc, self.documents, f"RagPrompt.docs[{i}]")
+            if isinstance(doc, list):
+                return doc
         if isinstance(doc, str):
             return self._doc_tokens.get(doc)
         return self._tokens(doc, f"RagPrompt.docs[{i}]", False)
@@ -126,20 +134,28 @@ class Engine:
         self.scheduler.check_fits(req)
         return req
 
-    def rag_prompt(self, docs: Sequence[str], question: str, system: str | None = None) -> RagPrompt:
-        """The RagPrompt `rag()` runs: the model's chat template with docs before the question."""
+    def rag_prompt(self, docs: Sequence[str | dict], question: str, system: str | None = None) -> RagPrompt:
+        """The RagPrompt `rag()` runs: the model's chat template with docs before the question.
+        Each doc is a text, {"text": ...} or {"id": ...} of a registered document (its stored ids)."""
         if not isinstance(question, str) or not question.strip():
             raise ValueError("question must be a non-empty string")
-        if isinstance(docs, str) or not isinstance(docs, Sequence):
-            raise TypeError(f"docs must be a list of strings, got {type(docs).__name__}")
-        for i, d in enumerate(docs):
-            if not isinstance(d, str):
-                raise TypeError(f"docs[{i}] must be a string, got {type(d).__name__}")
-            if not d.strip():
-                raise ValueError(f"docs[{i}] is empty")
         if system is not None and not isinstance(system, str):
             raise TypeError(f"system must be a string or None, got {type(system).__name__}")
-        return build_rag_prompt(self.tokenizer, list(docs), question, system)
+        return build_rag_prompt(self.tokenizer, self.resolve_documents(docs), question, system)
+
+    def resolve_documents(self, docs: Sequence[str | dict], field: str = "docs") -> list[str | list[int]]:
+        """Documents as rag() takes them -> texts and the token ids of those given by id (errors name
+        `field[i]`: an unknown id raises lazyrt.documents.UnknownDocument, a LookupError)."""
+        if isinstance(docs, str) or not isinstance(docs, Sequence):
+            raise TypeError(f"{field} must be a list of documents, got {type(docs).__name__}")
+        for i, d in enumerate(docs):
+            if not isinstance(d, (str, dict)):
+                raise TypeError(
+                    f"{field}[{i}] must be a string or {{'id'|'text': str}}, got {type(d).__name__}"
+                )
+            if isinstance(d, str) and not d.strip():
+                raise ValueError(f"{field}[{i}] is empty")
+        return resolve_docs(list(docs), self.documents, field)
 
     # ---- generation ---------------------------------------------------------------------------
     def generate(
@@ -267,6 +283,57 @@ class Engine:
         if req.host_chunks:  # retrieval attention: documents attended in the host tier
             out["meta"]["host_attended_chunks"] = req.host_chunks
         return out
+
+    # ---- documents by reference (lazyrt.documents) ---------------------------------------------
+    def add_document(
+        self,
+        text: str,
+        id: str | None = None,  # noqa: A002 (the API's field name)
+        metadata: dict | None = None,
+        precompute: bool = False,
+        system: str | None = None,
+    ) -> str:
+        """Register a document; returns its id (content addressed unless `id` is given). Requests
+        then pass {"id": ...} and use its stored token ids. precompute: run a 1-token rag() with the
+        document alone (and `system`) so its chunk KV is in the chunk table before the first use."""
+        if not isinstance(precompute, bool):
+            raise TypeError(f"precompute must be a bool, got {type(precompute).__name__}")
+        if system is not None and not precompute:
+            raise ValueError("system only applies with precompute=True")
+        # the tokenizer call the document token cache makes, but not the cache: without precompute
+        # this touches no state of the step loop, so an EngineLoop thread may be running meanwhile
+        tokenize = lambda t: self._tokens(t, "text", False)  # noqa: E731
+        data, _ = register(self.documents, tokenize, text, id, metadata, self.max_context)
+        if precompute:
+            self.generate(self.precompute_prompt(data["id"], system), SamplingParams(max_tokens=1))
+        return data["id"]
+
+    def precompute_prompt(self, doc_id: str, system: str | None = None) -> RagPrompt:
+        """What precompute runs: the document alone before an empty question (its chunk key is the
+        same as in any rag() / chat request with this system prompt)."""
+        if system is not None and not isinstance(system, str):
+            raise TypeError(f"system must be a string or None, got {type(system).__name__}")
+        docs = resolve_docs([{"id": doc_id}], self.documents, "documents")
+        return build_rag_prompt(self.tokenizer, docs, "", system)
+
+    def get_document(self, id: str, include_text: bool = False) -> dict:  # noqa: A002
+        """{"id", "object": "document", "created", "tokens", "metadata"} (+ "text"), as GET
+        /v1/documents/{id} answers; an unknown id raises UnknownDocument."""
+        return self._store().get(id).to_json(include_text)
+
+    def delete_document(self, id: str) -> None:  # noqa: A002
+        """Forget a document (its chunk KV stays cached until evicted); unknown: UnknownDocument."""
+        self._store().delete(id)
+
+    def list_documents(self, limit: int = 20, after: str | None = None, include_text: bool = False) -> dict:
+        """One page, in registration order: {"object": "list", "data", "first_id", "last_id", "has_more"}."""
+        docs, more = self._store().list(limit, after)
+        return list_json(docs, more, include_text)
+
+    def _store(self) -> DocumentStore:
+        if self.documents is None:
+            raise ValueError("this Engine has no document store (document_store='none')")
+        return self.documents
 
     # ---- cache management ---------------------------------------------------------------------
     def cache_stats(self) -> dict:

@@ -40,7 +40,7 @@ class GenerateReq:
     text: str | None = None
     input_ids: list[int] | None = None
     messages: list[dict] | None = None  # chat: [{"role", "content"}], rendered with the chat template
-    docs: list[str] | None = None
+    docs: list[str | dict] | None = None  # texts, or {"id": ...} of registered documents
     system: str | None = None
     # "raw": text is the whole prompt; "rag": text is a question wrapped in the chat template
     text_mode: str = "raw"
@@ -69,6 +69,33 @@ class ControlReq:
 
     rid: int
     op: str  # "stats" | "flush"
+
+
+@message
+@dataclass(slots=True)
+class DocumentReq:
+    """An operation on the document store, which the tokenizer process owns (it tokenizes what is
+    registered); answered by a DocumentResp with the same rid."""
+
+    rid: int
+    op: str  # "add" | "get" | "list" | "delete"
+    id: str | None = None  # add: the client's id (None = content addressed); get, delete: which
+    text: str | None = None  # add
+    metadata: dict | None = None  # add
+    include_text: bool = False  # get, list
+    limit: int = 20  # list
+    after: str | None = None  # list: the id of the last document of the previous page
+
+
+@message
+@dataclass(slots=True)
+class DocumentResp:
+    rid: int
+    data: dict | None = None  # the API object (a document, a list, a deletion)
+    status: int = 200  # else an error: `message` names `param`
+    message: str = ""
+    param: str | None = None
+    created: bool = False  # add: the document is new
 
 
 # ---- tokenizer -> scheduler --------------------------------------------------------------------

@@ -173,6 +173,7 @@ class EngineCore:
             "radix_pages": s.radix.num_pages,
             "held_pages": s.held_pages(),
             "chunks": len(s.chunks),
+            "eviction_policy": s.chunks.eviction_policy,
             "chunk_hits": s.chunks.stats.hits,
             "chunk_misses": s.chunks.stats.misses,
             "chunk_evictions": s.chunks.stats.evictions,

@@ -5,12 +5,17 @@
 - processes.py: ProcessGroup, the tokenizer, scheduler and model worker processes.
 - app.py: the FastAPI routes (/generate, /score, /v1/*, /health, /metrics, /cache_stats, ...).
 - protocol.py: request bodies -> GenerateReq, with 4xx errors naming the field.
+- constraint_fields.py: response_format / guided_* / sampling_params constraints -> SamplingParams.
+- tool_grammar.py: tool_choice 'required' / a named function as a grammar in the tool-call format.
+- errors.py: ApiError, the 4xx/5xx with OpenAI's error body.
+- document_routes.py: /v1/documents routes (the store itself lives in the tokenizer process).
 - pipeline_client.py: sends GenerateReqs to the tokenizer process, routes TextOuts back per request.
 - metrics.py: Prometheus metrics in the server's own registry.
 
 The top of the process tree: it may start every process, but it never touches the model or the
 caches itself (the scheduler and worker run elsewhere).
 
-May import: lazyrt.config, lazyrt.sampling_params, lazyrt.runtime.ipc, and the process entry
-points lazyrt.runtime.tokenizer, lazyrt.runtime.scheduler, lazyrt.runtime.worker.
+May import: lazyrt.config, lazyrt.constraint, lazyrt.documents (request checks only),
+lazyrt.sampling_params, lazyrt.runtime.ipc, and the process entry points lazyrt.runtime.tokenizer,
+lazyrt.runtime.scheduler, lazyrt.runtime.worker.
 """

@@ -1,4 +1,5 @@
-"""The HTTP app: lazyrt's /generate, the OpenAI-compatible endpoints, health, metrics, cache control.
+"""The HTTP app: lazyrt's /generate, the OpenAI-compatible endpoints, health, metrics, cache control
+(and /v1/documents, from document_routes.py).
 
 Handlers only validate, submit to the pipeline and format what comes back; every request is one
 GenerateReq and one stream of TextOuts. A client that goes away aborts its request, which frees
@@ -8,6 +9,7 @@ its pages in the scheduler.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -19,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from lazyrt.runtime.ipc.messages import ErrorOut, TextOut
+from lazyrt.runtime.server.document_routes import add_document_routes
 from lazyrt.runtime.server.metrics import ServerMetrics
 from lazyrt.runtime.server.pipeline_client import PipelineClient
 from lazyrt.runtime.server.protocol import (
@@ -29,6 +32,7 @@ from lazyrt.runtime.server.protocol import (
     parse_generate,
     parse_score,
 )
+from lazyrt.runtime.server.tool_grammar import tool_call_grammar
 from lazyrt.runtime.tokenizer.tool_calls import ToolCall, ToolCallStream, parse_tool_calls
 
 logger = logging.getLogger("lazyrt.http")
@@ -195,6 +199,8 @@ def create_app(state: ServerState) -> FastAPI:
         if not isinstance(body, dict):
             raise ApiError(400, "request body must be a JSON object", "body")
         return body
+
+    add_document_routes(app, client, read_json)
 
     async def next_out(q: asyncio.Queue, request: Request) -> TextOut | ErrorOut | None:
         """The next output, or None if the client went away (non-streaming waits)."""
@@ -449,6 +455,12 @@ def create_app(state: ServerState) -> FastAPI:
             p = parse_chat(body, state.served_model)
             if p.req.tools and fmt is None:
                 raise ApiError(400, "tools: this model's chat template has no tool support", "tools")
+            if p.forced_tool is not None:
+                grammar = tool_call_grammar(p.req.tools, p.forced_tool, fmt, p.parallel_tool_calls)
+                try:
+                    p.req.sampling = dataclasses.replace(p.req.sampling, grammar=grammar)
+                except ValueError as e:  # a tool's parameters schema llguidance cannot take
+                    raise ApiError(400, f"tool_choice: cannot force this call: {e}", "tool_choice") from e
             asked.append(p)
             return p
 

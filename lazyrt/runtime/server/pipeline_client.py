@@ -15,6 +15,8 @@ from lazyrt.runtime.ipc.messages import (
     AbortReq,
     ControlReq,
     ControlResp,
+    DocumentReq,
+    DocumentResp,
     ErrorOut,
     GenerateReq,
     TextBatch,
@@ -68,6 +70,17 @@ class PipelineClient:
         finally:
             self._controls.pop(rid, None)
 
+    async def document(self, req: DocumentReq, timeout: float = 60.0) -> DocumentResp:
+        """A document store operation, answered by the tokenizer process (req.rid is set here)."""
+        req.rid = self.new_rid()
+        fut = asyncio.get_running_loop().create_future()
+        self._controls[req.rid] = fut
+        self._push.send(encode(req))
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self._controls.pop(req.rid, None)
+
     async def run(self) -> None:
         while True:
             self.dispatch(decode(await self._pull.recv()))
@@ -88,6 +101,10 @@ class PipelineClient:
             fut = self._controls.get(msg.rid)
             if fut is not None and not fut.done():
                 fut.set_result(msg.data)
+        elif isinstance(msg, DocumentResp):
+            fut = self._controls.get(msg.rid)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
         elif isinstance(msg, WorkerReady):
             self.ready_info = msg
             self.ready.set()

@@ -28,7 +28,9 @@ class ProcessGroup:
         ctx = mp.get_context("spawn")
         self.procs: dict[str, mp.process.BaseProcess] = {
             "tokenizer": ctx.Process(
-                target=run_tokenizer_process, args=(self.ipc, log_level), name="tokenizer"
+                target=run_tokenizer_process,
+                args=(self.ipc, log_level, cfg.document_store),
+                name="tokenizer",
             ),
             "scheduler": ctx.Process(
                 target=run_scheduler_process, args=(cfg, self.ipc, log_level), name="scheduler"

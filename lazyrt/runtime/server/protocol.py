@@ -1,7 +1,8 @@
 """HTTP request bodies -> GenerateReq, with OpenAI-style errors that name the offending field.
 
 Three shapes: POST /generate (lazyrt native: text | input_ids, docs, system, sampling_params,
-stream), POST /v1/completions and POST /v1/chat/completions (OpenAI, plus `documents: [str]`).
+stream), POST /v1/completions and POST /v1/chat/completions (OpenAI, plus `documents`). Documents
+(`docs` / `documents`) are texts, {"text": ...} or {"id": ...} of a registered document.
 """
 
 from __future__ import annotations
@@ -11,7 +12,10 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from lazyrt.documents import DocumentError, check_doc_item
 from lazyrt.runtime.ipc.messages import GenerateReq
+from lazyrt.runtime.server.constraint_fields import generate_constraint, openai_constraint
+from lazyrt.runtime.server.errors import ApiError, bad
 from lazyrt.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams, positive_number
 
 ROLES = ("system", "user", "assistant")
@@ -22,29 +26,7 @@ _UNSUPPORTED = {
     "function_call": "none",
     "suffix": None,
     "prompt_logprobs": None,
-    # structured output (OpenAI's and vLLM's names): refused until decoding enforces it
-    "guided_json": None,
-    "guided_regex": None,
-    "guided_choice": None,
-    "guided_grammar": None,
 }
-
-
-class ApiError(Exception):
-    def __init__(
-        self, status: int, message: str, param: str | None = None, type: str = "invalid_request_error"
-    ):
-        super().__init__(message)
-        self.status, self.message, self.param, self.type = status, message, param, type
-
-    def body(self) -> dict:
-        return {
-            "error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}
-        }
-
-
-def bad(param: str, why: str) -> ApiError:
-    return ApiError(400, f"{param}: {why}", param)
 
 
 @dataclass
@@ -55,6 +37,7 @@ class Parsed:
     more: list[GenerateReq] = dataclasses.field(default_factory=list)  # /v1/completions: prompts 2..
     echo_only: bool = False  # completions echo with max_tokens 0: the prompt back, nothing generated
     parallel_tool_calls: bool = True  # chat with tools: False keeps the first call only
+    forced_tool: str | None = None  # tool_choice: '*' (required) or the named function; a grammar
 
     def requests(self) -> list[GenerateReq]:
         """One request per completion: each prompt's n samples in turn (choice index = position)."""
@@ -72,18 +55,19 @@ def _is_num(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def _str_list(body: dict, key: str, allow_empty_items: bool = False) -> list[str] | None:
+def _doc_list(body: dict, key: str) -> list[str | dict] | None:
+    """A request's documents: each a text or {"id": ...} ({"text": t} becomes t); errors name the
+    item (`documents[2].id`). Whether an id exists is the tokenizer process's check (404)."""
     v = body.get(key)
     if v is None:
         return None
     if not isinstance(v, list):
-        raise bad(key, f"must be a list of strings, got {type(v).__name__}")
-    for i, s in enumerate(v):
-        if not isinstance(s, str):
-            raise bad(f"{key}[{i}]", f"must be a string, got {type(s).__name__}")
-        if not allow_empty_items and not s.strip():
-            raise bad(f"{key}[{i}]", "must not be empty")
-    return v
+        raise bad(key, f"must be a list of documents (strings, {{'text': str}} or {{'id': str}}), "
+                  f"got {type(v).__name__}")  # fmt: skip
+    try:
+        return [check_doc_item(d, f"{key}[{i}]") for i, d in enumerate(v)]
+    except DocumentError as e:
+        raise ApiError(400, str(e), e.param) from e
 
 
 def _bool(body: dict, key: str, default: bool = False) -> bool:
@@ -95,8 +79,11 @@ def _bool(body: dict, key: str, default: bool = False) -> bool:
     return v
 
 
-def _sampling(src: dict, prefix: str, default_max_tokens: int, default_temperature: float) -> SamplingParams:
-    """Validate each sampling field by name (prefix names where it sits in the body)."""
+def _sampling(
+    src: dict, prefix: str, default_max_tokens: int, default_temperature: float, constraint: dict
+) -> SamplingParams:
+    """Validate each sampling field by name (prefix names where it sits in the body); constraint:
+    the structured-output field, checked already (constraint_fields.py)."""
     p = lambda k: prefix + k  # noqa: E731
     max_tokens = src.get("max_tokens")
     if max_tokens is None:
@@ -139,6 +126,7 @@ def _sampling(src: dict, prefix: str, default_max_tokens: int, default_temperatu
     if retrieval_top_k is not None and (not _is_int(retrieval_top_k) or retrieval_top_k < 1):
         raise bad(p("retrieval_top_k"), f"must be an integer >= 1, got {retrieval_top_k!r}")
     return SamplingParams(
+        **constraint,
         **_parity(src, prefix),
         retrieval_top_k=retrieval_top_k,
         doc_positions=doc_positions,
@@ -225,9 +213,6 @@ def _logprobs(body: dict, chat: bool) -> int | None:
 
 
 def _check_unsupported(body: dict) -> None:
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise bad("response_format", "is not supported by this server yet (only {'type': 'text'})")
     for key, default in _UNSUPPORTED.items():
         v = body.get(key)
         if v is not None and v != default:
@@ -267,12 +252,12 @@ def parse_completion(body: dict, served: str) -> Parsed:
     prompts = prompt if batch else [prompt]
     if len(prompts) > MAX_N:
         raise bad("prompt", f"a batch holds at most {MAX_N} prompts, got {len(prompts)}")
-    docs = _str_list(body, "documents")
+    docs = _doc_list(body, "documents")
     echo = _bool(body, "echo")
     echo_only = echo and body.get("max_tokens") == 0
     if echo_only:  # a 1-token request whose token is dropped: the prompt's logprobs are the point
         body = {**body, "max_tokens": 1}
-    sp = _sampling(body, "", 16, 1.0)
+    sp = _sampling(body, "", 16, 1.0, openai_constraint(body))
     sp.logprobs = _logprobs(body, chat=False)
     if sp.n * len(prompts) > MAX_N:
         raise bad("n", f"n x prompts must be at most {MAX_N}, got {sp.n} x {len(prompts)}")
@@ -334,15 +319,21 @@ def parse_chat(body: dict, served: str) -> Parsed:
             raise bad(f"messages[{i}].role", f"must be one of {', '.join(ROLES)}, tool, got {role!r}")
         messages.append(_tool_message(m, i) if role == "tool" or m.get("tool_calls") else
                         {"role": role, "content": _content(m, i)})  # fmt: skip
-    docs = _str_list(body, "documents")
+    docs = _doc_list(body, "documents")
     if docs and not any(m["role"] == "user" for m in messages):
         raise bad("messages", "documents need a user message to attach to")
-    tools, parallel = _tools(body)
-    sp = _sampling(body, "", 128, 1.0)
+    tools, parallel, forced = _tools(body)
+    constraint = openai_constraint(body)
+    if forced is not None and constraint:
+        raise bad("tool_choice", "forcing a call cannot be combined with response_format or guided_*")
+    if forced is not None and (body.get("ignore_eos") or body.get("min_tokens")):
+        name = "ignore_eos" if body.get("ignore_eos") else "min_tokens"
+        raise bad(name, "cannot be combined with tool_choice forcing a call")
+    sp = _sampling(body, "", 128, 1.0, constraint)
     sp.logprobs = _logprobs(body, chat=True)
     stream, usage = _stream(body)
     req = GenerateReq(-1, sp, messages=messages, docs=docs, param="messages", tools=tools)
-    return Parsed(req, stream, usage, parallel_tool_calls=parallel)
+    return Parsed(req, stream, usage, parallel_tool_calls=parallel, forced_tool=forced)
 
 
 def _tool_message(m: dict, i: int) -> dict:
@@ -380,20 +371,27 @@ def _tool_message(m: dict, i: int) -> dict:
     return {"role": "assistant", "content": text, "tool_calls": out_calls}
 
 
-def _tools(body: dict) -> tuple[list[dict] | None, bool]:
-    """tools (function definitions, checked) and parallel_tool_calls; tool_choice 'none' leaves the
-    tools out of the prompt, 'auto' (the default) lets the model call them. Forcing a call
-    ('required' or a named function) needs decoding that enforces it: refused for now."""
+def _tools(body: dict) -> tuple[list[dict] | None, bool, str | None]:
+    """tools (function definitions, checked), parallel_tool_calls and the forced call: tool_choice
+    'none' leaves the tools out of the prompt, 'auto' (the default) lets the model call them,
+    'required' ('*') or {'type': 'function', 'function': {'name'}} forces a call (a grammar)."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     parallel = _bool(body, "parallel_tool_calls", True)
-    if choice is not None and choice not in ("none", "auto"):
-        if choice == "required" or isinstance(choice, dict):
-            raise bad("tool_choice", "forcing a call ('required' or a named function) is not supported yet")
+    forced = None
+    if choice == "required":
+        forced = "*"
+    elif isinstance(choice, dict):
+        fn = choice.get("function")
+        named = isinstance(fn, dict) and isinstance(fn.get("name"), str)
+        if choice.get("type") != "function" or not named:
+            raise bad("tool_choice", "must be {'type': 'function', 'function': {'name': str}}")
+        forced = fn["name"]
+    elif choice is not None and choice not in ("none", "auto"):
         raise bad("tool_choice", f"must be 'none', 'auto', 'required' or a named function, got {choice!r}")
     if tools is None:
-        if choice == "auto":
+        if choice is not None and choice != "none":
             raise bad("tool_choice", "needs tools")
-        return None, parallel
+        return None, parallel, None
     if not isinstance(tools, list) or not tools:
         raise bad("tools", "must be a non-empty list of {'type': 'function', 'function': {...}}")
     out = []
@@ -406,7 +404,9 @@ def _tools(body: dict) -> tuple[list[dict] | None, bool]:
         if fn.get("description") is not None and not isinstance(fn["description"], str):
             raise bad(f"tools[{i}].function.description", "must be a string")
         out.append({"type": "function", "function": fn})
-    return (None if choice == "none" else out), parallel
+    if forced not in (None, "*") and forced not in [t["function"]["name"] for t in out]:
+        raise bad("tool_choice", f"names {forced!r}, which is not in tools")
+    return (None if choice == "none" else out), parallel, forced
 
 
 def _messages(body: dict) -> list[dict]:
@@ -427,7 +427,7 @@ def _parse_program(body: dict, sp: SamplingParams) -> GenerateReq:
     """/generate with `messages` (a frontend program's state): docs go into messages[doc_turn]
     (default: the last user message); continue_final continues the last, assistant, message."""
     messages = _messages(body)
-    docs = _str_list(body, "docs")
+    docs = _doc_list(body, "docs")
     if body.get("system") is not None:
         raise bad("system", "with messages, give the system prompt as a system message")
     doc_turn = body.get("doc_turn")
@@ -460,7 +460,8 @@ def _generate_sampling(body: dict) -> SamplingParams:
     unknown = sorted(set(sp_in) - set(SamplingParams.__dataclass_fields__))
     if unknown:
         raise bad(f"sampling_params.{unknown[0]}", "unknown sampling parameter")
-    sp = _sampling(sp_in, "sampling_params.", 128, 0.0)
+    prefix = "sampling_params."
+    sp = _sampling(sp_in, prefix, 128, 0.0, generate_constraint(sp_in, prefix))
     lp = sp_in.get("logprobs")
     if lp is not None and (not _is_int(lp) or not 0 <= lp <= MAX_LOGPROBS):
         raise bad("sampling_params.logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] or null")
@@ -480,7 +481,7 @@ def parse_generate(body: dict) -> Parsed:
         raise bad("text", "must be a non-empty string")
     if ids is not None and (not isinstance(ids, list) or not ids or not all(_is_int(t) for t in ids)):
         raise bad("input_ids", "must be a non-empty list of integer token ids")
-    docs = _str_list(body, "docs")
+    docs = _doc_list(body, "docs")
     system = body.get("system")
     if system is not None and not isinstance(system, str):
         raise bad("system", f"must be a string, got {type(system).__name__}")

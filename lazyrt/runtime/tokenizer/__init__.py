@@ -5,7 +5,9 @@
 - request_tokenizer.py: RequestTokenizer (validation, limits, errors that name the field).
 - rag_template.py: chat templates with documents (the prompt as prefix, documents, question).
 - doc_token_cache.py: a popular document's text is tokenized once.
+- doc_refs.py: a request's documents by text or by id (stored token ids); registering a document.
+- document_ops.py: the document store's operations (/v1/documents), run here beside the tokenizer.
 - detokenizer.py: incremental detokenization (whole characters only, stop strings held back).
 
-May import: lazyrt.prompt, lazyrt.sampling_params, lazyrt.runtime.ipc
+May import: lazyrt.documents, lazyrt.prompt, lazyrt.sampling_params, lazyrt.runtime.ipc
 """

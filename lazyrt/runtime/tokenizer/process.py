@@ -8,15 +8,19 @@ scheduler frees the pages; tokens the scheduler produced meanwhile are dropped h
 from __future__ import annotations
 
 import logging
+import os
+import sqlite3
 import time
 from dataclasses import dataclass, field
 
 import zmq
 
+from lazyrt.documents import DocumentStore, open_store
 from lazyrt.runtime.ipc.messages import (
     AbortReq,
     ControlReq,
     ControlResp,
+    DocumentReq,
     ErrorOut,
     GenerateReq,
     TextBatch,
@@ -26,6 +30,7 @@ from lazyrt.runtime.ipc.messages import (
 )
 from lazyrt.runtime.ipc.sockets import PARENT_CHECK_MS, IpcPaths, child_setup, poll, recv, send, socket
 from lazyrt.runtime.tokenizer.detokenizer import IncrementalDetokenizer
+from lazyrt.runtime.tokenizer.document_ops import handle_document_req
 from lazyrt.runtime.tokenizer.request_tokenizer import InvalidRequest, RequestTokenizer
 from lazyrt.runtime.tokenizer.token_text import TokenTexts
 from lazyrt.runtime.tokenizer.tool_calls import tool_format
@@ -41,9 +46,17 @@ class _Live:
 
 
 class TokenizerLoop:
-    def __init__(self, tokenizer, ready: WorkerReady, to_sched: zmq.Socket, to_http: zmq.Socket):
+    def __init__(
+        self,
+        tokenizer,
+        ready: WorkerReady,
+        to_sched: zmq.Socket,
+        to_http: zmq.Socket,
+        store: DocumentStore | None = None,
+    ):
         self.tokenizer = tokenizer
-        self.req_tokenizer = RequestTokenizer(tokenizer, ready.max_context, ready.vocab_size)
+        self.req_tokenizer = RequestTokenizer(tokenizer, ready.max_context, ready.vocab_size, store=store)
+        self.store = store
         self.to_sched, self.to_http = to_sched, to_http
         self.live: dict[int, _Live] = {}
         self.token_texts = TokenTexts(tokenizer)
@@ -53,7 +66,8 @@ class TokenizerLoop:
             try:
                 tok = self.req_tokenizer.tokenize(msg)
             except InvalidRequest as e:
-                send(self.to_http, ErrorOut(msg.rid, str(e), e.param))
+                kind = "not_found_error" if e.status == 404 else "invalid_request_error"
+                send(self.to_http, ErrorOut(msg.rid, str(e), e.param, e.status, kind))
                 return
             except Exception as e:  # a tokenizer bug must fail one request, not the server
                 logger.exception("tokenizing request %d failed", msg.rid)
@@ -72,6 +86,9 @@ class TokenizerLoop:
             send(self.to_sched, msg)
         elif isinstance(msg, ControlReq):
             send(self.to_sched, msg)
+        elif isinstance(msg, DocumentReq):
+            rt = self.req_tokenizer
+            send(self.to_http, handle_document_req(msg, self.store, rt.doc_cache.get, rt.max_context))
 
     def on_scheduler(self, msg: object) -> None:
         if isinstance(msg, TokenBatch):
@@ -119,7 +136,8 @@ class TokenizerLoop:
         return [first, *self.token_texts.logprobs(ids[1:], [list(x) for x in zip(lps, top_ids, top_lps)])]
 
 
-def run_tokenizer_process(ipc: IpcPaths, log_level: str) -> None:
+def run_tokenizer_process(ipc: IpcPaths, log_level: str, document_store: str | None = None) -> None:
+    """document_store: EngineConfig.document_store (None = the model's default file, "none" = off)."""
     watch = child_setup("tokenizer", log_level)
     ctx = zmq.Context()
     from_http = socket(ctx, zmq.PULL, ipc.tokenizer_in, bind=True)
@@ -133,7 +151,14 @@ def run_tokenizer_process(ipc: IpcPaths, log_level: str) -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(ready.tokenizer_path)
-    loop = TokenizerLoop(tokenizer, ready, to_sched, to_http)
+    store = open_store(document_store, ready.model_id)
+    if store is not None and os.path.exists(store.path):  # else created by the first registration
+        try:
+            logger.info("document store %s (%d documents)", store.path, len(store.open()))
+        except (OSError, ValueError, sqlite3.Error) as e:  # another model's file, say: stop
+            logger.error("cannot open the document store: %s", e)
+            raise SystemExit(1) from e
+    loop = TokenizerLoop(tokenizer, ready, to_sched, to_http, store)
     ready.tool_format = tool_format(getattr(tokenizer, "chat_template", None))
     send(to_http, ready)
     while True:

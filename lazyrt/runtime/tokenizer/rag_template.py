@@ -6,6 +6,14 @@ from lazyrt.prompt import RagPrompt
 
 _MARK = "\x1eLAZYRT_DOCS\x1e"
 DOC_SEPARATOR = "\n\n"
+# A document is a text, or the token ids of a registered one (lazyrt.documents), which already end
+# with the separator: the same ids the text gets here, so both reuse the same chunk KV.
+DocPart = str | list[int]
+
+
+def doc_part(doc: DocPart) -> DocPart:
+    """A document as it sits in a RAG prompt: its text and a blank line (token ids: as stored)."""
+    return doc + DOC_SEPARATOR if isinstance(doc, str) else list(doc)
 
 
 def render_chat(
@@ -34,7 +42,7 @@ def render_chat(
 def build_rag_chat_prompt(
     tokenizer,
     messages: list[dict],
-    docs: list[str],
+    docs: list[DocPart],
     doc_turn: int | None = None,
     continue_final: bool = False,
     tools: list[dict] | None = None,
@@ -42,7 +50,7 @@ def build_rag_chat_prompt(
     """Docs go at the start of a user message's content: the last one, or messages[doc_turn].
 
     prefix = the rendered conversation up to that content (what each doc's KV is conditioned on),
-    docs = each doc + blank line, suffix = the user's text and the rest of the conversation.
+    docs = each doc + blank line (doc_part), suffix = the user's text and the rest of the conversation.
     """
     if doc_turn is None:
         doc_turn = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=None)
@@ -58,10 +66,10 @@ def build_rag_chat_prompt(
         raise ValueError(
             "the chat template does not place the user message verbatim; cannot split documents out"
         )
-    return RagPrompt(prefix=head, docs=[d + DOC_SEPARATOR for d in docs], suffix=tail)
+    return RagPrompt(prefix=head, docs=[doc_part(d) for d in docs], suffix=tail)
 
 
-def build_rag_prompt(tokenizer, docs: list[str], question: str, system: str | None = None) -> RagPrompt:
+def build_rag_prompt(tokenizer, docs: list[DocPart], question: str, system: str | None = None) -> RagPrompt:
     """A system prompt (optional) and one user turn: docs, then the question."""
     messages = ([{"role": "system", "content": system}] if system is not None else []) + [
         {"role": "user", "content": question}
@@ -72,7 +80,7 @@ def build_rag_prompt(tokenizer, docs: list[str], question: str, system: str | No
 def build_program_prompt(
     tokenizer,
     messages: list[dict],
-    docs: list[str],
+    docs: list[DocPart],
     doc_turn: int | None = None,
     continue_final: bool = False,
 ) -> RagPrompt:

@@ -1,36 +1,48 @@
 """RequestTokenizer: GenerateReq (validated JSON shapes) -> TokenizedReq (token ids, limits checked).
 
 Each document is tokenized on its own (its KV is reused at any position, so its tokens must not
-depend on its neighbours). Errors name the request field at fault.
+depend on its neighbours); a document given by id brings its stored token ids. Errors name the
+request field at fault.
 """
 
 from __future__ import annotations
 
+from lazyrt.documents import DocumentError, DocumentStore
 from lazyrt.prompt import RagPrompt
 from lazyrt.runtime.ipc.messages import GenerateReq, TokenizedReq
+from lazyrt.runtime.tokenizer.doc_refs import resolve_docs
 from lazyrt.runtime.tokenizer.doc_token_cache import DocTokenCache
 from lazyrt.runtime.tokenizer.rag_template import (
-    DOC_SEPARATOR,
     build_program_prompt,
     build_rag_chat_prompt,
     build_rag_prompt,
+    doc_part,
     render_chat,
 )
 from lazyrt.sampling_params import out_of_vocab
 
 
 class InvalidRequest(ValueError):
-    def __init__(self, message: str, param: str | None):
+    def __init__(self, message: str, param: str | None, status: int = 400):
         super().__init__(message)
         self.param = param
+        self.status = status
 
 
 class RequestTokenizer:
-    def __init__(self, tokenizer, max_context: int, vocab_size: int, doc_cache_tokens: int = 8_000_000):
+    def __init__(
+        self,
+        tokenizer,
+        max_context: int,
+        vocab_size: int,
+        doc_cache_tokens: int = 8_000_000,
+        store: DocumentStore | None = None,
+    ):
         self.tokenizer = tokenizer
         self.max_context = max_context
         self.vocab_size = vocab_size
         self.doc_cache = DocTokenCache(lambda text: self._ids(text, False), doc_cache_tokens)
+        self.store = store  # registered documents, for requests that name them by id
 
     def _ids(self, text: str, special: bool) -> list[int]:
         return self.tokenizer(text, add_special_tokens=special).input_ids
@@ -39,8 +51,11 @@ class RequestTokenizer:
         bad = out_of_vocab(req.sampling, self.vocab_size)
         if bad:
             raise InvalidRequest(bad, bad.split(":")[0])
-        docs = req.docs or []
-        doc_field = "docs" if req.text_mode == "rag" else "documents"
+        doc_field = "docs" if req.text_mode in ("rag", "program") else "documents"  # /generate's or OpenAI's
+        try:
+            docs = resolve_docs(req.docs or [], self.store, doc_field)
+        except DocumentError as e:
+            raise InvalidRequest(str(e), e.param, e.status) from e
         prompt: RagPrompt | None = None
         plain: list[int] = []
         try:
@@ -59,7 +74,7 @@ class RequestTokenizer:
                 prompt = build_rag_prompt(self.tokenizer, docs, req.text, req.system)
             elif docs:  # a raw completion with documents: they go first, then the prompt
                 rest = req.text if req.text is not None else list(req.input_ids or [])
-                prompt = RagPrompt("", [d + DOC_SEPARATOR for d in docs], rest)
+                prompt = RagPrompt("", [doc_part(d) for d in docs], rest)
             elif req.text is not None:
                 plain = self._ids(req.text, True)
             else:
@@ -70,7 +85,7 @@ class RequestTokenizer:
             raise InvalidRequest(str(e), req.param) from e
         if prompt is not None:
             prefix = self._ids(prompt.prefix, False) if isinstance(prompt.prefix, str) else prompt.prefix
-            doc_ids = [self.doc_cache.get(d) for d in prompt.docs]
+            doc_ids = [self.doc_cache.get(d) if isinstance(d, str) else d for d in prompt.docs]
             if isinstance(prompt.suffix, str):
                 suffix = self._ids(prompt.suffix, False)
             else:

@@ -6,6 +6,7 @@
 - model_runner.py: ModelRunner: a StepPlan -> attention metadata -> forward -> logits.
 - step_inputs.py: a StepPlan flattened to host int arrays (token ids, page tables, store slots).
 - cuda_graph.py: decode steps replayed from CUDA graphs.
+- grammar.py: structured output: per-request llguidance matchers, batch token masks on the logits.
 - sampler.py: greedy / temperature / top-k / top-p, seeded per request.
 - tp_group.py: TPGroup, a rank's torch.distributed process group (gloo / NCCL) for the
   model's all-reduces, the page-count minimum and the sampled tokens.
@@ -14,7 +15,7 @@
 - host_segments.py: retrieval attention's host-tier segments taken out of a step (lazyrt.retrieval
   attends them).
 
-May import: lazyrt.cache, lazyrt.config, lazyrt.kernels, lazyrt.models, lazyrt.retrieval,
+May import: lazyrt.cache, lazyrt.config, lazyrt.constraint, lazyrt.kernels, lazyrt.models, lazyrt.retrieval,
 lazyrt.sampling_params, lazyrt.runtime.ipc, lazyrt.runtime.scheduler (the plan types and the StepMsg
 decoder only)
 """

@@ -23,6 +23,7 @@ from lazyrt.retrieval.host_attention import RetrievalOptions
 from lazyrt.runtime.ipc.messages import StepMsg, StepResult, WorkerReady
 from lazyrt.runtime.scheduler.plan import StepPlan
 from lazyrt.runtime.scheduler.step_wire import StepDecoder
+from lazyrt.runtime.worker.grammar import GrammarConstraints
 from lazyrt.runtime.worker.logits_processing import LogitsProcessing, logprob_entries, token_logprobs
 from lazyrt.runtime.worker.model_runner import ModelRunner
 from lazyrt.runtime.worker.sampler import sample_tokens_device
@@ -122,6 +123,12 @@ class ModelWorker:
         self.eos_ids = eos
         self._generators: dict[int, torch.Generator | None] = {}
         self._logits = LogitsProcessing(loaded.config.vocab_size, self.model.device, eos)
+        # tensor-parallel ranks >= 1 take rank 0's tokens: no tokenizer, so no grammar state either
+        self._grammar = (
+            GrammarConstraints(self.tokenizer, loaded.config.vocab_size, eos, self.model.device)
+            if self.tokenizer is not None
+            else None
+        )
         self._decoder = StepDecoder()
         self._deferred: DeferredTokens | None = None  # the launched step whose tokens are not sent yet
 
@@ -173,6 +180,8 @@ class ModelWorker:
         except BaseException as e:
             # the scheduler drops its step in flight and aborts the requests: start clean
             self._deferred, self.runner.prev_tokens = None, None
+            if self._grammar is not None:
+                self._grammar.drop_pending()
             if isinstance(e, torch.cuda.OutOfMemoryError) and torch.cuda.is_available():
                 torch.cuda.empty_cache()  # hand the failed step's cached blocks back before the next
             if self._tp_check is not None:
@@ -183,6 +192,8 @@ class ModelWorker:
         for rid in msg.release:
             self._generators.pop(rid, None)
             self._logits.release(rid)
+            if self._grammar is not None:
+                self._grammar.release(rid)
         plan = self._decoder.decode(msg)
         if self._deferred is not None and not msg.defer:
             if plan.items or plan.probes or plan.has_copies:
@@ -205,10 +216,15 @@ class ModelWorker:
             gens = [self._generators[r.rid] for r in rows]
             params, rids = [r.params for r in rows], [r.rid for r in rows]
             processed = self._logits.apply(logits, rids, params, [r.suffix for r in rows])  # stub: prompt
+            # after the forward is launched: the grammar masks are computed while the device runs it
+            if self._grammar is not None:
+                processed = self._grammar.apply(processed, rids, params)
             tokens = sample_tokens_device(processed, params, gens)
             if self.tp is not None:  # rank 0's draw for everyone (unseeded generators differ by rank)
                 tokens = self.tp.broadcast(tokens.contiguous())
             self._logits.advance(rids, tokens)
+            if self._grammar is not None:
+                self._grammar.advance(rids, params, tokens)
             logprobs = token_logprobs(logits, tokens, params)
         if not msg.defer:
             self.runner.prev_tokens = None  # the scheduler has every token before its next plan

@@ -19,7 +19,7 @@ class ProgramPrompt:
     """
 
     messages: list[dict]
-    docs: list[str] = field(default_factory=list)
+    docs: list[str | dict] = field(default_factory=list)  # texts, or {"id": ...} of registered ones
     doc_turn: int | None = None
 
 
@@ -32,8 +32,15 @@ class Backend(Protocol):
         """Mean per-token log-probability of each continuation appended to the last message."""
         ...
 
-    def rag(self, docs: list[str], question: str, system: str | None, sampling: dict) -> dict:
+    def rag(self, docs: list[str | dict], question: str, system: str | None, sampling: dict) -> dict:
         """Exactly lazyrt.Engine.rag: {"text", "meta"}."""
+        ...
+
+    def add_document(
+        self, text: str, id: str | None = None, metadata: dict | None = None, precompute: bool = False
+    ) -> str:
+        """Register a document on the backend (POST /v1/documents / Engine.add_document); returns
+        the id that doc(id=...) and rag()'s {"id": ...} then use."""
         ...
 
     def cache_stats(self) -> dict: ...

@@ -66,10 +66,20 @@ class RuntimeEndpoint:
         body = {**self._program_body(prompt), "continuations": list(continuations)}
         return list(self._post("/score", body)["scores"])
 
-    def rag(self, docs: list[str], question: str, system: str | None, sampling: dict) -> dict:
+    def rag(self, docs: list[str | dict], question: str, system: str | None, sampling: dict) -> dict:
         body = {"text": question, "docs": list(docs), "system": system, "sampling_params": sampling}
         out = self._post("/generate", body)
         return {"text": out["text"], "meta": out["meta"]}
+
+    def add_document(
+        self,
+        text: str,
+        id: str | None = None,  # noqa: A002
+        metadata: dict | None = None,
+        precompute: bool = False,
+    ) -> str:
+        body = {"text": text, "id": id, "metadata": metadata, "precompute": precompute}
+        return self._post("/v1/documents", body)["id"]
 
     def cache_stats(self) -> dict:
         r = self.client.get("/cache_stats")
