@@ -7,6 +7,7 @@ The Engine tests start one extra process (rank 1) each; the server test starts a
 
 from __future__ import annotations
 
+import json
 import random
 import threading
 
@@ -267,10 +268,20 @@ def test_engine_tp2_with_a_replicated_kv_head(one_kv_head_model):
     batches = _batches(random.Random())
     kw = dict(device="cpu", cache_mode="lazy", kv_cache_tokens=8192)
     want = _run(Engine(one_kv_head_model, **kw), batches)
+    # structured output: rank 0 holds the grammar and samples; rank 1 takes its tokens
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "maximum": 99}}, "required": ["a"]}
+    constrained = [SamplingParams(max_tokens=30, json_schema=schema),
+                   SamplingParams(max_tokens=30, json_object=True, temperature=0.8, seed=7)]
+    prompts = [ids(random.Random(), 12), ids(random.Random(), 9)]
+    want_json = Engine(one_kv_head_model, **kw).generate(prompts, constrained)
     with Engine(one_kv_head_model, tensor_parallel_size=2, **kw) as two:
         assert (two.model.config.num_heads, two.model.config.num_kv_heads) == (2, 1)
         got = _run(two, batches)
+        got_json = two.generate(prompts, constrained)
     _assert_same(got, want)
+    assert [o["token_ids"] for o in got_json] == [o["token_ids"] for o in want_json]
+    if got_json[0]["meta"]["finish_reason"] == "stop":
+        assert set(json.loads(got_json[0]["text"])) == {"a"}
 
 
 @pytest.mark.slow
