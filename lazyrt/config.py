@@ -78,6 +78,9 @@ class EngineConfig:
     # Overlapped scheduling: plan and build step N+1 on the host while the device runs step N
     # (scheduler/engine_core.py); same outputs, one step's compute wasted when a request hits EOS.
     overlap_schedule: bool = True
+    # Tensor parallelism: the model split Megatron-style over this many ranks, one worker process per
+    # rank (one GPU each on CUDA over NCCL; gloo on CPU), each holding its share of the KV heads.
+    tensor_parallel_size: int = 1
     # Registered documents (lazyrt/documents.py; requests name them by id): a sqlite file path;
     # None = $LAZYRT_CACHE_DIR/documents/<model id>.sqlite; "none" = no store.
     document_store: str | None = None
@@ -114,6 +117,24 @@ class EngineConfig:
         recompute = bool(self.recompute_pages or self.recompute_ratio or self.recompute_head_pages)
         check_doc_positions(self.cache_mode, self.doc_positions, recompute)
         check_store_option(self.document_store)
+        check_tensor_parallel_size(self)
+
+
+def check_tensor_parallel_size(cfg: EngineConfig) -> None:
+    """Validates tensor_parallel_size (ValueError naming it): an integer >= 1; above 1 the ranks take
+    cuda:0..N-1 (device cuda or auto, not one chosen GPU) and retrieval attention is not supported
+    (its host-tier key indexes are not split by rank yet). Head divisibility is checked at load."""
+    n = cfg.tensor_parallel_size
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"tensor_parallel_size={n!r}: must be an integer >= 1 (1 = one device)")
+    if n == 1:
+        return
+    if cfg.device.startswith("cuda:"):
+        raise ValueError(
+            f"tensor_parallel_size={n}: rank r runs on cuda:r; pass device cuda (or auto), not {cfg.device!r}"
+        )
+    if cfg.retrieval_attention:
+        raise ValueError(f"tensor_parallel_size={n}: retrieval_attention is not supported with it yet")
 
 
 def check_recompute_options(

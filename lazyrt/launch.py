@@ -13,6 +13,7 @@ from lazyrt.cache.eviction import EVICTION_POLICIES
 from lazyrt.config import CACHE_MODES, DTYPES, RECOMPUTE_POLICIES, EngineConfig
 from lazyrt.models.loader import LOAD_FORMATS
 from lazyrt.runtime.server.serve import ServerOptions, serve
+from lazyrt.runtime.worker.tp_ranks import check_devices
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -159,6 +160,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(same outputs; --no-overlap-schedule waits for each step's tokens first)",
     )
     p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=d.tensor_parallel_size,
+        help="split the model Megatron-style over N ranks, one process each (CUDA: one GPU per rank, "
+        "NCCL; CPU: gloo); heads must divide by N",
+    )
+    p.add_argument(
         "--document-store",
         default=d.document_store,
         metavar="PATH|none",
@@ -213,11 +221,13 @@ def main(argv: list[str] | None = None) -> int:
         doc_positions=args.doc_positions,
         shared_chunk_attention=args.shared_chunk_attention,
         overlap_schedule=args.overlap_schedule,
+        tensor_parallel_size=args.tensor_parallel_size,
         document_store=args.document_store,
         seed=args.seed,
     )
     try:
         cfg.validate()
+        check_devices(cfg)
     except ValueError as e:
         build_parser().error(flag_error(build_parser(), str(e)))
     opts = ServerOptions(args.host, args.port, args.api_key, args.log_level, args.served_model_name)

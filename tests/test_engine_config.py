@@ -43,6 +43,7 @@ def _pages(cfg: EngineConfig, model_config, free_bytes: int, monkeypatch) -> int
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free_bytes, 2 * free_bytes))
     worker = ModelWorker.__new__(ModelWorker)  # only the sizing: no model load
     worker.config, worker.model_config, worker.model = cfg, model_config, _FakeCudaModel()
+    worker.tp = None  # one rank
     return worker._num_pages(torch.bfloat16)
 
 

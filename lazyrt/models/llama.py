@@ -8,6 +8,8 @@ projections, so its results match HF transformers op for op.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -25,10 +27,14 @@ class LlamaModel:
         weights: dict[str, torch.Tensor],
         ops: TorchLayerOps | None = None,
         fuse_projections: bool | None = None,
+        all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ):
         """Takes ownership of `weights` (fusing replaces entries in place). ops / fuse_projections:
-        default by device and dtype (CUDA: fused projections, FlashInfer/Triton layer ops)."""
+        default by device and dtype (CUDA: fused projections, FlashInfer/Triton layer ops).
+        all_reduce: tensor parallelism (models/tensor_parallel.py): config and weights are this rank's
+        shard, and o_proj / down_proj outputs are partial sums that all_reduce adds up over the ranks."""
         self.config = config
+        self.all_reduce = all_reduce
         missing = [n for n in self._required_names() if n not in weights]
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:3]}")
@@ -100,7 +106,10 @@ class LlamaModel:
         q, k, v = self._qkv(i, x)
         q = self.ops.rope(q, meta.positions, rope)
         o = backend.forward(i, q, k, v, meta)  # k goes in unrotated: the backend decides when to rotate
-        return F.linear(o.reshape(n, c.num_heads * c.head_dim), w[p + "o_proj.weight"])
+        return self._reduce(F.linear(o.reshape(n, c.num_heads * c.head_dim), w[p + "o_proj.weight"]))
+
+    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.all_reduce is None else self.all_reduce(x)
 
     @torch.inference_mode()
     def forward(
@@ -151,7 +160,7 @@ class LlamaModel:
             act = self.ops.silu_and_mul(F.linear(x, gate_up))
         else:
             act = F.silu(F.linear(x, w[p + "gate_proj.weight"])) * F.linear(x, w[p + "up_proj.weight"])
-        return F.linear(act, w[p + "down_proj.weight"])
+        return self._reduce(F.linear(act, w[p + "down_proj.weight"]))
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,7 @@ class LoadedModel:
     config: ModelConfig
     hf_config: dict  # the raw config.json dict
     weights: dict[str, torch.Tensor]  # HF parameter names, already in the requested dtype
-    tokenizer: PreTrainedTokenizerBase
+    tokenizer: PreTrainedTokenizerBase | None  # None when load_model(..., tokenizer=False)
     model_id: str  # stable identity for cache keys
     path: str | None  # an HF directory AutoModelForCausalLM.from_pretrained can load (None for dummy)
 
@@ -62,18 +62,20 @@ def load_model(
     seed: int = 0,
     cache_dir: str | None = None,
     device: str | torch.device = "cpu",
+    tokenizer: bool = True,
 ) -> LoadedModel:
     """Load weights, config and tokenizer.
 
     model: HF directory, .gguf file, None (the default GGUF), or with load_format="dummy" a preset name
     from lazyrt.models.dummy.PRESETS (dummy also takes an HF directory or .gguf: its shape, random weights;
     None means the default model's shape). cache_dir: root of the GGUF conversion cache
-    (default $LAZYRT_CACHE_DIR or ~/.cache/lazyrt).
+    (default $LAZYRT_CACHE_DIR or ~/.cache/lazyrt). tokenizer=False: skip the tokenizer (and the
+    transformers import), e.g. for tensor-parallel ranks that only run steps.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; valid: {', '.join(LOAD_FORMATS)}")
     if load_format == "dummy":
-        return _load_dummy(model, dtype, seed, cache_dir, device)
+        return _load_dummy(model, dtype, seed, cache_dir, device, tokenizer)
     path = default_model_path() if model is None else os.path.expanduser(str(model))
     if not os.path.exists(path):
         hint = f" ({model!r} is a dummy preset: pass load_format='dummy')" if model in dummy.PRESETS else ""
@@ -86,14 +88,14 @@ def load_model(
             raise ValueError(
                 f"load_format='gguf' needs a .gguf file (or a directory holding one), got {path!r}"
             )
-        return _load_gguf(gguf_file, dtype, cache_dir)
+        return _load_gguf(gguf_file, dtype, cache_dir, tokenizer)
     if not os.path.isdir(path):
         raise ValueError(f"load_format={load_format!r} needs a Hugging Face model directory, got {path!r}")
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise FileNotFoundError(
             f"{path!r} has no config.json (nor a single .gguf file); expected {_ACCEPTED}"
         )
-    return _load_hf_dir(path, dtype)
+    return _load_hf_dir(path, dtype, tokenizer=tokenizer)
 
 
 def _gguf_file(path: str) -> str | None:
@@ -107,7 +109,9 @@ def _gguf_file(path: str) -> str | None:
     return None
 
 
-def _load_hf_dir(model_dir: str, dtype: torch.dtype, model_id: str | None = None) -> LoadedModel:
+def _load_hf_dir(
+    model_dir: str, dtype: torch.dtype, model_id: str | None = None, tokenizer: bool = True
+) -> LoadedModel:
     hf_config = hf_dir.read_config(model_dir)
     config = ModelConfig.from_hf(hf_config)  # UnsupportedModelError before any weight is read
     if not hf_dir.has_tokenizer(model_dir):
@@ -119,20 +123,25 @@ def _load_hf_dir(model_dir: str, dtype: torch.dtype, model_id: str | None = None
         config=config,
         hf_config=hf_config,
         weights=weights,
-        tokenizer=_tokenizer(model_dir),
+        tokenizer=_tokenizer(model_dir) if tokenizer else None,
         model_id=model_id or hf_dir.dir_model_id(model_dir),
         path=os.path.abspath(model_dir),
     )
 
 
-def _load_gguf(gguf_path: str, dtype: torch.dtype, cache_dir: str | None) -> LoadedModel:
+def _load_gguf(gguf_path: str, dtype: torch.dtype, cache_dir: str | None, tokenizer: bool) -> LoadedModel:
     converted = gguf_convert.ensure_converted(gguf_path, cache_dir)
     model_id = f"{os.path.basename(gguf_path)}:{gguf_convert.gguf_fingerprint(gguf_path)}"
-    return _load_hf_dir(converted, dtype, model_id=model_id)
+    return _load_hf_dir(converted, dtype, model_id=model_id, tokenizer=tokenizer)
 
 
 def _load_dummy(
-    model: str | None, dtype: torch.dtype, seed: int, cache_dir: str | None, device: str | torch.device
+    model: str | None,
+    dtype: torch.dtype,
+    seed: int,
+    cache_dir: str | None,
+    device: str | torch.device,
+    want_tokenizer: bool = True,
 ) -> LoadedModel:
     tokenizer = None
     if model is None:
@@ -153,13 +162,13 @@ def _load_dummy(
         hf_config = hf_dir.read_config(path)
         digest = hashlib.sha256(json.dumps(hf_config, sort_keys=True).encode()).hexdigest()[:12]
         name = f"{os.path.basename(os.path.abspath(gguf_file or path))}-{digest}"
-        if hf_dir.has_tokenizer(path):
+        if want_tokenizer and hf_dir.has_tokenizer(path):
             tokenizer = _tokenizer(path)
     config = ModelConfig.from_hf(hf_config)
-    if tokenizer is None and os.environ.get(TOKENIZER_DIR_ENV):
+    if want_tokenizer and tokenizer is None and os.environ.get(TOKENIZER_DIR_ENV):
         # A box without the default GGUF (e.g. the GPU machine): a carried tokenizer directory.
         tokenizer = _tokenizer(os.environ[TOKENIZER_DIR_ENV])
-    if tokenizer is None:
+    if want_tokenizer and tokenizer is None:
         tokenizer = _tokenizer(gguf_convert.ensure_converted(default_model_path(), cache_dir))
     return LoadedModel(
         config=config,

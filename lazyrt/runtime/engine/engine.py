@@ -20,6 +20,7 @@ from lazyrt.runtime.tokenizer.doc_token_cache import DocTokenCache
 from lazyrt.runtime.tokenizer.rag_template import build_rag_prompt
 from lazyrt.runtime.tokenizer.token_text import TokenTexts
 from lazyrt.runtime.worker.model_worker import ModelWorker
+from lazyrt.runtime.worker.tp_follower import FollowerRanks
 from lazyrt.sampling_params import SamplingParams, out_of_vocab
 
 PromptLike = str | Sequence[int] | RagPrompt
@@ -46,7 +47,14 @@ class Engine:
         # EngineCore (plan -> StepMsg -> worker -> StepResult), called directly instead of over ZMQ,
         # so unit tests can reach the scheduler, pool and runner. Here the scheduler shares the
         # worker's PagePool; the server's scheduler process keeps a tensor-free copy of the allocator.
-        self.worker = ModelWorker(cfg)
+        # Tensor parallelism: this process runs rank 0; ranks 1..N-1 are processes of their own.
+        self._tp_ranks = FollowerRanks(cfg) if cfg.tensor_parallel_size > 1 else None
+        try:
+            ranks = self._tp_ranks
+            self.worker = ModelWorker(cfg, *((ranks.member0, ranks.check_alive) if ranks else ()))
+        except BaseException:
+            self.close()
+            raise
         self.tokenizer = self.worker.tokenizer
         self.model_id = self.worker.model_id
         self.model_config = self.worker.model_config
@@ -337,6 +345,24 @@ class Engine:
     def engine_config(self) -> dict:
         return asdict(self.config)
 
+    # ---- lifetime -----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stops the tensor-parallel ranks' processes (if any; also done when the Engine is
+        collected or the interpreter exits). The Engine cannot generate afterwards."""
+        if hasattr(self, "worker"):
+            self.worker.close()
+        if self._tp_ranks is not None:
+            self._tp_ranks.stop()
+        if hasattr(self, "core"):
+            self.core.worker = _ClosedWorker()
+
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
 
 def _detokenizer(tokenizer, params: SamplingParams) -> IncrementalDetokenizer:
     return IncrementalDetokenizer(tokenizer, params.stop, params.stop_token_ids)
@@ -345,3 +371,8 @@ def _detokenizer(tokenizer, params: SamplingParams) -> IncrementalDetokenizer:
 def _completion(result: dict) -> dict:
     keep = ("text", "token_ids", "logprobs")
     return {**{k: result[k] for k in keep if k in result}, "finish_reason": result["meta"]["finish_reason"]}
+
+
+class _ClosedWorker:
+    def execute(self, msg: object) -> None:
+        raise RuntimeError("the Engine is closed")

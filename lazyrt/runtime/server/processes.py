@@ -11,13 +11,19 @@ from lazyrt.runtime.ipc.sockets import IpcPaths
 from lazyrt.runtime.scheduler.process import run_scheduler_process
 from lazyrt.runtime.tokenizer.process import run_tokenizer_process
 from lazyrt.runtime.worker.process import run_worker_process
+from lazyrt.runtime.worker.tp_follower import follower_processes
+from lazyrt.runtime.worker.tp_ranks import TPMember, TPRendezvous, check_devices
 
 logger = logging.getLogger("lazyrt")
 
 
 class ProcessGroup:
     def __init__(self, cfg: EngineConfig, log_level: str = "info"):
+        check_devices(cfg)  # before anything starts: a clear error, not a rank that cannot start
         self.ipc = IpcPaths.create()
+        # Tensor parallelism: the model worker is rank 0; ranks 1..N-1 are processes of their own.
+        n = cfg.tensor_parallel_size
+        tp = TPRendezvous.create(n, self.ipc.dir) if n > 1 else None
         # spawn, not fork: children must not inherit the parent's threads, event loop or sockets.
         ctx = mp.get_context("spawn")
         self.procs: dict[str, mp.process.BaseProcess] = {
@@ -30,9 +36,13 @@ class ProcessGroup:
                 target=run_scheduler_process, args=(cfg, self.ipc, log_level), name="scheduler"
             ),
             "model worker": ctx.Process(
-                target=run_worker_process, args=(cfg, self.ipc, log_level), name="model worker"
+                target=run_worker_process,
+                args=(cfg, self.ipc, log_level, TPMember(tp, 0) if tp else None),
+                name="model worker",
             ),
         }
+        for p in follower_processes(cfg, tp, log_level) if tp else []:
+            self.procs[p.name] = p
 
     def start(self) -> None:
         logger.info("ipc sockets in %s", self.ipc.dir)

@@ -8,6 +8,10 @@
 - cuda_graph.py: decode steps replayed from CUDA graphs.
 - grammar.py: structured output: per-request llguidance matchers, batch token masks on the logits.
 - sampler.py: greedy / temperature / top-k / top-p, seeded per request.
+- tp_group.py: TPGroup, a rank's torch.distributed process group (gloo / NCCL) for the
+  model's all-reduces, the page-count minimum and the sampled tokens.
+- tp_ranks.py: TPRendezvous, TPMember, PlanLinks (rank 0 forwards each StepMsg to the others).
+- tp_follower.py: the process of ranks >= 1, and FollowerRanks (the Engine starts them itself).
 - host_segments.py: retrieval attention's host-tier segments taken out of a step (lazyrt.retrieval
   attends them).
 

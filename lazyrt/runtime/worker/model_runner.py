@@ -44,8 +44,13 @@ class ModelRunner:
         shared_chunk_attention: bool = False,
         host_kv: HostKVPool | None = None,
         retrieval: RetrievalOptions | None = None,
+        tp_size: int = 1,
+        kv_replicas: int = 1,
     ):
+        """tp_size, kv_replicas: tensor parallelism (the model is one rank's shard; each KV head is
+        held by kv_replicas ranks): per-head sums in probes and citations are all-reduced."""
         self.model = model
+        self.tp_size, self.kv_replicas = tp_size, kv_replicas
         self.host_kv = host_kv  # the host KV tier's pages (None = off)
         # retrieval attention over host segments (None = off); its indexes; steps that used it
         self.retrieval = retrieval
@@ -286,6 +291,10 @@ class ModelRunner:
         if probe is None:
             return None
         backend, rids = probe
+        if self.model.all_reduce is not None:  # each rank's mean over its heads -> mean over all heads
+            with torch.inference_mode():  # the masses are inference tensors
+                for m in backend.mass:
+                    self.model.all_reduce(m).div_(self.tp_size)
         return dict(zip(rids, backend.result()))
 
     @torch.inference_mode()
@@ -314,6 +323,8 @@ class ModelRunner:
         slots_t = torch.as_tensor(slots, device=self.device)
         dev = (k.float() - kv[pages_t, 0, slots_t].float()).square().sum((1, 2))
         dev += (v.float() - kv[pages_t, 1, slots_t].float()).square().sum((1, 2))
+        if self.model.all_reduce is not None:  # this rank's KV heads -> all heads (replicas counted once)
+            dev = self.model.all_reduce(dev.contiguous()).div_(self.kv_replicas)
         dev = dev.cpu().numpy()
         out = []
         for i, it in enumerate(items):

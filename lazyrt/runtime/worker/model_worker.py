@@ -8,13 +8,17 @@ previous deferred step's tokens, so the host builds one step while the device ru
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from lazyrt.cache.host_pool import HostKVPool
 from lazyrt.cache.page_pool import PagePool
 from lazyrt.config import EngineConfig
+from lazyrt.models.config import ModelConfig
 from lazyrt.models.llama import LlamaModel
 from lazyrt.models.loader import load_model
+from lazyrt.models.tensor_parallel import kv_replicas, shard_weights
 from lazyrt.retrieval.host_attention import RetrievalOptions
 from lazyrt.runtime.ipc.messages import StepMsg, StepResult, WorkerReady
 from lazyrt.runtime.scheduler.plan import StepPlan
@@ -23,6 +27,8 @@ from lazyrt.runtime.worker.grammar import GrammarConstraints
 from lazyrt.runtime.worker.logits_processing import LogitsProcessing, logprob_entries, token_logprobs
 from lazyrt.runtime.worker.model_runner import ModelRunner
 from lazyrt.runtime.worker.sampler import sample_tokens_device
+from lazyrt.runtime.worker.tp_group import TPGroup
+from lazyrt.runtime.worker.tp_ranks import PlanLinks, TPMember
 from lazyrt.sampling_params import SamplingParams
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -34,29 +40,53 @@ def resolve_device(device: str) -> str:
 
 
 class ModelWorker:
-    def __init__(self, cfg: EngineConfig):
+    def __init__(
+        self, cfg: EngineConfig, tp: TPMember | None = None, tp_check: Callable[[], None] | None = None
+    ):
+        """tp: this worker's rank in a tensor-parallel group (required when
+        cfg.tensor_parallel_size > 1; rank 0 forwards every step to the others, tp_ranks.py).
+        tp_check: raises if another rank's process has died (while the group forms, and when a step
+        fails: its collective broke off)."""
+        if (tp.rendezvous.size if tp is not None else 1) != cfg.tensor_parallel_size:
+            raise ValueError(
+                f"tensor_parallel_size={cfg.tensor_parallel_size}: the worker needs a TPMember of a "
+                "group of that size"
+            )
         dev = resolve_device(cfg.device)
+        if tp is not None and dev.startswith("cuda"):
+            dev = f"cuda:{tp.rank}"  # one GPU per rank
+            torch.cuda.set_device(dev)
         dtype_name = (
             cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if dev.startswith("cuda") else "float32")
         )
+        # ranks >= 1 only run steps (rank 0 samples for them): no tokenizer, no transformers import
         loaded = load_model(
-            cfg.model, load_format=cfg.load_format, dtype=DTYPES[dtype_name], seed=cfg.seed, device=dev
+            cfg.model, load_format=cfg.load_format, dtype=DTYPES[dtype_name], seed=cfg.seed, device=dev,
+            tokenizer=tp is None or tp.rank == 0,
         )
         self.config = cfg
         self.tokenizer = loaded.tokenizer
         self.model_id = loaded.model_id
-        self.model_config = loaded.config
+        self.model_config = loaded.config  # the whole model's (a rank's shard: self.model.config)
+        local_config = loaded.config
+        if tp is not None:  # split before moving (and, on CUDA, before fusing q/k/v and gate/up)
+            local_config = shard_weights(loaded.config, loaded.weights, tp.rank, tp.rendezvous.size)
         weights = {k: v.to(dev) for k, v in loaded.weights.items()}
         loaded.weights.clear()  # the model owns (and on CUDA fuses) the weights from here
-        self.model = LlamaModel(loaded.config, weights)
+        # rank 0 forwards each step to the other ranks; every rank joins the group once its shard is in
+        self._followers = PlanLinks(tp.rendezvous) if tp is not None and tp.rank == 0 else None
+        self.tp = TPGroup(tp.rendezvous, tp.rank, torch.device(dev), tp_check) if tp is not None else None
+        self._tp_check = tp_check
+        reduce = self.tp.all_reduce if self.tp is not None else None
+        self.model = LlamaModel(local_config, weights, all_reduce=reduce)
         del weights
         if dev.startswith("cuda"):
             torch.cuda.empty_cache()  # the unfused copies: give them back before sizing the KV pool
         self.max_context = min(loaded.config.max_context, cfg.max_model_len or 1 << 62)
-        c = loaded.config
+        c = local_config
         self.pool = PagePool(
             c.num_layers,
-            self._num_pages(DTYPES[dtype_name]),
+            self._num_pages(DTYPES[dtype_name], local_config),
             cfg.page_size,
             c.num_kv_heads,
             c.head_dim,
@@ -76,26 +106,40 @@ class ModelWorker:
             retrieval=RetrievalOptions(cfg.retrieval_top_k, cfg.retrieval_sink, cfg.retrieval_scan)
             if cfg.retrieval_attention
             else None,
+            tp_size=cfg.tensor_parallel_size,
+            kv_replicas=kv_replicas(loaded.config, cfg.tensor_parallel_size),
         )
-        if self.model.device.type == "cuda" and cfg.cuda_graph_max_batch > 0:
+        # CUDA graphs do not capture the all-reduces yet: tensor-parallel steps launch eagerly
+        if self.model.device.type == "cuda" and cfg.cuda_graph_max_batch > 0 and self.tp is None:
             # A server configured with document attention uses it in every step: capture those graphs
             # now, not on first use mid-traffic (a request's own override still captures on demand).
             doc_attention = (cfg.doc_attention_temperature, cfg.doc_attention_scale) != (1, 1)
             self.runner.enable_cuda_graphs(
                 min(cfg.cuda_graph_max_batch, cfg.max_running_requests), self.max_context, doc_attention
             )
-        eos = set(c.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
+        eos = set(loaded.config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_ids = eos
         self._generators: dict[int, torch.Generator | None] = {}
-        self._logits = LogitsProcessing(c.vocab_size, self.model.device, eos)
-        self._grammar = GrammarConstraints(self.tokenizer, c.vocab_size, eos, self.model.device)
+        self._logits = LogitsProcessing(loaded.config.vocab_size, self.model.device, eos)
+        # tensor-parallel ranks >= 1 take rank 0's tokens: no tokenizer, so no grammar state either
+        self._grammar = (
+            GrammarConstraints(self.tokenizer, loaded.config.vocab_size, eos, self.model.device)
+            if self.tokenizer is not None
+            else None
+        )
         self._decoder = StepDecoder()
         self._deferred: DeferredTokens | None = None  # the launched step whose tokens are not sent yet
 
-    def _num_pages(self, dtype: torch.dtype) -> int:
-        c, ps = self.model_config, self.config.page_size
+    def _num_pages(self, dtype: torch.dtype, model_config: ModelConfig | None = None) -> int:
+        """KV pages from the budget for model_config's KV heads (this rank's; default the whole
+        model's); under tensor parallelism the smallest rank's count, so all hold the same page ids."""
+        n = self._rank_pages(dtype, model_config or self.model_config)
+        return self.tp.min_int(n) if self.tp is not None else n
+
+    def _rank_pages(self, dtype: torch.dtype, c: ModelConfig) -> int:
+        ps = self.config.page_size
         if self.config.kv_cache_tokens is not None:
             return -(-self.config.kv_cache_tokens // ps)
         per_page = PagePool.bytes_per_page(c.num_layers, ps, c.num_kv_heads, c.head_dim, dtype)
@@ -104,6 +148,11 @@ class ModelWorker:
             free, _ = torch.cuda.mem_get_info(self.model.device)
             budget = int(free * self.config.kv_cache_memory_fraction)
         return max(1, budget // per_page)
+
+    def close(self) -> None:
+        """Closes rank 0's links to the other tensor-parallel ranks (nothing to do otherwise)."""
+        if self._followers is not None:
+            self._followers.close()
 
     def ready_info(self) -> WorkerReady:
         return WorkerReady(
@@ -119,25 +168,32 @@ class ModelWorker:
             page_bytes=PagePool.bytes_per_page(
                 self.pool.num_layers, self.pool.page_size, self.pool.num_kv_heads, self.pool.head_dim,
                 self.pool.dtype,
-            ),
+            )
+            * self.config.tensor_parallel_size,  # a page id's KV on every rank
         )
 
     def execute(self, msg: StepMsg) -> StepResult:
+        if self._followers is not None:
+            self._followers.send(msg)  # the other ranks run the same step alongside
         try:
             return self._execute(msg)
         except BaseException as e:
             # the scheduler drops its step in flight and aborts the requests: start clean
             self._deferred, self.runner.prev_tokens = None, None
-            self._grammar.drop_pending()
+            if self._grammar is not None:
+                self._grammar.drop_pending()
             if isinstance(e, torch.cuda.OutOfMemoryError) and torch.cuda.is_available():
                 torch.cuda.empty_cache()  # hand the failed step's cached blocks back before the next
+            if self._tp_check is not None:
+                self._tp_check()  # a collective failed because a rank died: say which
             raise
 
     def _execute(self, msg: StepMsg) -> StepResult:
         for rid in msg.release:
             self._generators.pop(rid, None)
             self._logits.release(rid)
-            self._grammar.release(rid)
+            if self._grammar is not None:
+                self._grammar.release(rid)
         plan = self._decoder.decode(msg)
         if self._deferred is not None and not msg.defer:
             if plan.items or plan.probes or plan.has_copies:
@@ -161,10 +217,14 @@ class ModelWorker:
             params, rids = [r.params for r in rows], [r.rid for r in rows]
             processed = self._logits.apply(logits, rids, params, [r.suffix for r in rows])  # stub: prompt
             # after the forward is launched: the grammar masks are computed while the device runs it
-            processed = self._grammar.apply(processed, rids, params)
+            if self._grammar is not None:
+                processed = self._grammar.apply(processed, rids, params)
             tokens = sample_tokens_device(processed, params, gens)
+            if self.tp is not None:  # rank 0's draw for everyone (unseeded generators differ by rank)
+                tokens = self.tp.broadcast(tokens.contiguous())
             self._logits.advance(rids, tokens)
-            self._grammar.advance(rids, params, tokens)
+            if self._grammar is not None:
+                self._grammar.advance(rids, params, tokens)
             logprobs = token_logprobs(logits, tokens, params)
         if not msg.defer:
             self.runner.prev_tokens = None  # the scheduler has every token before its next plan

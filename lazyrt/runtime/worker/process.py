@@ -9,11 +9,13 @@ import zmq
 from lazyrt.config import EngineConfig
 from lazyrt.runtime.ipc.messages import StepFailed
 from lazyrt.runtime.ipc.sockets import PARENT_CHECK_MS, IpcPaths, child_setup, poll, recv, send, socket
+from lazyrt.runtime.worker.tp_ranks import TPMember
 
 logger = logging.getLogger("lazyrt.worker")
 
 
-def run_worker_process(cfg: EngineConfig, ipc: IpcPaths, log_level: str) -> None:
+def run_worker_process(cfg: EngineConfig, ipc: IpcPaths, log_level: str, tp: TPMember | None = None) -> None:
+    """tp: rank 0 of a tensor-parallel group (ranks 1.. are tp_follower processes)."""
     watch = child_setup("worker", log_level)
     import torch  # heavy imports after setup
 
@@ -22,7 +24,11 @@ def run_worker_process(cfg: EngineConfig, ipc: IpcPaths, log_level: str) -> None
     ctx = zmq.Context()
     inbox = socket(ctx, zmq.PULL, ipc.worker_in, bind=True)
     outbox = socket(ctx, zmq.PUSH, ipc.worker_out, bind=False)
-    worker = ModelWorker(cfg)
+    if tp is not None:
+        from lazyrt.runtime.worker.tp_follower import share_cpu_threads
+
+        share_cpu_threads(cfg)
+    worker = ModelWorker(cfg, tp)
     info = worker.ready_info()
     logger.info("model %s loaded on %s; %d KV pages", info.model_id, info.device, info.num_pages)
     send(outbox, info)

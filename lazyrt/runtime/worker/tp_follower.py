@@ -1,0 +1,106 @@
+"""The process of a tensor-parallel rank >= 1: loads its shard, then runs every step rank 0 forwards."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import shutil
+import tempfile
+import weakref
+
+import zmq
+
+from lazyrt.config import EngineConfig
+from lazyrt.runtime.ipc.sockets import PARENT_CHECK_MS, child_setup, poll, recv, socket
+from lazyrt.runtime.worker.tp_ranks import TPMember, TPRendezvous, check_devices
+
+logger = logging.getLogger("lazyrt.worker")
+
+
+def run_follower_process(cfg: EngineConfig, member: TPMember, log_level: str) -> None:
+    """Process target of rank >= 1: load this rank's shard, then run every StepMsg rank 0 forwards."""
+    watch = child_setup(f"tp rank {member.rank}", log_level)
+    from lazyrt.runtime.worker.model_worker import ModelWorker  # heavy imports after setup
+
+    share_cpu_threads(cfg)
+
+    ctx = zmq.Context()
+    inbox = socket(ctx, zmq.PULL, member.rendezvous.plan_addrs[member.rank - 1], bind=True)
+    worker = ModelWorker(cfg, member)
+    logger.info("tensor-parallel rank %d of %d ready", member.rank, member.rendezvous.size)
+    while True:
+        if not poll([inbox], PARENT_CHECK_MS):
+            watch.check()
+            continue
+        try:
+            worker.execute(recv(inbox))
+        except Exception:
+            # rank 0 runs the same step and fails it the same way; its scheduler aborts the requests
+            logger.exception("model step failed on tensor-parallel rank %d", member.rank)
+
+
+def share_cpu_threads(cfg: EngineConfig) -> None:
+    """On CPU the ranks share one machine's cores: each rank's torch gets its share of the threads
+    (the default, all cores per rank, makes N ranks' thread pools spin against each other)."""
+    import torch
+
+    if cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available()):
+        torch.set_num_threads(max(1, torch.get_num_threads() // cfg.tensor_parallel_size))
+
+
+def follower_processes(
+    cfg: EngineConfig, rendezvous: TPRendezvous, log_level: str = "info"
+) -> list[mp.process.BaseProcess]:
+    """Unstarted (spawn) processes for ranks 1..size-1."""
+    ctx = mp.get_context("spawn")
+    return [
+        ctx.Process(
+            target=run_follower_process,
+            args=(cfg, TPMember(rendezvous, r), log_level),
+            name=f"model worker rank {r}",
+            daemon=True,
+        )
+        for r in range(1, rendezvous.size)
+    ]
+
+
+class FollowerRanks:
+    """Ranks 1..size-1 started by the process that runs rank 0 itself (the offline Engine); stopped
+    by stop() or when this object is collected."""
+
+    def __init__(self, cfg: EngineConfig, log_level: str = "warning"):
+        check_devices(cfg)
+        self.dir = tempfile.mkdtemp(prefix="lazyrt-tp-")  # private: the store and plan sockets
+        self.rendezvous = TPRendezvous.create(cfg.tensor_parallel_size, self.dir)
+        self.procs = follower_processes(cfg, self.rendezvous, log_level)
+        for p in self.procs:
+            p.start()
+        self._finalizer = weakref.finalize(self, stop_processes, self.procs, self.dir)
+
+    @property
+    def member0(self) -> TPMember:
+        return TPMember(self.rendezvous, 0)
+
+    def check_alive(self) -> None:
+        """RuntimeError naming the ranks whose process has exited."""
+        dead = [f"{p.name} (exit code {p.exitcode})" for p in self.procs if not p.is_alive()]
+        if dead:
+            raise RuntimeError(
+                f"tensor_parallel_size={self.rendezvous.size}: {', '.join(dead)} exited; its error is in "
+                "its log (stderr)"
+            )
+
+    def stop(self) -> None:
+        self._finalizer()
+
+
+def stop_processes(procs: list[mp.process.BaseProcess], directory: str, timeout: float = 5.0) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(timeout)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout)
+    shutil.rmtree(directory, ignore_errors=True)

@@ -1,0 +1,85 @@
+"""TPGroup: one rank's handle on its tensor-parallel process group (torch.distributed; gloo on CPU,
+NCCL on CUDA), built from its own store rather than the process-global default group, so several
+engines (or tests) in one process each keep their own.
+
+Only tensors travel here (the model's all-reduces, the page-count minimum, the sampled tokens); the
+step plan reaches the other ranks over ZMQ (tp_ranks.py), which lets idle ranks wait without a
+collective timing out.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from lazyrt.runtime.worker.tp_ranks import TPRendezvous
+
+# Collectives and the start-up rendezvous wait this long for the other ranks (loading a large
+# checkpoint on every rank comes first).
+TIMEOUT_S = 600
+
+
+class TPGroup:
+    def __init__(
+        self,
+        rendezvous: TPRendezvous,
+        rank: int,
+        device: torch.device,
+        check: Callable[[], None] | None = None,
+    ):
+        """Blocks until every rank has joined. check: called while waiting for the others; it raises
+        to give up (e.g. when a rank's process has died instead of joining)."""
+        self.rank, self.size, self.device = rank, rendezvous.size, device
+        store = dist.FileStore(rendezvous.store_path, self.size)
+        store.set_timeout(timedelta(seconds=TIMEOUT_S))
+        _wait_for_all(store, rank, self.size, check)
+        if device.type == "cuda":
+            os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never rely on NVLink multicast
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timedelta(seconds=TIMEOUT_S)
+            self.pg = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, self.size, opts)
+        else:
+            opts = dist.ProcessGroupGloo._Options()
+            opts._timeout = timedelta(seconds=TIMEOUT_S)
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]  # one host
+            self.pg = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, self.size, opts)
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum over the ranks, in place (t must be contiguous); returns t."""
+        self.pg.allreduce([t]).wait()
+        return t
+
+    def min_int(self, value: int) -> int:
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MIN
+        self.pg.allreduce([t], opts).wait()
+        return int(t.item())
+
+    def broadcast(self, t: torch.Tensor, root: int = 0) -> torch.Tensor:
+        """Every rank's t becomes root's, in place; returns t."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank = root
+        self.pg.broadcast([t], opts).wait()
+        return t
+
+
+def _wait_for_all(store: dist.Store, rank: int, size: int, check: Callable[[], None] | None) -> None:
+    """A barrier in Python before the process group's own (which blocks in C++ until its timeout):
+    a rank that died while loading is noticed at once by a caller whose check() can see it."""
+    store.set(f"joined/{rank}", b"1")
+    keys = [f"joined/{r}" for r in range(size)]
+    deadline = time.monotonic() + TIMEOUT_S
+    while not store.check(keys):
+        if check is not None:
+            check()
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"tensor_parallel_size={size}: not every rank joined within {TIMEOUT_S} s")
+        time.sleep(0.05)

@@ -1,0 +1,359 @@
+"""Tensor parallelism (tensor_parallel_size): the model split over ranks with torch.distributed (gloo on
+CPU) gives what one rank gives. The reference is the same engine at tensor_parallel_size=1 (itself
+checked against HF transformers by test_engine_equivalence.py): fp32 greedy tokens identical, logprobs
+and citations within tolerance, in every cache mode, with and without documents. Bad sizes are named.
+
+The Engine tests start one extra process (rank 1) each; the server test starts a real launch."""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+
+import httpx
+import pytest
+import torch
+
+from lazyrt import Engine, RagPrompt, SamplingParams
+from lazyrt.config import EngineConfig
+from lazyrt.models.config import ModelConfig
+from lazyrt.models.tensor_parallel import check_tensor_parallel, shard_weights
+from lazyrt.runtime.worker.tp_group import TPGroup
+from lazyrt.runtime.worker.tp_ranks import TPRendezvous
+
+VOCAB = 49152
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread_per_rank():
+    """Rank 0 runs in this process, beside rank 1's (which takes its share of the cores, one of two
+    here): one torch thread each, or the idle thread pools spin against each other and cost more CPU
+    than the tiny models' math."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, before // 2))
+    yield
+    torch.set_num_threads(before)
+
+
+def ids(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(100, VOCAB) for _ in range(n)]
+
+
+# ---- the split itself (no processes) -------------------------------------------------------------
+def _config(heads: int, kv_heads: int, bias: bool = False) -> ModelConfig:
+    return ModelConfig(
+        "llama", vocab_size=50, hidden_size=24, intermediate_size=48, num_layers=2, num_heads=heads,
+        num_kv_heads=kv_heads, head_dim=6, attention_bias=bias,
+    )
+
+
+def _weights(c: ModelConfig) -> dict[str, torch.Tensor]:
+    from lazyrt.models.param_shapes import param_shapes
+
+    return {n: torch.randn(s, dtype=torch.float64) for n, s in param_shapes(c).items()}
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,size", [(4, 2, 2), (4, 4, 2), (8, 2, 4), (4, 1, 2), (8, 2, 8), (6, 3, 3)]
+)
+def test_shards_keep_each_query_head_with_its_kv_head_and_sum_to_the_whole(heads, kv_heads, size):
+    c = _config(heads, kv_heads, bias=True)
+    full = _weights(c)
+    shards = []
+    for r in range(size):
+        w = {k: v.clone() for k, v in full.items()}
+        shards.append((shard_weights(c, w, r, size), w))
+    d, group = c.head_dim, heads // kv_heads
+    x = torch.randn(5, c.hidden_size, dtype=torch.float64)
+    p, m = "model.layers.1.self_attn.", "model.layers.1.mlp."
+    for r, (lc, w) in enumerate(shards):
+        assert lc.num_heads == heads // size and lc.num_kv_heads == max(1, kv_heads // size)
+        assert lc.intermediate_size == c.intermediate_size // size
+        assert lc.num_heads % lc.num_kv_heads == 0
+        for j in range(lc.num_heads):  # local query head j is global head h; it must read kv head h // group
+            h = r * lc.num_heads + j
+            local_kv = j // (lc.num_heads // lc.num_kv_heads)
+            for x_ in ("q", "k", "v"):
+                glob, loc = (h, j) if x_ == "q" else (h // group, local_kv)
+                for kind in ("weight", "bias"):
+                    got = w[p + f"{x_}_proj.{kind}"][loc * d : (loc + 1) * d]
+                    assert torch.equal(got, full[p + f"{x_}_proj.{kind}"][glob * d : (glob + 1) * d])
+        assert torch.equal(w["lm_head.weight"], full["lm_head.weight"])  # replicated
+    # row-parallel halves: the all-reduced partial sums are the whole layer's output
+    silu = torch.nn.functional.silu
+    mlp = lambda w: silu(x @ w[m + "gate_proj.weight"].T) * (x @ w[m + "up_proj.weight"].T)  # noqa: E731
+    want = mlp(full) @ full[m + "down_proj.weight"].T
+    got = sum(mlp(w) @ w[m + "down_proj.weight"].T for _, w in shards)
+    torch.testing.assert_close(got, want)
+    o = torch.randn(5, heads * d, dtype=torch.float64)  # attention output, all heads
+    want = o @ full[p + "o_proj.weight"].T
+    n = heads // size * d
+    got = sum(o[:, r * n : (r + 1) * n] @ w[p + "o_proj.weight"].T for r, (_, w) in enumerate(shards))
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,inter,size", [(4, 2, 40, 3), (6, 3, 48, 2), (4, 2, 42, 4), (8, 2, 40, 6), (8, 4, 42, 4)]
+)
+def test_sizes_that_do_not_divide_are_named(heads, kv_heads, inter, size):
+    c = ModelConfig("llama", 50, 24, inter, 1, heads, kv_heads, 6)
+    with pytest.raises(ValueError, match=f"tensor_parallel_size={size}"):
+        check_tensor_parallel(c, size)
+
+
+@pytest.mark.parametrize(
+    "kw", [dict(tensor_parallel_size=0), dict(tensor_parallel_size=-2), dict(tensor_parallel_size="2"),
+           dict(tensor_parallel_size=True), dict(tensor_parallel_size=2.0),
+           dict(tensor_parallel_size=2, device="cuda:1")]
+)
+def test_bad_config_values_are_named(kw):
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        EngineConfig(**kw).validate()
+
+
+def test_retrieval_attention_is_refused_with_tensor_parallelism():
+    cfg = EngineConfig(tensor_parallel_size=2, host_kv_cache_tokens=1024, retrieval_attention=True)
+    with pytest.raises(ValueError, match="tensor_parallel_size=2: retrieval_attention"):
+        cfg.validate()
+
+
+def test_group_collectives_across_threads(tmp_path):
+    """TPGroup over gloo, two ranks as threads: sum, minimum (the KV page count), broadcast."""
+    rdv = TPRendezvous.create(2, str(tmp_path))
+    vals = [torch.randn(7), torch.randn(7)]
+    out: dict[int, tuple] = {}
+
+    def rank(r: int) -> None:
+        g = TPGroup(rdv, r, torch.device("cpu"))
+        s = g.all_reduce(vals[r].clone())
+        b = g.broadcast(torch.tensor([10 + r, 20 + r]))
+        out[r] = (s, g.min_int([900, 700][r]), b)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for r in range(2):
+        s, low, b = out[r]
+        torch.testing.assert_close(s, vals[0] + vals[1])
+        assert low == 700 and b.tolist() == [10, 20]
+
+
+def test_a_rank_that_never_joins_is_noticed_by_the_check(tmp_path):
+    """Rank 1 never comes (its process died while loading): rank 0's check ends the wait at once
+    instead of the rendezvous timing out minutes later."""
+    calls = []
+
+    def check() -> None:
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("model worker rank 1 exited")
+
+    with pytest.raises(RuntimeError, match="rank 1 exited"):
+        TPGroup(TPRendezvous.create(2, str(tmp_path)), 0, torch.device("cpu"), check)
+
+
+# ---- Engine: TP=2 (rank 1 in its own process) = TP=1 ----------------------------------------------
+def _batches(rng: random.Random) -> list[list]:
+    """Rounds of [a RAG prompt over 3 of 6 documents (the groups take turns, in fresh orders), a plain
+    prompt]; the first round's RAG prompt asks for citations, the last round's plain prompt is a seeded
+    sample. The third round finds the first round's documents evicted to the host tier in lazy."""
+    prefix, docs = ids(rng, 20), [ids(rng, rng.randint(30, 45)) for _ in range(6)]
+    batches = []
+    for r in range(3):
+        group = docs[:3] if r % 2 == 0 else docs[3:]
+        rag = RagPrompt(prefix, rng.sample(group, 3), ids(rng, rng.randint(2, 6)))
+        batches.append([rag, ids(rng, rng.randint(8, 30))])
+    return batches
+
+
+def _params(r: int, i: int) -> SamplingParams:
+    if r == 2 and i == 1:
+        return SamplingParams(
+            max_tokens=4, temperature=0.9, top_p=0.9, seed=1234, ignore_eos=True, logprobs=2
+        )
+    return SamplingParams(max_tokens=4, ignore_eos=True, logprobs=2, citations=r == 0 and i == 0)
+
+
+def _run(engine: Engine, batches) -> list[dict]:
+    outs = [engine.generate(b, [_params(r, i) for i in range(len(b))]) for r, b in enumerate(batches)]
+    return [o for b in outs for o in b]
+
+
+def _assert_same(got: list[dict], want: list[dict]) -> None:
+    for g, w in zip(got, want, strict=True):
+        assert g["token_ids"] == w["token_ids"]
+        lp = lambda o: [e["logprob"] for e in o["logprobs"]]  # noqa: E731
+        assert lp(g) == pytest.approx(lp(w), abs=1e-4)
+        for ge, we in zip(g["logprobs"], w["logprobs"]):
+            assert [t["token_id"] for t in ge["top_logprobs"]] == [t["token_id"] for t in we["top_logprobs"]]
+        for k in ("cached_tokens", "chunk_hits", "chunk_misses", "recomputed_tokens"):
+            assert g["meta"][k] == w["meta"][k], k
+        if "citations" in w["meta"]:
+            by_doc = lambda cs: {c["document"]: c["score"] for c in cs}  # noqa: E731
+            assert by_doc(g["meta"]["citations"]) == pytest.approx(by_doc(w["meta"]["citations"]), abs=1e-4)
+
+
+# Each mode also runs an option that all-reduces something besides the layers: the host KV tier in
+# lazy (pages copied per rank), deviation recompute probes (per-head sums) and document attention in
+# block, a KV budget from memory in none (pages per rank's heads). Every mode also scores.
+MODE_KW = {
+    "lazy": dict(kv_cache_tokens=16 * 18, host_kv_cache_tokens=16 * 64, max_running_requests=2),
+    "block": dict(
+        kv_cache_tokens=8192, recompute_policy="deviation", recompute_pages=1, doc_attention_temperature=1.5
+    ),
+    "prefix": dict(kv_cache_tokens=8192),
+    "none": dict(kv_cache_memory_gb=0.01),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["lazy", "block", "prefix", "none"])
+@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+def test_engine_tp2_equals_tp1(family, mode, tiny_model_dir):
+    path = tiny_model_dir(family)
+    batches = _batches(random.Random())
+    kw = dict(device="cpu", cache_mode=mode, **MODE_KW[mode])
+    one = Engine(path, **kw)
+    want = _run(one, batches)
+    with Engine(path, tensor_parallel_size=2, **kw) as two:
+        c = two.model.config
+        assert (c.num_heads, c.num_kv_heads, c.intermediate_size) == (2, 1, 64)  # half of 4, 2, 128
+        assert two.pool.num_kv_heads == 1
+        got = _run(two, batches)
+        stats = two.cache_stats()
+        conts = ["a b c", "the end"]
+        assert two.score(batches[0][0], conts) == pytest.approx(one.score(batches[0][0], conts), abs=1e-4)
+        if mode == "none":  # same memory, half the KV heads per page: twice the pages
+            page = two.worker.ready_info().page_bytes  # a page id's bytes over both ranks
+            assert page == one.worker.ready_info().page_bytes
+            assert two.pool.num_pages == int(0.01 * (1 << 30)) // (page // 2)
+        else:
+            assert two.pool.num_pages == one.pool.num_pages
+    _assert_same(got, want)
+    if mode in ("lazy", "block"):
+        assert sum(o["meta"]["chunk_hits"] for o in got) > 0
+    if mode == "lazy":
+        assert stats["chunk_host_hits"] > 0  # documents came back from each rank's host tier
+    if mode == "block":
+        assert sum(o["meta"]["recomputed_tokens"] for o in got) > 0
+    if mode == "prefix":
+        assert stats["radix_hit_tokens"] > 0
+    with pytest.raises(RuntimeError, match="closed"):
+        two.generate([[5, 6, 7]], SamplingParams(max_tokens=1))
+
+
+@pytest.fixture(scope="module")
+def one_kv_head_model(tmp_path_factory, tokenizer):
+    """A tiny llama with 4 query heads and a single KV head: at TP=2 both ranks hold a copy of it."""
+    import transformers as tf
+    from conftest import _hf_config
+
+    cfg = _hf_config("llama", len(tokenizer))
+    cfg.num_key_value_heads = 1
+    model = tf.AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.1) if p.dim() > 1 else p.add_(torch.randn_like(p) * 0.1)
+    d = tmp_path_factory.mktemp("tiny_one_kv")
+    model.save_pretrained(d)
+    tokenizer.save_pretrained(d)
+    return str(d)
+
+
+@pytest.mark.slow
+def test_engine_tp2_with_a_replicated_kv_head(one_kv_head_model):
+    batches = _batches(random.Random())
+    kw = dict(device="cpu", cache_mode="lazy", kv_cache_tokens=8192)
+    want = _run(Engine(one_kv_head_model, **kw), batches)
+    # structured output: rank 0 holds the grammar and samples; rank 1 takes its tokens
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "maximum": 99}}, "required": ["a"]}
+    constrained = [SamplingParams(max_tokens=30, json_schema=schema),
+                   SamplingParams(max_tokens=30, json_object=True, temperature=0.8, seed=7)]
+    prompts = [ids(random.Random(), 12), ids(random.Random(), 9)]
+    want_json = Engine(one_kv_head_model, **kw).generate(prompts, constrained)
+    with Engine(one_kv_head_model, tensor_parallel_size=2, **kw) as two:
+        assert (two.model.config.num_heads, two.model.config.num_kv_heads) == (2, 1)
+        got = _run(two, batches)
+        got_json = two.generate(prompts, constrained)
+    _assert_same(got, want)
+    assert [o["token_ids"] for o in got_json] == [o["token_ids"] for o in want_json]
+    if got_json[0]["meta"]["finish_reason"] == "stop":
+        assert set(json.loads(got_json[0]["text"])) == {"a"}
+
+
+@pytest.mark.slow
+def test_a_dead_rank_fails_the_step_naming_it(tiny_model_dir):
+    with Engine(tiny_model_dir("llama3"), device="cpu", kv_cache_tokens=1024, tensor_parallel_size=2) as two:
+        rank1 = two._tp_ranks.procs[0]
+        rank1.kill()
+        rank1.join(30)
+        named = r"tensor_parallel_size=2: model worker rank 1 \(exit code -9\)"
+        with pytest.raises(RuntimeError, match=named):
+            two.generate("Hello", SamplingParams(max_tokens=2))
+
+
+def test_engine_with_a_size_the_heads_do_not_divide_is_refused(tiny_model_dir):
+    with pytest.raises(ValueError, match="tensor_parallel_size=3"):
+        Engine(tiny_model_dir("llama3"), device="cpu", kv_cache_tokens=1024, tensor_parallel_size=3)
+
+
+# ---- the launched server: the model worker is rank 0, rank 1 its own process ------------------------
+@pytest.mark.slow
+def test_server_tp2_equals_engine_tp1(tiny_model_dir):
+    from server_util import ServerProc, pid_alive
+
+    path = tiny_model_dir("qwen3")
+    rng = random.Random()
+    docs = [" ".join(rng.choice(["alpha", "beta", "gamma", "delta", "river", "stone"]) for _ in range(40))
+            for _ in range(3)]
+    engine = Engine(path, device="cpu", kv_cache_tokens=8192)
+    srv = ServerProc("--model", path, "--device", "cpu", "--kv-cache-tokens", "8192",
+                     "--tensor-parallel-size", "2", "--log-level", "info")
+    try:
+        srv.wait_healthy()
+        pids = srv.child_pids()
+        assert "model worker rank 1" in pids and pid_alive(pids["model worker rank 1"])
+        sp = {"max_tokens": 6, "ignore_eos": True, "temperature": 0}
+        for order in ([0, 1, 2], [2, 0, 1]):  # the second request reuses the documents' chunks
+            d = [docs[i] for i in order]
+            r = httpx.post(srv.url + "/generate", json={"text": "Which word comes first?", "docs": d,
+                                                        "sampling_params": sp}, timeout=120).json()
+            want = engine.rag(d, "Which word comes first?", sampling_params=SamplingParams(**sp))
+            assert r["token_ids"] == want["token_ids"] and r["text"] == want["text"]
+        assert r["meta"]["chunk_hits"] == want["meta"]["chunk_hits"] > 0
+        r = httpx.post(srv.url + "/generate", json={"text": "Once upon a time", "sampling_params": sp},
+                       timeout=120).json()
+        assert r["token_ids"] == engine.generate("Once upon a time", SamplingParams(**sp))[0]["token_ids"]
+        stats = httpx.get(srv.url + "/cache_stats", timeout=30).json()
+        assert stats["total_pages"] == 8192 // 16 and stats["held_pages"] == 0
+    finally:
+        srv.stop()
+
+
+def test_launch_flag_is_validated_before_anything_starts():
+    import subprocess
+    import sys
+
+    r = subprocess.run(
+        [sys.executable, "-m", "lazyrt.launch", "--device", "cpu", "--tensor-parallel-size", "0"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert r.returncode == 2 and "--tensor-parallel-size: tensor_parallel_size=0" in r.stderr, r.stderr
+
+
+# ---- CUDA: NCCL, one GPU per rank (run on a machine with two GPUs) ---------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("mode", ["lazy", "prefix"])
+def test_cuda_tp2_equals_tp1(mode, tiny_model_dir):
+    path = tiny_model_dir("qwen3")
+    batches = _batches(random.Random())
+    kw = dict(device="cuda", dtype="float32", cache_mode=mode, kv_cache_tokens=8192)
+    want = _run(Engine(path, **kw), batches)
+    with Engine(path, tensor_parallel_size=2, **kw) as two:
+        assert str(two.model.device) == "cuda:0" and two.pool.num_kv_heads == 1
+        got = _run(two, batches)
+    _assert_same(got, want)
