@@ -271,7 +271,9 @@ def test_engine_tp2_with_a_replicated_kv_head(one_kv_head_model):
     # structured output: rank 0 holds the grammar and samples; rank 1 takes its tokens
     schema = {"type": "object", "properties": {"a": {"type": "integer", "maximum": 99}}, "required": ["a"]}
     constrained = [SamplingParams(max_tokens=30, json_schema=schema),
-                   SamplingParams(max_tokens=30, json_object=True, temperature=0.8, seed=7)]
+                   SamplingParams(max_tokens=30, json_object=True)]
+    # (greedy: a seeded sample inside a JSON string draws from a nearly flat distribution over most of
+    # the vocabulary, where the 1e-6 differences of the sharded sums can move the draw to a neighbour)
     prompts = [ids(random.Random(), 12), ids(random.Random(), 9)]
     want_json = Engine(one_kv_head_model, **kw).generate(prompts, constrained)
     with Engine(one_kv_head_model, tensor_parallel_size=2, **kw) as two:
