@@ -54,6 +54,29 @@ def _weights(c: ModelConfig) -> dict[str, torch.Tensor]:
     return {n: torch.randn(s, dtype=torch.float64) for n, s in param_shapes(c).items()}
 
 
+@pytest.mark.parametrize("size", [2, 4])
+def test_a_rank_loads_only_its_slices(tiny_model_dir, size):
+    """load_model(tp_shard=(rank, size)) reads just the rank's slices from safetensors: = the whole
+    checkpoint loaded and then sliced (shard_weights), and 1/size of the split weights' bytes."""
+    from lazyrt.models.loader import load_model
+    from lazyrt.models.param_shapes import param_shapes
+
+    path = tiny_model_dir("llama3")
+    whole = load_model(path, tokenizer=False)
+    for r in range(size):
+        part = load_model(path, tokenizer=False, tp_shard=(r, size))
+        want = dict(whole.weights)
+        assert part.shard_config == shard_weights(whole.config, want, r, size)
+        assert part.config == whole.config and part.weights.keys() == want.keys()
+        for name, w in want.items():
+            assert torch.equal(part.weights[name], w), name
+        q = "model.layers.0.self_attn.q_proj.weight"
+        assert part.weights[q].numel() * size == whole.weights[q].numel()
+    dummy = load_model("tiny-llama", load_format="dummy", tokenizer=False, tp_shard=(1, 2))
+    assert {n: tuple(w.shape) for n, w in dummy.weights.items()} == param_shapes(dummy.shard_config)
+    assert dummy.shard_config.num_heads * 2 == dummy.config.num_heads
+
+
 @pytest.mark.parametrize(
     "heads,kv_heads,size", [(4, 2, 2), (4, 4, 2), (8, 2, 4), (4, 1, 2), (8, 2, 8), (6, 3, 3)]
 )

@@ -76,16 +76,24 @@ def _weight_files(model_dir: str) -> tuple[list[str], str]:
     )
 
 
-def load_weights(model_dir: str, cfg: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The parameters named by param_shapes(cfg), cast tensor by tensor to dtype (peak memory: one shard)."""
-    expected = param_shapes(cfg)
+def load_weights(
+    model_dir: str,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    shard: tuple[ModelConfig, dict[str, tuple]] | None = None,
+) -> dict[str, torch.Tensor]:
+    """The parameters named by param_shapes(cfg), cast tensor by tensor to dtype (peak memory: one shard).
+    shard: (a tensor-parallel rank's config, the index of its slice of each split weight): only those
+    slices are read (safetensors reads just their bytes), so a rank holds 1/N of the split weights."""
+    local_cfg, index = shard if shard is not None else (cfg, {})
+    expected = param_shapes(local_cfg)
     files, kind = _weight_files(model_dir)
     weights: dict[str, torch.Tensor] = {}
     ignored: list[str] = []
 
     def take(name: str, tensor: torch.Tensor) -> None:
         if name in expected:
-            weights[name] = tensor.to(dtype)
+            weights[name] = (tensor[index[name]] if name in index else tensor).to(dtype).contiguous()
         else:
             ignored.append(name)
 
@@ -95,7 +103,9 @@ def load_weights(model_dir: str, cfg: ModelConfig, dtype: torch.dtype) -> dict[s
 
             with safe_open(path, framework="pt", device="cpu") as f:
                 for name in f.keys():
-                    if name in expected:
+                    if name in index:
+                        weights[name] = f.get_slice(name)[index[name]].to(dtype).contiguous()
+                    elif name in expected:
                         take(name, f.get_tensor(name))
                     else:
                         ignored.append(name)

@@ -14,6 +14,7 @@ import torch
 
 from lazyrt.models import dummy, gguf_convert, hf_dir
 from lazyrt.models.config import ModelConfig
+from lazyrt.models.tensor_parallel import shard_plan
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -36,6 +37,8 @@ class LoadedModel:
     tokenizer: PreTrainedTokenizerBase | None  # None when load_model(..., tokenizer=False)
     model_id: str  # stable identity for cache keys
     path: str | None  # an HF directory AutoModelForCausalLM.from_pretrained can load (None for dummy)
+    # load_model(..., tp_shard=(rank, size)): that rank's config; weights then hold its slices only
+    shard_config: ModelConfig | None = None
 
 
 def default_model_path() -> str:
@@ -63,6 +66,7 @@ def load_model(
     cache_dir: str | None = None,
     device: str | torch.device = "cpu",
     tokenizer: bool = True,
+    tp_shard: tuple[int, int] | None = None,
 ) -> LoadedModel:
     """Load weights, config and tokenizer.
 
@@ -70,12 +74,15 @@ def load_model(
     from lazyrt.models.dummy.PRESETS (dummy also takes an HF directory or .gguf: its shape, random weights;
     None means the default model's shape). cache_dir: root of the GGUF conversion cache
     (default $LAZYRT_CACHE_DIR or ~/.cache/lazyrt). tokenizer=False: skip the tokenizer (and the
-    transformers import), e.g. for tensor-parallel ranks that only run steps.
+    transformers import), e.g. for tensor-parallel ranks that only run steps. tp_shard=(rank, size):
+    load only that tensor-parallel rank's slices of the split weights (shard_config: its config);
+    dummy weights are then made in the slices' shapes (random values of their own, not a slice of
+    the whole dummy model's).
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; valid: {', '.join(LOAD_FORMATS)}")
     if load_format == "dummy":
-        return _load_dummy(model, dtype, seed, cache_dir, device, tokenizer)
+        return _load_dummy(model, dtype, seed, cache_dir, device, tokenizer, tp_shard)
     path = default_model_path() if model is None else os.path.expanduser(str(model))
     if not os.path.exists(path):
         hint = f" ({model!r} is a dummy preset: pass load_format='dummy')" if model in dummy.PRESETS else ""
@@ -88,14 +95,14 @@ def load_model(
             raise ValueError(
                 f"load_format='gguf' needs a .gguf file (or a directory holding one), got {path!r}"
             )
-        return _load_gguf(gguf_file, dtype, cache_dir, tokenizer)
+        return _load_gguf(gguf_file, dtype, cache_dir, tokenizer, tp_shard)
     if not os.path.isdir(path):
         raise ValueError(f"load_format={load_format!r} needs a Hugging Face model directory, got {path!r}")
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise FileNotFoundError(
             f"{path!r} has no config.json (nor a single .gguf file); expected {_ACCEPTED}"
         )
-    return _load_hf_dir(path, dtype, tokenizer=tokenizer)
+    return _load_hf_dir(path, dtype, tokenizer=tokenizer, tp_shard=tp_shard)
 
 
 def _gguf_file(path: str) -> str | None:
@@ -110,7 +117,11 @@ def _gguf_file(path: str) -> str | None:
 
 
 def _load_hf_dir(
-    model_dir: str, dtype: torch.dtype, model_id: str | None = None, tokenizer: bool = True
+    model_dir: str,
+    dtype: torch.dtype,
+    model_id: str | None = None,
+    tokenizer: bool = True,
+    tp_shard: tuple[int, int] | None = None,
 ) -> LoadedModel:
     hf_config = hf_dir.read_config(model_dir)
     config = ModelConfig.from_hf(hf_config)  # UnsupportedModelError before any weight is read
@@ -118,7 +129,8 @@ def _load_hf_dir(
         raise FileNotFoundError(
             f"no tokenizer files in {model_dir!r} (expected one of {hf_dir.TOKENIZER_FILES})"
         )
-    weights = hf_dir.load_weights(model_dir, config, dtype)
+    plan = shard_plan(config, *tp_shard) if tp_shard is not None else None
+    weights = hf_dir.load_weights(model_dir, config, dtype, plan)
     return LoadedModel(
         config=config,
         hf_config=hf_config,
@@ -126,13 +138,20 @@ def _load_hf_dir(
         tokenizer=_tokenizer(model_dir) if tokenizer else None,
         model_id=model_id or hf_dir.dir_model_id(model_dir),
         path=os.path.abspath(model_dir),
+        shard_config=plan[0] if plan is not None else None,
     )
 
 
-def _load_gguf(gguf_path: str, dtype: torch.dtype, cache_dir: str | None, tokenizer: bool) -> LoadedModel:
+def _load_gguf(
+    gguf_path: str,
+    dtype: torch.dtype,
+    cache_dir: str | None,
+    tokenizer: bool,
+    tp_shard: tuple[int, int] | None,
+) -> LoadedModel:
     converted = gguf_convert.ensure_converted(gguf_path, cache_dir)
     model_id = f"{os.path.basename(gguf_path)}:{gguf_convert.gguf_fingerprint(gguf_path)}"
-    return _load_hf_dir(converted, dtype, model_id=model_id, tokenizer=tokenizer)
+    return _load_hf_dir(converted, dtype, model_id=model_id, tokenizer=tokenizer, tp_shard=tp_shard)
 
 
 def _load_dummy(
@@ -142,6 +161,7 @@ def _load_dummy(
     cache_dir: str | None,
     device: str | torch.device,
     want_tokenizer: bool = True,
+    tp_shard: tuple[int, int] | None = None,
 ) -> LoadedModel:
     tokenizer = None
     if model is None:
@@ -170,13 +190,15 @@ def _load_dummy(
         tokenizer = _tokenizer(os.environ[TOKENIZER_DIR_ENV])
     if want_tokenizer and tokenizer is None:
         tokenizer = _tokenizer(gguf_convert.ensure_converted(default_model_path(), cache_dir))
+    local = shard_plan(config, *tp_shard)[0] if tp_shard is not None else None
     return LoadedModel(
         config=config,
         hf_config=hf_config,
-        weights=dummy.dummy_weights(config, dtype, seed, device),
+        weights=dummy.dummy_weights(local or config, dtype, seed, device),
         tokenizer=tokenizer,
         model_id=f"dummy:{name}:{seed}",
         path=None,
+        shard_config=local,
     )
 
 

@@ -43,11 +43,9 @@ def kv_replicas(config: ModelConfig, size: int) -> int:
     return max(1, size // config.num_kv_heads)
 
 
-def shard_weights(
-    config: ModelConfig, weights: dict[str, torch.Tensor], rank: int, size: int
-) -> ModelConfig:
-    """Replaces the split weights in `weights` by rank's slices (contiguous copies, so the full tensors
-    can be freed) and returns the rank's ModelConfig (its head counts and intermediate size)."""
+def shard_plan(config: ModelConfig, rank: int, size: int) -> tuple[ModelConfig, dict[str, tuple]]:
+    """Rank's ModelConfig (its head counts and intermediate size) and, for each split weight, the index
+    of rank's slice in the whole tensor (weights not named stay whole)."""
     check_tensor_parallel(config, size)
     if not 0 <= rank < size:
         raise ValueError(f"rank {rank} is outside tensor_parallel_size={size}")
@@ -62,18 +60,27 @@ def shard_weights(
         "v": slice(kv_first * d, (kv_first + nkv) * d),
     }
     cols = slice(rank * ni, (rank + 1) * ni)
-
-    def take(name: str, index: tuple) -> None:
-        weights[name] = weights[name][index].contiguous()
-
+    index: dict[str, tuple] = {}
     for i in range(config.num_layers):
         a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
         for x, sl in rows.items():
-            take(a + f"{x}_proj.weight", (sl,))
+            index[a + f"{x}_proj.weight"] = (sl,)
             if config.attention_bias:
-                take(a + f"{x}_proj.bias", (sl,))
-        take(a + "o_proj.weight", (slice(None), rows["q"]))
-        take(m + "gate_proj.weight", (cols,))
-        take(m + "up_proj.weight", (cols,))
-        take(m + "down_proj.weight", (slice(None), cols))
-    return dataclasses.replace(config, num_heads=nq, num_kv_heads=nkv, intermediate_size=ni)
+                index[a + f"{x}_proj.bias"] = (sl,)
+        index[a + "o_proj.weight"] = (slice(None), rows["q"])
+        index[m + "gate_proj.weight"] = (cols,)
+        index[m + "up_proj.weight"] = (cols,)
+        index[m + "down_proj.weight"] = (slice(None), cols)
+    local = dataclasses.replace(config, num_heads=nq, num_kv_heads=nkv, intermediate_size=ni)
+    return local, index
+
+
+def shard_weights(
+    config: ModelConfig, weights: dict[str, torch.Tensor], rank: int, size: int
+) -> ModelConfig:
+    """Replaces the split weights in `weights` by rank's slices (contiguous copies, so the full tensors
+    can be freed) and returns the rank's ModelConfig."""
+    local, index = shard_plan(config, rank, size)
+    for name, ix in index.items():
+        weights[name] = weights[name][ix].contiguous()
+    return local

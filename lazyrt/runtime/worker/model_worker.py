@@ -18,7 +18,7 @@ from lazyrt.config import EngineConfig
 from lazyrt.models.config import ModelConfig
 from lazyrt.models.llama import LlamaModel
 from lazyrt.models.loader import load_model
-from lazyrt.models.tensor_parallel import kv_replicas, shard_weights
+from lazyrt.models.tensor_parallel import kv_replicas
 from lazyrt.retrieval.host_attention import RetrievalOptions
 from lazyrt.runtime.ipc.messages import StepMsg, StepResult, WorkerReady
 from lazyrt.runtime.scheduler.plan import StepPlan
@@ -60,17 +60,17 @@ class ModelWorker:
             cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if dev.startswith("cuda") else "float32")
         )
         # ranks >= 1 only run steps (rank 0 samples for them): no tokenizer, no transformers import
+        # a rank reads (or, dummy, makes) only its slices: a model too big for one device loads
         loaded = load_model(
             cfg.model, load_format=cfg.load_format, dtype=DTYPES[dtype_name], seed=cfg.seed, device=dev,
             tokenizer=tp is None or tp.rank == 0,
+            tp_shard=(tp.rank, tp.rendezvous.size) if tp is not None else None,
         )
         self.config = cfg
         self.tokenizer = loaded.tokenizer
         self.model_id = loaded.model_id
         self.model_config = loaded.config  # the whole model's (a rank's shard: self.model.config)
-        local_config = loaded.config
-        if tp is not None:  # split before moving (and, on CUDA, before fusing q/k/v and gate/up)
-            local_config = shard_weights(loaded.config, loaded.weights, tp.rank, tp.rendezvous.size)
+        local_config = loaded.shard_config or loaded.config  # (split before CUDA fuses q/k/v, gate/up)
         weights = {k: v.to(dev) for k, v in loaded.weights.items()}
         loaded.weights.clear()  # the model owns (and on CUDA fuses) the weights from here
         # rank 0 forwards each step to the other ranks; every rank joins the group once its shard is in
