@@ -21,8 +21,9 @@ from fastapi.responses import JSONResponse, Response
 
 from lazyrt.documents import DEFAULT_LIST_LIMIT, DocumentError, check_id, check_metadata, check_text
 from lazyrt.runtime.ipc.messages import DocumentReq, DocumentResp, ErrorOut, GenerateReq
+from lazyrt.runtime.server.errors import ApiError
 from lazyrt.runtime.server.pipeline_client import PipelineClient
-from lazyrt.runtime.server.protocol import ApiError, bad
+from lazyrt.runtime.server.protocol import bad
 from lazyrt.sampling_params import SamplingParams
 
 T = TypeVar("T")
