@@ -511,3 +511,22 @@ def test_scratch_pages_are_never_allocated():
         pool.alloc(1)
     with pytest.raises(ValueError):
         pool.free([4])
+
+
+def test_radix_drop_removes_the_pages_and_everything_below_them():
+    rng = random.Random()
+    ps = 4
+    rc = RadixCache(ps)
+    base = [rng.randrange(1000) for _ in range(3 * ps)]
+    a, b = base + [1] * ps, base[: 2 * ps] + [2] * (2 * ps)  # b branches off after base's 2nd page
+    assert rc.insert(a, [10, 11, 12, 13]) == []
+    assert rc.insert(b, [10, 11, 20, 21]) == []
+    node = rc.node_of(a)
+    rc.lock(node)
+    with pytest.raises(RuntimeError):
+        rc.drop({12})  # 13 below it is locked
+    rc.unlock(node)
+    assert sorted(rc.drop({12, 21})) == [12, 13, 21]  # 12's subtree; 21 (a leaf) alone
+    assert rc.match_prefix(a)[0] == [10, 11] and rc.match_prefix(b)[0] == [10, 11, 20]
+    assert rc.num_pages == 3 and rc.evictable_pages() == 3
+    assert sorted(rc.evict(10)) == [10, 11, 20]

@@ -65,6 +65,16 @@ class RadixCache:
         self.stats.hit_tokens += len(pages) * self.page_size
         return pages, node
 
+    def node_of(self, tokens: Sequence[int]) -> RadixNode:
+        """The deepest node on the path of tokens' full pages (root if none); no stats, no touch."""
+        node = self.root
+        for key in self._page_keys(tokens):
+            child = node.children.get(key)
+            if child is None:
+                break
+            node = child
+        return node
+
     def insert(self, tokens: Sequence[int], pages: list[int]) -> list[int]:
         """Cache the full pages of ``tokens``; returns the caller's pages the cache did not take.
 
@@ -144,6 +154,28 @@ class RadixCache:
             freed.append(node.page)
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_used, parent.uid, parent))
+        self._owned.difference_update(freed)
+        self._evictable -= len(freed)
+        return freed
+
+    def drop(self, pages: set[int]) -> list[int]:
+        """Remove the nodes holding these pages and every node below them (their KV was computed on top
+        of theirs); returns every page removed. None of them may be locked."""
+        freed: list[int] = []
+        for node in [n for n in self._nodes() if n.page in pages]:
+            if node.parent is None:
+                continue  # already removed, below an earlier one
+            below, stack = [], [node]
+            while stack:
+                x = stack.pop()
+                below.append(x)
+                stack.extend(x.children.values())
+            if any(x.lock_ref for x in below):
+                raise RuntimeError("cannot drop radix nodes a request holds")
+            del node.parent.children[node.key]
+            for x in below:
+                x.parent = None
+                freed.append(x.page)
         self._owned.difference_update(freed)
         self._evictable -= len(freed)
         return freed

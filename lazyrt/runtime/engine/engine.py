@@ -369,7 +369,7 @@ def _detokenizer(tokenizer, params: SamplingParams) -> IncrementalDetokenizer:
 
 
 def _completion(result: dict) -> dict:
-    keep = ("text", "token_ids", "logprobs")
+    keep = ("text", "token_ids", "logprobs", "meta")  # meta: each completion's own (cached_tokens, ...)
     return {**{k: result[k] for k in keep if k in result}, "finish_reason": result["meta"]["finish_reason"]}
 
 

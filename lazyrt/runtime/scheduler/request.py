@@ -77,6 +77,9 @@ class Request:
     probe_scores: list[list[float]] = field(default_factory=list)  # per doc, filled as probes return
     radix_node: object | None = None
     radix_pages: list[int] = field(default_factory=list)
+    # own pages handed to the radix once the prompt's prefill was done (they are the radix's now)
+    radix_given: list[int] = field(default_factory=list)
+    prompt_cached: bool = False
     # accounting for `meta`
     cached_tokens: int = 0
     chunk_hits: int = 0

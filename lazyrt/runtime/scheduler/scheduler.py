@@ -444,8 +444,43 @@ class Scheduler:
         return True
 
     # ---- planning -----------------------------------------------------------------------------
+    def _prompt_in_prefill(self, req: Request) -> bool:
+        """A running request with the same plain prompt has not cached it yet (n > 1 siblings, or
+        the same prompt sent twice): waiting for its prefill lets this one match its pages."""
+        if self.cache_mode == "none" or (req.is_rag and self.uses_chunks):
+            return False
+        if (len(req.prompt_ids) - 1 - req.score_len) // self.page_size == 0:
+            return False  # not one full page to share
+        return any(
+            r.radix_node is not None and not r.prompt_cached and r.prompt_ids == req.prompt_ids
+            for r in self.running
+        )
+
+    def _cache_prompt(self, req: Request) -> None:
+        """The prompt's prefill is done: its full pages go into the radix now rather than when the
+        request ends, so a request with the same prompt admitted meanwhile computes none of them.
+        The request keeps reading the same pages; it locks the deeper node instead of the matched one."""
+        req.prompt_cached = True
+        full = len(req.prompt_ids) // self.page_size
+        n_radix = len(req.radix_pages)
+        if full <= n_radix or req.own is None:
+            return
+        tokens = req.prompt_ids[: full * self.page_size]
+        mine = req.own.pages[: full - n_radix]
+        rejected = set(self.radix.insert(tokens, req.radix_pages + mine))  # another request's won
+        node = self.radix.node_of(tokens)
+        self.radix.lock(node)
+        self.radix.unlock(req.radix_node)
+        req.radix_node = node
+        req.radix_given = [p for p in mine if p not in rejected]
+
     def schedule(self) -> StepPlan:
-        while self.waiting and len(self.running) < self.max_running and self._try_admit(self.waiting[0]):
+        while (
+            self.waiting
+            and len(self.running) < self.max_running
+            and not self._prompt_in_prefill(self.waiting[0])
+            and self._try_admit(self.waiting[0])
+        ):
             self.running.append(self.waiting.popleft())
             self.running[-1].admitted_at = time.time()
         plan = StepPlan()
@@ -665,6 +700,12 @@ class Scheduler:
                 if req.probe_next == len(req.docs):  # every doc probed: pick the pages
                     self._apply_probe(req, req.probe_scores)
         for item in plan.items:
+            req = item.request
+            if (
+                req is not None and req.radix_node is not None and not req.prompt_cached
+                and req.state is not RequestState.FINISHED
+            ):  # its prompt's last tokens were in this step  # fmt: skip
+                self._cache_prompt(req)
             if item.job is not None:
                 job = item.job
                 job.chunk.ready = True
@@ -689,7 +730,8 @@ class Scheduler:
             own = req.own.pages if req.own else []
             if req.radix_node is not None and not keep_kv:
                 self.radix.unlock(req.radix_node)
-                self.pool.free(own)
+                given = set(req.radix_given)  # the radix's now: fail_running drops them
+                self.pool.free([p for p in own if p not in given])
             elif req.radix_node is not None:
                 # KV exists for the prompt and every output token but the last (never fed back).
                 tokens = (req.prompt_ids + req.output_ids)[: req.own.start_pos + req.own.num_tokens]
@@ -703,6 +745,7 @@ class Scheduler:
             else:
                 self.pool.free(own)
         req.chunks, req.copied_pages, req.own, req.segments = [], [], None, []
+        req.radix_given = []
         req.recomputed_pages, req.pending_recompute, req.copies = [], [], []
         req.probe_docs, req.recompute_reserve, req.probe_scores = None, [], []
         req.finish_reason = reason
@@ -715,8 +758,12 @@ class Scheduler:
         ready at a deferred submit, or still held by their job) and every pending chunk job, so no
         later request reads their KV. Waiting requests hold nothing yet: they stay queued."""
         failed = list(self.running)
+        given = {p for req in failed for p in req.radix_given}
         for req in failed:
             self.finish(req, "error", keep_kv=False)
+        # prompts they put in the radix after their prefill: a failed request's KV is not kept (the
+        # step in flight with the failed one may have been that prefill); no lock is left on them now
+        self.pool.free(self.radix.drop(given))
         jobs = {id(j): j for j in self.jobs + [it.job for p in plans for it in p.items if it.job]}
         self.jobs = []
         for job in jobs.values():
@@ -746,5 +793,7 @@ class Scheduler:
     def held_pages(self) -> int:
         """Pages owned by running requests (own + block copies + recomputed pages), for leak checks."""
         return sum(
-            len(r.own.pages) + len(r.copied_pages) + len(r.recomputed_pages) for r in self.running if r.own
+            len(r.own.pages) - len(r.radix_given) + len(r.copied_pages) + len(r.recomputed_pages)
+            for r in self.running
+            if r.own
         )
