@@ -475,14 +475,17 @@ class Scheduler:
         req.radix_given = [p for p in mine if p not in rejected]
 
     def schedule(self) -> StepPlan:
-        while (
-            self.waiting
-            and len(self.running) < self.max_running
-            and not self._prompt_in_prefill(self.waiting[0])
-            and self._try_admit(self.waiting[0])
-        ):
-            self.running.append(self.waiting.popleft())
-            self.running[-1].admitted_at = time.time()
+        i = 0  # in arrival order; one waiting for a same-prompt request's prefill lets the next go
+        while i < len(self.waiting) and len(self.running) < self.max_running:
+            req = self.waiting[i]
+            if self._prompt_in_prefill(req):
+                i += 1
+                continue
+            if not self._try_admit(req):
+                break
+            del self.waiting[i]
+            self.running.append(req)
+            req.admitted_at = time.time()
         plan = StepPlan()
         budget = self.max_step_tokens
         for req in self.running:
