@@ -8,6 +8,10 @@ import pytest
 import torch
 
 FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "llama_tied")
+# parametrize("device", DEVICES): a CPU test that also runs on CUDA (Triton kernels, CUDA graphs) where
+# there is one; the CUDA case carries the gpu marker and skips without it
+_NEEDS_CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+DEVICES = ("cpu", pytest.param("cuda", marks=_NEEDS_CUDA))
 
 
 @pytest.fixture(scope="session")
@@ -18,8 +22,13 @@ def default_model():
 
 
 @pytest.fixture(scope="session")
-def tokenizer(default_model):
-    return default_model.tokenizer
+def tokenizer(request):
+    tok_dir = os.environ.get("LAZYRT_TOKENIZER_DIR")
+    if tok_dir:  # a GPU box without the default GGUF: its tokenizer's files (benchmarks/gpu_run.sh)
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(tok_dir)
+    return request.getfixturevalue("default_model").tokenizer
 
 
 def _hf_config(family: str, vocab: int):

@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from conftest import load_hf, random_rag_ids
+from conftest import DEVICES, load_hf, random_rag_ids
 from hf_reference import rag_layout
 
 from lazyrt import Engine, RagPrompt, SamplingParams
@@ -35,13 +35,15 @@ def hf_citations(model, prefix, docs, suffix, out: list[int]) -> list[float]:
     return [float(rows[..., list(c)].sum(-1).mean()) for c in cols]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("family", ["llama3", "qwen3"])
-def test_citations_equal_hf_attention_mass(family, tiny_model_dir):
+def test_citations_equal_hf_attention_mass(family, tiny_model_dir, device):
     path = tiny_model_dir(family)
-    hf = load_hf(path)
+    hf = load_hf(path)  # the reference stays on the CPU
     rng = random.Random()
     for mode, overlap in (("lazy", True), ("block", False)):
-        engine = Engine(path, device="cpu", kv_cache_tokens=4096, cache_mode=mode, overlap_schedule=overlap)
+        engine = Engine(path, device=device, dtype="float32", kv_cache_tokens=4096, cache_mode=mode,
+                        overlap_schedule=overlap)  # fmt: skip
         vocab = engine.model_config.vocab_size
         for _ in range(2):
             prefix, docs, suffix = random_rag_ids(rng, vocab)

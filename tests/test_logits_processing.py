@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from conftest import load_hf
+from conftest import DEVICES, load_hf
 from transformers import (
     MinNewTokensLengthLogitsProcessor,
     RepetitionPenaltyLogitsProcessor,
@@ -99,10 +99,12 @@ def tiny(tiny_model_dir):
     return load_hf(path), path
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("overlap", [True, False])
-def test_penalties_bias_min_tokens_match_hf_generate(tiny, overlap):
+def test_penalties_bias_min_tokens_match_hf_generate(tiny, overlap, device):
     hf, path = tiny
-    engine = Engine(path, device="cpu", kv_cache_tokens=4096, overlap_schedule=overlap)
+    hf = hf.to(device)
+    engine = Engine(path, device=device, dtype="float32", kv_cache_tokens=4096, overlap_schedule=overlap)
     rng = random.Random()
     vocab = engine.model_config.vocab_size
     for _ in range(3):
@@ -116,9 +118,9 @@ def test_penalties_bias_min_tokens_match_hf_generate(tiny, overlap):
         got = engine.generate([prompt], sp)[0]
         eos = sorted(engine.eos_ids) + [stop_tok]
         want = hf.generate(
-            torch.tensor([prompt]), max_new_tokens=12, do_sample=False, repetition_penalty=1.35,
-            min_new_tokens=4, sequence_bias=[[[t], b] for t, b in bias.items()], eos_token_id=eos,
-            pad_token_id=0,
+            torch.tensor([prompt], device=device), max_new_tokens=12, do_sample=False,
+            repetition_penalty=1.35, min_new_tokens=4, sequence_bias=[[[t], b] for t, b in bias.items()],
+            eos_token_id=eos, pad_token_id=0,
         )[0, len(prompt):].tolist()  # fmt: skip
         if want[-1] in eos and len(want) < 12:
             assert got["meta"]["finish_reason"] == "stop"
@@ -126,10 +128,12 @@ def test_penalties_bias_min_tokens_match_hf_generate(tiny, overlap):
         assert got["token_ids"][0] != stop_tok
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("overlap", [True, False])
-def test_logprobs_equal_hf_forward(tiny, overlap):
+def test_logprobs_equal_hf_forward(tiny, overlap, device):
     hf, path = tiny
-    engine = Engine(path, device="cpu", kv_cache_tokens=4096, overlap_schedule=overlap)
+    hf = hf.to(device)
+    engine = Engine(path, device=device, dtype="float32", kv_cache_tokens=4096, overlap_schedule=overlap)
     rng = random.Random()
     vocab = engine.model_config.vocab_size
     prompts = [[rng.randrange(100, vocab) for _ in range(rng.randint(3, 25))] for _ in range(3)]
@@ -144,7 +148,8 @@ def test_logprobs_equal_hf_forward(tiny, overlap):
     for prompt, sp, out in zip(prompts[:2], sps, outs):
         ids = out["token_ids"]
         with torch.inference_mode():
-            ref = torch.log_softmax(hf(torch.tensor([prompt + ids])).logits[0].float(), -1)
+            logits = hf(torch.tensor([prompt + ids], device=device)).logits[0].float().cpu()
+            ref = torch.log_softmax(logits, -1)
         assert len(out["logprobs"]) == len(ids)
         for i, (tok, e) in enumerate(zip(ids, out["logprobs"])):
             row = ref[len(prompt) + i - 1]  # logprobs are the model's, before penalties/temperature

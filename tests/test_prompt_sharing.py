@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from conftest import DEVICES
 
 from lazyrt import Engine, SamplingParams
 
@@ -19,13 +20,14 @@ def _leak_free(engine: Engine) -> None:
     assert s["free_pages"] + s["chunk_pages"] + s["radix_pages"] == s["total_pages"]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode,overlap", [("prefix", True), ("prefix", False), ("lazy", True)])
-def test_n_completions_share_the_prompt(tiny_model_dir, mode, overlap):
+def test_n_completions_share_the_prompt(tiny_model_dir, mode, overlap, device):
     path = tiny_model_dir("llama3")
     rng = random.Random()
     prompt = [rng.randrange(100, 49152) for _ in range(rng.randint(2 * PAGE + 1, 6 * PAGE))]
     full = (len(prompt) - 1) // PAGE * PAGE  # what a later request can match (>= 1 token computed)
-    kw = dict(device="cpu", kv_cache_tokens=4096, cache_mode=mode, overlap_schedule=overlap)
+    kw = dict(device=device, dtype="float32", kv_cache_tokens=4096, cache_mode=mode, overlap_schedule=overlap)
     alone = Engine(path, **kw)
     greedy = alone.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True))[0]["token_ids"]
     seed = rng.randrange(10**6)

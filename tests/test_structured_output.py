@@ -12,7 +12,7 @@ import re
 import jsonschema
 import pytest
 import torch
-from conftest import cpu_engine
+from conftest import DEVICES, cpu_engine
 from test_overlap_schedule import record_steps
 
 from lazyrt import Engine, SamplingParams
@@ -59,9 +59,12 @@ def random_prompts(rng: random.Random, n: int) -> list[list[int]]:
     return [[rng.randrange(100, VOCAB) for _ in range(rng.randint(3, 30))] for _ in range(n)]
 
 
-@pytest.fixture(scope="module")
-def tiny_engine(tiny_model_dir):
-    return cpu_engine(tiny_model_dir("llama"), "prefix")
+@pytest.fixture(scope="module", params=DEVICES)
+def tiny_engine(tiny_model_dir, request):
+    if request.param == "cpu":
+        return cpu_engine(tiny_model_dir("llama"), "prefix")
+    return Engine(tiny_model_dir("llama"), device=request.param, dtype="float32", cache_mode="prefix",
+                  kv_cache_tokens=8192)  # fmt: skip
 
 
 # ---- validation -----------------------------------------------------------------------------------
@@ -161,7 +164,8 @@ def test_20_prompts_json_schema_regex_choice_valid(tiny_engine):
         check(o["text"])
 
 
-def test_constrained_rows_leave_free_rows_unchanged_overlap_on_and_off(tiny_model_dir):
+@pytest.mark.parametrize("device", DEVICES)
+def test_constrained_rows_leave_free_rows_unchanged_overlap_on_and_off(tiny_model_dir, device):
     """A batch mixing constrained and free rows: the free rows' tokens equal a run without the
     constrained ones; constrained outputs are the same with the overlap schedule on and off."""
     path = tiny_model_dir("llama")
@@ -174,7 +178,8 @@ def test_constrained_rows_leave_free_rows_unchanged_overlap_on_and_off(tiny_mode
             SamplingParams(choice=CHOICES[1], temperature=0.7, seed=seed + 1),
             SamplingParams(max_tokens=80, json_schema=SCHEMAS[0], temperature=1, seed=seed + 2)]  # fmt: skip
     mixed = [free[0], cons[0], free[1], cons[1], free[2], cons[2], free[3], cons[3]]
-    engines = {on: cpu_engine(path, "prefix", overlap_schedule=on) for on in (True, False)}
+    engines = {on: Engine(path, device=device, dtype="float32", cache_mode="prefix", kv_cache_tokens=8192,
+                          overlap_schedule=on) for on in (True, False)}  # fmt: skip
     steps = record_steps(engines[True])
     both = {on: e.generate(prompts, mixed) for on, e in engines.items()}
     assert any(defer and pending for defer, pending in steps)  # constrained decodes ran a step ahead
