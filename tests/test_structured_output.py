@@ -186,7 +186,13 @@ def test_constrained_rows_leave_free_rows_unchanged_overlap_on_and_off(tiny_mode
     free_prompts = [prompts[i] for i in (0, 2, 4, 6)]
     alone = engines[False].generate(free_prompts, free)
     got_free = [both[True][i]["token_ids"] for i in (0, 2, 4, 6)]
-    assert got_free == [o["token_ids"] for o in alone]
+    want_free = [o["token_ids"] for o in alone]
+    if device != "cpu":
+        # cuBLAS picks its kernels by batch shape, so a batch of 8 and one of 4 give logits that
+        # differ in the last bits; greedy rows keep their tokens, but a seeded draw from the random
+        # model's flat distribution (49k tokens at ~2e-5 each) can move: compare the greedy rows only
+        got_free.pop(1), want_free.pop(1)
+    assert got_free == want_free
     assert [o["token_ids"] for o in both[True]] == [o["token_ids"] for o in both[False]]
     for i in (1, 3, 5, 7):
         assert both[True][i]["meta"]["finish_reason"] == "stop"
@@ -243,3 +249,24 @@ def test_mask_on_cuda_equals_cpu(tokenizer):
         tokens = b.argmax(-1)
         dev.advance(rids, params, tokens.cuda())
         host.advance(rids, params, tokens)
+
+
+def test_model_vocab_and_eos_past_the_tokenizer(tokenizer):
+    """A model whose logits are wider than its tokenizer (padded vocabularies; a dummy preset beside a
+    carried tokenizer, whose EOS id 128001 the tokenizer lacks): the mask covers the whole width, the
+    padding stays disallowed, and the constraint still ends on the tokenizer's EOS."""
+    width = 128256
+    eos = {tokenizer.eos_token_id, 128001}
+    gc = GrammarConstraints(tokenizer, width, eos, "cpu")
+    sp = SamplingParams(choice=CHOICES[0])
+    out: list[int] = []
+    for _ in range(20):
+        masked = gc.apply(torch.randn(1, width), [1], [sp])
+        assert not torch.isfinite(masked[0, len(tokenizer) :]).any()
+        tok = masked.argmax(-1)
+        gc.advance([1], [sp], tok)
+        if int(tok) == tokenizer.eos_token_id:
+            break
+        out.append(int(tok))
+    gc.flush()
+    assert tokenizer.decode(out) in CHOICES[0]

@@ -61,9 +61,12 @@ class GrammarConstraints:
 
     def _tokenizer_info(self) -> llguidance.LLTokenizer:
         if self._ll_tokenizer is None:
+            # the model's EOS ids the tokenizer knows (a dummy preset beside a carried tokenizer has
+            # ids past it; llguidance refuses those, and the model never ends on them through text)
+            known = [e for e in self.eos_ids if e < len(self.tokenizer)] or self.eos_ids
             try:
                 self._ll_tokenizer = llguidance.hf.from_tokenizer(
-                    self.tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_ids
+                    self.tokenizer, n_vocab=self.vocab_size, eos_token=known
                 )
             except ValueError as e:
                 raise ValueError(f"structured output needs a fast (tokenizers) HF tokenizer: {e}") from e
