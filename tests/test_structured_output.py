@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 import torch
 from conftest import DEVICES, cpu_engine
-from test_overlap_schedule import record_steps
+from test_overlap_schedule import record_steps, spy_link
 
 from lazyrt import Engine, SamplingParams
 from lazyrt.constraint import grammar_text
@@ -200,6 +200,40 @@ def test_constrained_rows_leave_free_rows_unchanged_overlap_on_and_off(tiny_mode
     assert re.fullmatch(REGEXES[0], both[True][3]["text"], re.ASCII)
     assert both[True][5]["text"] in CHOICES[1]
     jsonschema.validate(json.loads(both[True][7]["text"]), SCHEMAS[0])
+
+
+def test_overlapped_constrained_steps_sample_at_the_next_call(tiny_model_dir):
+    """Overlap on: a step with constrained rows returns before sampling (its masks are computed on the
+    grammar thread); the next call samples it first. Same tokens as the synchronous loop, valid JSON."""
+    import threading
+
+    path = tiny_model_dir("llama")
+    prompts = random_prompts(random.Random(), 4)
+    sps = [SamplingParams(max_tokens=60, json_schema=SCHEMAS[i % 2]) for i in range(3)] + [
+        SamplingParams(max_tokens=10, ignore_eos=True)
+    ]
+    outs = {}
+    for on in (True, False):
+        engine = cpu_engine(path, "prefix", overlap_schedule=on)
+        worker, gc = engine.worker, engine.worker._grammar
+        left, threads, execute, fill = [], set(), worker.execute, gc._fill
+
+        def spy(msg, worker=worker, execute=execute, left=left):
+            res = execute(msg)
+            left.append(worker._unsampled is not None)
+            return res
+
+        def spy_fill(*a, fill=fill, threads=threads):
+            threads.add(threading.current_thread().name)
+            return fill(*a)
+
+        engine.core.worker, gc._fill = spy_link(spy), spy_fill
+        outs[on] = engine.generate(prompts, sps)
+        assert any(left) == on
+        assert threads and all(t.startswith("lazyrt-grammar") for t in threads)
+    assert [o["token_ids"] for o in outs[True]] == [o["token_ids"] for o in outs[False]]
+    for o, sp in zip(outs[True][:3], sps):
+        jsonschema.validate(json.loads(o["text"]), sp.json_schema)
 
 
 def test_grammar_and_n_copies(tiny_engine):

@@ -8,9 +8,12 @@ applied to the request's logits before sampling.
 - The masks of all constrained rows of a step are filled in one call on llguidance's thread pool
   (GIL released) into one pinned int32 bitmask, copied to the device and applied there.
 - Overlap schedule: the worker samples step t+1 before the host has seen step t's tokens. `advance`
-  only keeps step t's sampled tokens (still on the device); `apply` at step t+1 runs after the
-  step's forward is launched, so reading those tokens waits for step t only, and the matcher
-  updates and the mask computation run on the host while the device runs step t+1's forward.
+  only keeps step t's sampled tokens (still on the device, a pinned copy on its way); `prepare` at
+  step t+1 runs after the step's forward is launched and hands the matcher updates and the mask
+  computation to a background thread, which waits for step t's tokens only. The worker samples
+  step t+1 (`finish`: upload the bitmask, mask, sample) at the start of its next call, so the host
+  plans step t+2 while the masks are computed and the device runs step t+1's forward: the masks
+  cost the step nothing while they take less than the forward and the scheduler's own work.
   Constrained rows keep overlapping; nothing is disabled.
 - A matcher that has finished (it consumed EOS) or failed allows only EOS: a request the scheduler
   still runs for a step in flight, or one whose grammar cannot go on, ends.
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
 import llguidance.hf
@@ -48,16 +52,32 @@ class GrammarConstraints:
         self._bitmask: torch.Tensor | None = None  # host [rows, words] int32, grown on demand
         self._bits = torch.arange(32, dtype=torch.int32, device=self.device)
         self._copied: torch.cuda.Event | None = None  # the last bitmask upload (pinned: reuse waits)
+        # the mask job of a prepared step: matchers and the bitmask are its alone until it is done
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="lazyrt-grammar")
+        self._job: Future | None = None
 
     def __len__(self) -> int:
+        self._wait_job()
         return len(self._matchers)
 
     def release(self, rid: int) -> None:
+        self._wait_job()
         self._matchers.pop(rid, None)
 
     def drop_pending(self) -> None:
-        """Forget sampled tokens not fed yet (their step failed; its requests are aborted)."""
+        """Forget sampled tokens not fed yet and a prepared step's masks (their step failed; its
+        requests are aborted)."""
+        self._wait_job(raise_error=False)
         self._pending = None
+
+    def _wait_job(self, raise_error: bool = True) -> None:
+        job, self._job = self._job, None
+        if job is not None:
+            try:
+                job.result()
+            except Exception:
+                if raise_error:
+                    raise
 
     def _tokenizer_info(self) -> llguidance.LLTokenizer:
         if self._ll_tokenizer is None:
@@ -96,9 +116,11 @@ class GrammarConstraints:
     def _feed_pending(self) -> None:
         if self._pending is None:
             return
-        rows, tokens = self._pending
+        rows, tokens, ready = self._pending
         self._pending = None
-        sampled = tokens.tolist()  # waits for the step that sampled them only
+        if ready is not None:
+            ready.synchronize()  # the step that sampled them only (the GIL is released meanwhile)
+        sampled = tokens.tolist()
         for rid, i in rows.items():
             m = self._matchers.get(rid)
             if m is not None and not m.is_stopped() and not m.is_error():
@@ -107,12 +129,32 @@ class GrammarConstraints:
     def apply(self, logits: torch.Tensor, rids: list[int], params: list[SamplingParams]) -> torch.Tensor:
         """logits [n, vocab] (rows: rids / params); each constrained row's tokens outside its grammar
         set to -inf. Returns logits itself when no row is constrained, else a new tensor."""
+        return self.finish(logits, self.prepare(rids, params, logits.shape[-1]))
+
+    def prepare(self, rids: list[int], params: list[SamplingParams], width: int) -> Future | None:
+        """Starts computing the masks of a step's constrained rows (rows: rids / params, logits of
+        `width` tokens) on the background thread; None when no row is constrained. Every other call
+        waits for it; `finish` applies it."""
         rows = [i for i, p in enumerate(params) if p.constraint is not None]
         if not rows:
+            return None
+        self._wait_job()
+        self._job = self._thread.submit(self._fill, rids, params, rows, width)
+        return self._job
+
+    def finish(self, logits: torch.Tensor, prepared: Future | None) -> torch.Tensor:
+        """logits with the prepared step's masks applied (logits itself when nothing was prepared)."""
+        if prepared is None:
             return logits
+        self._wait_job()  # the job's error (a grammar that does not compile) is raised here
+        rows, mask = prepared.result()
+        return self._masked(logits, rows, mask)
+
+    def _fill(self, rids: list[int], params: list[SamplingParams], rows: list[int], width: int) -> tuple:
+        """The background job: feed the last step's tokens, then fill one bitmask row per row."""
         self._feed_pending()
         matchers = [self._matcher(rids[i], params[i]) for i in rows]
-        words = (logits.shape[-1] + 31) // 32
+        words = (width + 31) // 32
         if self._bitmask is None or self._bitmask.shape[0] < len(rows) or self._bitmask.shape[1] != words:
             pin = self.device.type == "cuda"
             self._bitmask = torch.empty((max(len(rows), 16), words), dtype=torch.int32, pin_memory=pin)
@@ -130,7 +172,7 @@ class GrammarConstraints:
                 mask[j].zero_()
                 for e in self.eos_ids:
                     mask[j, e // 32] |= 1 << (e % 32)
-        return self._masked(logits, rows, mask)
+        return rows, mask
 
     def _masked(self, logits: torch.Tensor, rows: list[int], mask: torch.Tensor) -> torch.Tensor:
         """logits with the tokens whose bit is 0 in mask[j] set to -inf in row rows[j]."""
@@ -158,14 +200,23 @@ class GrammarConstraints:
         rows = {rids[i]: i for i, p in enumerate(params) if p.constraint is not None}
         if not rows:
             return
+        self._wait_job()
         self._feed_pending()  # an older step's tokens (no constrained row ran since): long done
-        self._pending = (rows, tokens)
+        ready = None
+        if tokens.is_cuda:  # a pinned copy in stream order: the job waits on its event, not the GIL
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+            tokens, ready = host, torch.cuda.Event()
+            ready.record()
+        self._pending = (rows, tokens, ready)
 
     def flush(self) -> None:
         """Feed the kept tokens now (tests; a synchronous caller that wants the matchers current)."""
+        self._wait_job()
         self._feed_pending()
 
     def finished(self, rid: int) -> bool:
         """Whether rid's matcher has consumed a complete output (tests and diagnostics)."""
+        self._wait_job()
         m = self._matchers.get(rid)
         return m is not None and m.is_stopped()

@@ -131,6 +131,9 @@ class ModelWorker:
         )
         self._decoder = StepDecoder()
         self._deferred: DeferredTokens | None = None  # the launched step whose tokens are not sent yet
+        # a launched step with constrained rows, sampled at the start of the next call (its masks are
+        # computed on the grammar thread meanwhile): (rows, logits, processed logits, prepared masks)
+        self._unsampled: tuple | None = None
 
     def _num_pages(self, dtype: torch.dtype, model_config: ModelConfig | None = None) -> int:
         """KV pages from the budget for model_config's KV heads (this rank's; default the whole
@@ -179,7 +182,7 @@ class ModelWorker:
             return self._execute(msg)
         except BaseException as e:
             # the scheduler drops its step in flight and aborts the requests: start clean
-            self._deferred, self.runner.prev_tokens = None, None
+            self._deferred, self._unsampled, self.runner.prev_tokens = None, None, None
             if self._grammar is not None:
                 self._grammar.drop_pending()
             if isinstance(e, torch.cuda.OutOfMemoryError) and torch.cuda.is_available():
@@ -189,6 +192,13 @@ class ModelWorker:
             raise
 
     def _execute(self, msg: StepMsg) -> StepResult:
+        if self._unsampled is not None:  # before the releases: its rows' generators and matchers
+            rows, logits, processed, prepared = self._unsampled
+            self._unsampled = None
+            processed = self._grammar.finish(processed, prepared)
+            tokens, logprobs = self._sample(rows, logits, processed)
+            self.runner.prev_tokens = (tokens, {r.rid: i for i, r in enumerate(rows)})
+            self._deferred = DeferredTokens(tokens, [r.params for r in rows], logprobs)
         for rid in msg.release:
             self._generators.pop(rid, None)
             self._logits.release(rid)
@@ -213,19 +223,20 @@ class ModelWorker:
                 self._generators[req.rid] = _generator(req.params)
         tokens = logprobs = None
         if rows:
-            gens = [self._generators[r.rid] for r in rows]
             params, rids = [r.params for r in rows], [r.rid for r in rows]
             processed = self._logits.apply(logits, rids, params, [r.suffix for r in rows])  # stub: prompt
             # after the forward is launched: the grammar masks are computed while the device runs it
-            if self._grammar is not None:
-                processed = self._grammar.apply(processed, rids, params)
-            tokens = sample_tokens_device(processed, params, gens)
-            if self.tp is not None:  # rank 0's draw for everyone (unseeded generators differ by rank)
-                tokens = self.tp.broadcast(tokens.contiguous())
-            self._logits.advance(rids, tokens)
-            if self._grammar is not None:
-                self._grammar.advance(rids, params, tokens)
-            logprobs = token_logprobs(logits, tokens, params)
+            prepared = (
+                self._grammar.prepare(rids, params, logits.shape[-1]) if self._grammar is not None else None
+            )
+            if prepared is not None and msg.defer and self.tp is None:
+                # sampled at the start of the next call: the scheduler plans it meanwhile
+                prev, self._deferred = self._deferred, None
+                self._unsampled = (rows, logits, processed, prepared)
+                return self._answer(prev.result() if prev is not None else StepResult([]))
+            if prepared is not None:
+                processed = self._grammar.finish(processed, prepared)
+            tokens, logprobs = self._sample(rows, logits, processed)
         if not msg.defer:
             self.runner.prev_tokens = None  # the scheduler has every token before its next plan
             sampled = tokens.tolist() if tokens is not None else []
@@ -237,6 +248,17 @@ class ModelWorker:
         self.runner.prev_tokens = (tokens, {r.rid: i for i, r in enumerate(rows)}) if rows else None
         prev, self._deferred = self._deferred, DeferredTokens(tokens, [r.params for r in rows], logprobs)
         return self._answer(prev.result() if prev is not None else StepResult([]))
+
+    def _sample(self, rows: list, logits: torch.Tensor, processed: torch.Tensor) -> tuple:
+        """Draws each row's token from its processed logits; logprobs (if asked) from the model's."""
+        params, rids = [r.params for r in rows], [r.rid for r in rows]
+        tokens = sample_tokens_device(processed, params, [self._generators[r.rid] for r in rows])
+        if self.tp is not None:  # rank 0's draw for everyone (unseeded generators differ by rank)
+            tokens = self.tp.broadcast(tokens.contiguous())
+        self._logits.advance(rids, tokens)
+        if self._grammar is not None:
+            self._grammar.advance(rids, params, tokens)
+        return tokens, token_logprobs(logits, tokens, params)
 
     def _answer(self, result: StepResult) -> StepResult:
         result.shared_chunk_steps = self.runner.shared_steps
