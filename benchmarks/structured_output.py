@@ -127,8 +127,11 @@ def bench_engine(args: argparse.Namespace) -> list[dict]:
         res = {}
         runs = {"free": SamplingParams(max_tokens=args.steps, ignore_eos=True),
                 "json_schema": SamplingParams(max_tokens=args.steps, json_schema=schema)}
+        grammar = eng.worker._grammar
+        split = {}
         for name, sp in list(runs.items()) * args.repeats:  # alternating; each one's fastest kept
             prompts = fresh()  # new prompts each run: no prefix-cache hits for either
+            before = dict(grammar.timings)
             sync(args.device)
             t0 = time.perf_counter()
             outs = eng.generate(prompts, sp)
@@ -136,15 +139,33 @@ def bench_engine(args: argparse.Namespace) -> list[dict]:
             dt = time.perf_counter() - t0
             n = sum(len(o["token_ids"]) for o in outs)
             assert n == b * args.steps, f"{name}: {n} tokens, expected {b * args.steps}"
-            res[name] = min(res.get(name, dt), dt)
+            if dt < res.get(name, float("inf")):
+                res[name] = dt
+                if name == "json_schema":  # the grammar thread's time in that run, per job (step)
+                    jobs = max(1, grammar.timings["jobs"] - before["jobs"])
+                    split = {f"grammar_{k[:-2]}_ms": round(1e3 * (grammar.timings[k] - before[k]) / jobs, 3)
+                             for k in ("feed_s", "mask_s", "finish_wait_s")}  # fmt: skip
         row = {"batch": b, "steps": args.steps, "device": args.device, "model": args.model,
                "s_free": res["free"], "s_json_schema": res["json_schema"],
                "ms_per_step_free": 1e3 * res["free"] / args.steps,
                "ms_per_step_json_schema": 1e3 * res["json_schema"] / args.steps,
-               "overhead_pct": 100 * (res["json_schema"] / res["free"] - 1)}  # fmt: skip
+               "overhead_pct": 100 * (res["json_schema"] / res["free"] - 1), **split}  # fmt: skip
+        if args.profile and args.device.startswith("cuda"):  # device-busy time per step, each run once
+            for name, sp in runs.items():
+                row[f"device_busy_ms_per_step_{name}"] = device_busy_ms(eng, fresh(), sp) / args.steps
         print(json.dumps(row))
         rows.append(row)
     return rows
+
+
+def device_busy_ms(eng, prompts, sp) -> float:
+    """Milliseconds of kernels (summed device self time) for one generate under torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        eng.generate(prompts, sp)
+        torch.cuda.synchronize()
+    return sum(ev.self_device_time_total for ev in prof.events() if ev.device_type.name == "CUDA") / 1e3
 
 
 def main() -> None:
@@ -159,6 +180,8 @@ def main() -> None:
     p.add_argument("--load-format", default="dummy")
     p.add_argument("--repeats", type=int, default=3, help="--engine: runs of each, the fastest kept")
     p.add_argument("--kv-cache-tokens", type=int, default=65536)
+    p.add_argument("--profile", action="store_true",
+                   help="--engine on CUDA: device-busy time per step (torch.profiler)")  # fmt: skip
     p.add_argument("--out", default=None, help="append the rows here (JSON lines)")
     args = p.parse_args()
     rows = bench_engine(args) if args.engine else bench_mask(args)

@@ -22,6 +22,7 @@ applied to the request's logits before sampling.
 from __future__ import annotations
 
 import os
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -55,6 +56,8 @@ class GrammarConstraints:
         # the mask job of a prepared step: matchers and the bitmask are its alone until it is done
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="lazyrt-grammar")
         self._job: Future | None = None
+        # where the time goes (benchmarks/structured_output.py): seconds summed over the jobs
+        self.timings = {"jobs": 0, "feed_s": 0.0, "mask_s": 0.0, "finish_wait_s": 0.0}
 
     def __len__(self) -> int:
         self._wait_job()
@@ -146,13 +149,17 @@ class GrammarConstraints:
         """logits with the prepared step's masks applied (logits itself when nothing was prepared)."""
         if prepared is None:
             return logits
+        t0 = time.perf_counter()
         self._wait_job()  # the job's error (a grammar that does not compile) is raised here
+        self.timings["finish_wait_s"] += time.perf_counter() - t0
         rows, mask = prepared.result()
         return self._masked(logits, rows, mask)
 
     def _fill(self, rids: list[int], params: list[SamplingParams], rows: list[int], width: int) -> tuple:
         """The background job: feed the last step's tokens, then fill one bitmask row per row."""
+        t0 = time.perf_counter()
         self._feed_pending()
+        t1 = time.perf_counter()
         matchers = [self._matcher(rids[i], params[i]) for i in rows]
         words = (width + 31) // 32
         if self._bitmask is None or self._bitmask.shape[0] < len(rows) or self._bitmask.shape[1] != words:
@@ -172,6 +179,10 @@ class GrammarConstraints:
                 mask[j].zero_()
                 for e in self.eos_ids:
                     mask[j, e // 32] |= 1 << (e % 32)
+        t = self.timings
+        t["jobs"] += 1
+        t["feed_s"] += t1 - t0
+        t["mask_s"] += time.perf_counter() - t1
         return rows, mask
 
     def _masked(self, logits: torch.Tensor, rows: list[int], mask: torch.Tensor) -> torch.Tensor:
