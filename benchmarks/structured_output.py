@@ -120,6 +120,12 @@ def bench_engine(args: argparse.Namespace) -> list[dict]:
     schema = {"type": "array", "items": ANSWER, "minItems": 100}
     rng = random.Random(0)
     vocab = min(eng.model_config.vocab_size, 32000)
+    grammar = eng.worker._grammar
+    if args.grammar_threads:  # llguidance's mask threads (the worker picks half the cores, at most 16)
+        import llguidance
+
+        grammar._tokenizer_info()
+        grammar._executor = llguidance.LLExecutor(args.grammar_threads)
     rows = []
     for b in args.batches:
         fresh = lambda b=b: [[rng.randrange(100, vocab) for _ in range(64)] for _ in range(b)]  # noqa: E731
@@ -127,7 +133,6 @@ def bench_engine(args: argparse.Namespace) -> list[dict]:
         res = {}
         runs = {"free": SamplingParams(max_tokens=args.steps, ignore_eos=True),
                 "json_schema": SamplingParams(max_tokens=args.steps, json_schema=schema)}
-        grammar = eng.worker._grammar
         split = {}
         for name, sp in list(runs.items()) * args.repeats:  # alternating; each one's fastest kept
             prompts = fresh()  # new prompts each run: no prefix-cache hits for either
@@ -146,6 +151,7 @@ def bench_engine(args: argparse.Namespace) -> list[dict]:
                     split = {f"grammar_{k[:-2]}_ms": round(1e3 * (grammar.timings[k] - before[k]) / jobs, 3)
                              for k in ("feed_s", "mask_s", "finish_wait_s")}  # fmt: skip
         row = {"batch": b, "steps": args.steps, "device": args.device, "model": args.model,
+               "grammar_threads": args.grammar_threads or "default",
                "s_free": res["free"], "s_json_schema": res["json_schema"],
                "ms_per_step_free": 1e3 * res["free"] / args.steps,
                "ms_per_step_json_schema": 1e3 * res["json_schema"] / args.steps,
@@ -153,18 +159,27 @@ def bench_engine(args: argparse.Namespace) -> list[dict]:
         if args.profile and args.device.startswith("cuda"):  # device-busy time per step, each run once
             for name, sp in runs.items():
                 row[f"device_busy_ms_per_step_{name}"] = device_busy_ms(eng, fresh(), sp) / args.steps
-        print(json.dumps(row))
+        if args.trace and args.device.startswith("cuda"):  # chrome traces of 12 steps (host threads, kernels)
+            for name, sp in runs.items():
+                short = SamplingParams(**{**sp.__dict__, "max_tokens": 12})
+                device_busy_ms(eng, fresh(), short, trace=f"{args.trace}/trace_{name}_b{b}.json.gz")
+        print(json.dumps(row), flush=True)
         rows.append(row)
+        if args.out:  # each row as soon as it is measured
+            with open(args.out, "a") as f:
+                f.write(json.dumps(row) + "\n")
     return rows
 
 
-def device_busy_ms(eng, prompts, sp) -> float:
+def device_busy_ms(eng, prompts, sp, trace: str | None = None) -> float:
     """Milliseconds of kernels (summed device self time) for one generate under torch.profiler."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         eng.generate(prompts, sp)
         torch.cuda.synchronize()
+    if trace:
+        prof.export_chrome_trace(trace)
     return sum(ev.self_device_time_total for ev in prof.events() if ev.device_type.name == "CUDA") / 1e3
 
 
@@ -182,9 +197,14 @@ def main() -> None:
     p.add_argument("--kv-cache-tokens", type=int, default=65536)
     p.add_argument("--profile", action="store_true",
                    help="--engine on CUDA: device-busy time per step (torch.profiler)")  # fmt: skip
+    p.add_argument("--trace", default=None, help="--engine on CUDA: write chrome traces (12 steps) here")
+    p.add_argument("--grammar-threads", type=int, default=0, help="--engine: llguidance mask threads")
     p.add_argument("--out", default=None, help="append the rows here (JSON lines)")
     args = p.parse_args()
-    rows = bench_engine(args) if args.engine else bench_mask(args)
+    if args.engine:
+        bench_engine(args)  # writes each row as it goes
+        return
+    rows = bench_mask(args)
     if args.out:
         with open(args.out, "a") as f:
             for r in rows:

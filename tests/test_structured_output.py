@@ -278,7 +278,17 @@ def test_mask_on_cuda_equals_cpu(tokenizer):
     host = GrammarConstraints(tokenizer, VOCAB, {2}, "cpu")
     for _ in range(10):
         logits = torch.randn(3, VOCAB)
-        a, b = dev.apply(logits.cuda(), rids, params), host.apply(logits, rids, params)
+        prepared = dev.prepare(rids, params, VOCAB)
+        on_device = logits.cuda()
+        prepared.result()  # the grammar thread's own waits happen before the check below
+        torch.cuda.synchronize()
+        # masking never waits for the device (a blocking copy would end the overlap with the forward)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            a = dev.finish(on_device, prepared)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        b = host.apply(logits, rids, params)
         assert torch.equal(a.cpu(), b)
         tokens = b.argmax(-1)
         dev.advance(rids, params, tokens.cuda())

@@ -197,10 +197,12 @@ class GrammarConstraints:
             self._copied = torch.cuda.Event()
             self._copied.record()
             allowed = ((words[:, :, None] >> self._bits.to(dev)) & 1).view(n, -1)[:, :v].bool()
-        ninf = torch.tensor(float("-inf"), dtype=logits.dtype, device=dev)
+        # nothing here may wait for the device (a Python scalar, a pinned index upload): a blocking
+        # copy would hold the host until the step's forward ends, and the overlap is lost
+        ninf = float("-inf")
         if n == logits.shape[0]:
             return torch.where(allowed, logits, ninf)
-        idx = torch.tensor(rows, dtype=torch.long).to(dev)
+        idx = torch.tensor(rows, dtype=torch.long, pin_memory=dev.type == "cuda").to(dev, non_blocking=True)
         out = logits.clone()
         out[idx] = torch.where(allowed, logits[idx], ninf)
         return out
