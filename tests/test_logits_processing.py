@@ -205,3 +205,40 @@ def test_token_ids_outside_vocab_are_refused(default_model):
     for kw in ({"logit_bias": {10**6: 1.0}}, {"stop_token_ids": [10**6]}):
         with pytest.raises(ValueError, match=next(iter(kw))):
             engine.generate(["hi"], SamplingParams(**kw))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_processing_and_sampling_never_wait_for_the_device():
+    """Penalties, bias, min_tokens, seeded sampling and logprobs on CUDA: no call blocks the host on
+    the device (a blocking upload would wait for the step's forward and end the overlap), and the
+    results equal the CPU's."""
+    from lazyrt.runtime.worker.sampler import sample_tokens_device
+
+    rng = random.Random()
+    vocab = 1000
+    params = [SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, logit_bias={5: 3.0}, min_tokens=3,
+                             stop_token_ids=[9], logprobs=3),
+              SamplingParams(temperature=0.8, seed=rng.randrange(1 << 30), frequency_penalty=0.4),
+              SamplingParams()]  # fmt: skip
+    rids, prompts = [1, 2, 3], [[rng.randrange(vocab) for _ in range(8)] for _ in range(3)]
+    procs = {d: LogitsProcessing(vocab, d, {2}) for d in ("cpu", "cuda")}
+    for _ in range(4):
+        logits = torch.randn(3, vocab)
+        got = {}
+        for d, proc in procs.items():
+            gens = [None, torch.Generator().manual_seed(params[1].seed), None]
+            x = logits.to(d)
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error" if d == "cuda" else "default")
+            try:
+                processed = proc.apply(x, rids, params, prompts)
+                tokens = sample_tokens_device(processed, params, gens)
+                proc.advance(rids, tokens)
+                found = token_logprobs(x, tokens, params)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            got[d] = (processed.cpu(), tokens.cpu(), found[1].cpu())
+        assert torch.allclose(got["cuda"][0], got["cpu"][0], atol=1e-5)
+        assert torch.equal(got["cuda"][1], got["cpu"][1])
+        assert torch.allclose(got["cuda"][2], got["cpu"][2], atol=1e-5)

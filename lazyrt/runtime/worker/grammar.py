@@ -33,6 +33,7 @@ import torch
 from llguidance import LLMatcher
 
 from lazyrt.constraint import grammar_text
+from lazyrt.kernels.host_copy import to_device
 from lazyrt.sampling_params import SamplingParams
 
 COMPILED_CACHE_SIZE = 256
@@ -202,7 +203,7 @@ class GrammarConstraints:
         ninf = float("-inf")
         if n == logits.shape[0]:
             return torch.where(allowed, logits, ninf)
-        idx = torch.tensor(rows, dtype=torch.long, pin_memory=dev.type == "cuda").to(dev, non_blocking=True)
+        idx = to_device(rows, dev, torch.long)
         out = logits.clone()
         out[idx] = torch.where(allowed, logits[idx], ninf)
         return out

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lazyrt.kernels.host_copy import to_device
 from lazyrt.sampling_params import SamplingParams
 
 
@@ -53,11 +54,11 @@ class LogitsProcessing:
         if p.repetition_penalty != 1:
             st.prompt = torch.zeros(v, dtype=torch.bool, device=dev)
             if prompt_ids:
-                st.prompt[torch.tensor(prompt_ids, dtype=torch.long).to(dev)] = True
+                st.prompt[to_device(prompt_ids, dev, torch.long)] = True
         if p.logit_bias:
             st.bias = torch.zeros(v, dtype=torch.float32, device=dev)
-            ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
-            st.bias[ids.to(dev)] = torch.tensor(list(p.logit_bias.values()), dtype=torch.float32).to(dev)
+            ids = to_device(list(p.logit_bias), dev, torch.long)
+            st.bias[ids] = to_device(list(p.logit_bias.values()), dev, torch.float32)
         self._state[rid] = st
         return st
 
@@ -71,7 +72,7 @@ class LogitsProcessing:
             return logits
         states = [self._get(rids[i], params[i], prompts[i]) for i in rows]
         out = logits.float().clone()
-        idx = torch.tensor(rows, dtype=torch.long).to(logits.device)
+        idx = to_device(rows, logits.device, torch.long)
         x = out[idx]
         dev = x.device
         # bias first, then penalties (the order of HF's processors and vLLM's sampler): a biased
@@ -81,23 +82,24 @@ class LogitsProcessing:
                 x[j] += st.bias
         counted = [j for j, st in enumerate(states) if st.counts is not None]
         if counted:
-            j = torch.tensor(counted, dtype=torch.long).to(dev)
+            j = to_device(counted, dev, torch.long)
             counts = torch.stack([states[k].counts for k in counted])
             xs = x[j]
-            rep = torch.tensor([states[k].params.repetition_penalty for k in counted]).to(dev)[:, None]
+            cp = [states[k].params for k in counted]
+            rep = to_device([q.repetition_penalty for q in cp], dev, torch.float32)[:, None]
             seen = counts > 0
             prompt = [states[k].prompt for k in counted]
             if any(m is not None for m in prompt):
                 zeros = torch.zeros(x.shape[-1], dtype=torch.bool, device=dev)
                 seen = seen | torch.stack([m if m is not None else zeros for m in prompt])
             xs = torch.where(seen, torch.where(xs > 0, xs / rep, xs * rep), xs)
-            pres = torch.tensor([states[k].params.presence_penalty for k in counted]).to(dev)[:, None]
-            freq = torch.tensor([states[k].params.frequency_penalty for k in counted]).to(dev)[:, None]
+            pres = to_device([q.presence_penalty for q in cp], dev, torch.float32)[:, None]
+            freq = to_device([q.frequency_penalty for q in cp], dev, torch.float32)[:, None]
             x[j] = xs - freq * counts - pres * (counts > 0).float()
         for j, st in enumerate(states):
             if st.generated < st.params.min_tokens:
                 banned = self.eos_ids + [t for t in st.params.stop_token_ids if t < x.shape[-1]]
-                x[j, torch.tensor(banned, dtype=torch.long).to(dev)] = float("-inf")
+                x[j, to_device(banned, dev, torch.long)] = float("-inf")
         out[idx] = x
         return out
 
@@ -123,7 +125,7 @@ def token_logprobs(
     rows = [i for i, p in enumerate(params) if p.logprobs is not None]
     if not rows:
         return None
-    idx = torch.tensor(rows, dtype=torch.long).to(logits.device)
+    idx = to_device(rows, logits.device, torch.long)
     lp = torch.log_softmax(logits[idx].float(), dim=-1)
     chosen = lp.gather(1, tokens[idx][:, None].long())[:, 0]
     top = max(params[i].logprobs for i in rows)
