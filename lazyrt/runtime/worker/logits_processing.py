@@ -54,7 +54,8 @@ class LogitsProcessing:
         if p.repetition_penalty != 1:
             st.prompt = torch.zeros(v, dtype=torch.bool, device=dev)
             if prompt_ids:
-                st.prompt[to_device(prompt_ids, dev, torch.long)] = True
+                # index_fill_ takes the value as a kernel argument (x[i] = True may upload it, blocking)
+                st.prompt.index_fill_(0, to_device(prompt_ids, dev, torch.long), True)
         if p.logit_bias:
             st.bias = torch.zeros(v, dtype=torch.float32, device=dev)
             ids = to_device(list(p.logit_bias), dev, torch.long)
@@ -99,7 +100,7 @@ class LogitsProcessing:
         for j, st in enumerate(states):
             if st.generated < st.params.min_tokens:
                 banned = self.eos_ids + [t for t in st.params.stop_token_ids if t < x.shape[-1]]
-                x[j, to_device(banned, dev, torch.long)] = float("-inf")
+                x[j].index_fill_(0, to_device(banned, dev, torch.long), float("-inf"))
         out[idx] = x
         return out
 
