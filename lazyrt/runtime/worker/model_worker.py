@@ -196,9 +196,7 @@ class ModelWorker:
             rows, logits, processed, prepared = self._unsampled
             self._unsampled = None
             processed = self._grammar.finish(processed, prepared)
-            tokens, logprobs = self._sample(rows, logits, processed)
-            self.runner.prev_tokens = (tokens, {r.rid: i for i, r in enumerate(rows)})
-            self._deferred = DeferredTokens(tokens, [r.params for r in rows], logprobs)
+            self._deferred = self._in_flight(rows, *self._sample(rows, logits, processed))
         for rid in msg.release:
             self._generators.pop(rid, None)
             self._logits.release(rid)
@@ -245,9 +243,14 @@ class ModelWorker:
                 sampled, scores, probe_scores, logprobs=lps, score_top=tops or None, citations=citations
             )
             return self._answer(result)
-        self.runner.prev_tokens = (tokens, {r.rid: i for i, r in enumerate(rows)}) if rows else None
-        prev, self._deferred = self._deferred, DeferredTokens(tokens, [r.params for r in rows], logprobs)
+        prev, self._deferred = self._deferred, self._in_flight(rows, tokens, logprobs)
         return self._answer(prev.result() if prev is not None else StepResult([]))
+
+    def _in_flight(self, rows: list, tokens: torch.Tensor | None, logprobs: tuple | None) -> DeferredTokens:
+        """A deferred step's sampled tokens: the next step's decode inputs on the device, and the
+        host's copy on its way."""
+        self.runner.prev_tokens = (tokens, {r.rid: i for i, r in enumerate(rows)}) if rows else None
+        return DeferredTokens(tokens, [r.params for r in rows], logprobs)
 
     def _sample(self, rows: list, logits: torch.Tensor, processed: torch.Tensor) -> tuple:
         """Draws each row's token from its processed logits; logprobs (if asked) from the model's."""
