@@ -204,8 +204,7 @@ def test_constrained_rows_leave_free_rows_unchanged_overlap_on_and_off(tiny_mode
 
 def test_overlapped_constrained_steps_sample_at_the_next_call(tiny_model_dir):
     """Overlap on: a step with constrained rows returns before sampling (its masks are computed on the
-    grammar thread); the next call samples it after building its own step's inputs, before launching
-    it. Requests ending (released) meanwhile. Same tokens as the synchronous loop, valid JSON."""
+    grammar thread); the next call samples it first. Same tokens as the synchronous loop, valid JSON."""
     import threading
 
     path = tiny_model_dir("llama")
@@ -218,17 +217,6 @@ def test_overlapped_constrained_steps_sample_at_the_next_call(tiny_model_dir):
         engine = cpu_engine(path, "prefix", overlap_schedule=on)
         worker, gc = engine.worker, engine.worker._grammar
         left, threads, execute, fill = [], set(), worker.execute, gc._fill
-        order, step_inputs, sample = [], worker.runner.step_inputs, worker._sample_unsampled
-
-        def spy_inputs(plan, order=order, step_inputs=step_inputs):
-            order.append("inputs")
-            return step_inputs(plan)
-
-        def spy_sample(u, order=order, sample=sample):
-            order.append("sample")
-            return sample(u)
-
-        worker.runner.step_inputs, worker._sample_unsampled = spy_inputs, spy_sample
 
         def spy(msg, worker=worker, execute=execute, left=left):
             res = execute(msg)
@@ -242,7 +230,6 @@ def test_overlapped_constrained_steps_sample_at_the_next_call(tiny_model_dir):
         engine.core.worker, gc._fill = spy_link(spy), spy_fill
         outs[on] = engine.generate(prompts, sps)
         assert any(left) == on
-        assert ("inputs", "sample") in set(zip(order, order[1:])) if on else "sample" not in order
         assert threads and all(t.startswith("lazyrt-grammar") for t in threads)
     assert [o["token_ids"] for o in outs[True]] == [o["token_ids"] for o in outs[False]]
     for o, sp in zip(outs[True][:3], sps):

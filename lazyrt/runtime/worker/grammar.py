@@ -57,7 +57,6 @@ class GrammarConstraints:
         # the mask job of a prepared step: matchers and the bitmask are its alone until it is done
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="lazyrt-grammar")
         self._job: Future | None = None
-        self._released: list[int] = []  # released while the job ran: dropped when it is done
         # where the time goes (benchmarks/structured_output.py): seconds summed over the jobs
         self.timings = {"jobs": 0, "feed_s": 0.0, "mask_s": 0.0, "finish_wait_s": 0.0}
 
@@ -66,12 +65,8 @@ class GrammarConstraints:
         return len(self._matchers)
 
     def release(self, rid: int) -> None:
-        """Forgets rid's matcher; while a mask job runs, once it is done (the worker releases
-        requests before it samples the step whose masks are being computed)."""
-        if self._job is None:
-            self._matchers.pop(rid, None)
-        else:
-            self._released.append(rid)
+        self._wait_job()
+        self._matchers.pop(rid, None)
 
     def drop_pending(self) -> None:
         """Forget sampled tokens not fed yet and a prepared step's masks (their step failed; its
@@ -81,17 +76,12 @@ class GrammarConstraints:
 
     def _wait_job(self, raise_error: bool = True) -> None:
         job, self._job = self._job, None
-        if job is None:
-            return
-        try:
-            job.result()
-        except Exception:
-            if raise_error:
-                raise
-        finally:
-            for rid in self._released:
-                self._matchers.pop(rid, None)
-            self._released.clear()
+        if job is not None:
+            try:
+                job.result()
+            except Exception:
+                if raise_error:
+                    raise
 
     def _tokenizer_info(self) -> llguidance.LLTokenizer:
         if self._ll_tokenizer is None:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 import torch
 
@@ -79,9 +77,6 @@ class ModelRunner:
         # the last deferred step's sampled tokens (device) and each request's row in them: a step
         # launched before they reach the host takes its PENDING_TOKEN inputs from here
         self.prev_tokens: tuple[torch.Tensor, dict[int, int]] | None = None
-        # set by the worker when prev_tokens are not sampled yet: called once, after the step's inputs
-        # are built on the host and before anything that reads prev_tokens is launched
-        self.before_launch: Callable[[], None] | None = None
         self._fill_memo: tuple | None = None  # (rows, src, their device tensors): _fill_index
         self._citation_probe: tuple | None = None  # (DocumentAttention, rids) of the last step
         self.graphs = None
@@ -127,12 +122,6 @@ class ModelRunner:
             s.fill = (*self._fill_index(rows, src), self.prev_tokens[0])
             s.input_ids[rows] = 0  # any valid id until the device fills it in
         return s
-
-    def launching(self) -> None:
-        """Runs before_launch (once): a step is about to launch work that may read prev_tokens."""
-        hook, self.before_launch = self.before_launch, None
-        if hook is not None:
-            hook()
 
     def _fill_index(self, rows: np.ndarray, src: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """rows and src on the device; the last step's tensors when they are the same (a run of
@@ -232,17 +221,14 @@ class ModelRunner:
         if not plan.items:
             return None
         if has_host_segments(plan):
-            self.launching()
             return self._execute_host(plan)
         s = self.step_inputs(plan)
         if any(it.request is not None and it.request.params.citations for it in plan.items):
-            self.launching()
             input_ids, meta = self.step_metadata(plan, s)
             hidden = self.model.forward(input_ids, meta, self.rope, self._citing(plan, s))
             return self.model.logits(hidden[to_device(np.array(s.sample_rows, dtype=np.int64), self.device)])
         if self.graphs is not None and self.graphs.fits(s):
             arrays = self._shared(plan, s)
-            self.launching()
             if arrays is None:
                 self.graph_steps += 1
                 return self.graphs.run(s)
@@ -250,8 +236,6 @@ class ModelRunner:
                 self.shared_steps += 1
                 self.graph_steps += 1
                 return self.graphs.run(s, arrays)
-        self._shared(plan, s)  # host work, before the launch waits
-        self.launching()
         input_ids, meta = self.step_metadata(plan, s)
         hidden = self.model.forward(input_ids, meta, self.rope, self.backend)
         if not s.sample_rows:

@@ -192,37 +192,17 @@ class ModelWorker:
             raise
 
     def _execute(self, msg: StepMsg) -> StepResult:
-        plan = self._decoder.decode(msg)
-        unsampled, self._unsampled = self._unsampled, None
-        if unsampled is not None:
-            if msg.defer and plan.items:
-                # the step waiting for its masks is sampled as late as can be: after this step's
-                # inputs are built on the host, just before its first launch reads those tokens
-                self.runner.before_launch = lambda: self._sample_unsampled(unsampled)
-            else:
-                self._sample_unsampled(unsampled)
-        # a released request may be one of the unsampled step's rows: it samples without its state
-        # (its token is dropped), and its matcher goes when the mask job is done
+        if self._unsampled is not None:  # before the releases: its rows' generators and matchers
+            rows, logits, processed, prepared = self._unsampled
+            self._unsampled = None
+            processed = self._grammar.finish(processed, prepared)
+            self._deferred = self._in_flight(rows, *self._sample(rows, logits, processed))
         for rid in msg.release:
             self._generators.pop(rid, None)
             self._logits.release(rid)
             if self._grammar is not None:
                 self._grammar.release(rid)
-        try:
-            return self._run_step(msg, plan)
-        finally:
-            self.runner.before_launch = None
-
-    def _sample_unsampled(self, unsampled: tuple) -> None:
-        """Samples a step left unsampled for its masks; its tokens become the step in flight's, in
-        the device buffer the next step's inputs already point at."""
-        rows, logits, processed, prepared, slot = unsampled
-        processed = self._grammar.finish(processed, prepared)
-        tokens, logprobs = self._sample(rows, logits, processed)
-        slot.copy_(tokens)
-        self._deferred = self._in_flight(rows, tokens, logprobs)
-
-    def _run_step(self, msg: StepMsg, plan) -> StepResult:
+        plan = self._decoder.decode(msg)
         if self._deferred is not None and not msg.defer:
             if plan.items or plan.probes or plan.has_copies:
                 raise RuntimeError("a synchronous step was sent while a deferred one is in flight")
@@ -233,7 +213,6 @@ class ModelWorker:
             logits, scores, tops = self._execute_scoring(plan)
         else:
             logits = self.runner.execute(plan)
-            self.runner.launching()  # the unsampled step, if the runner launched nothing
         citations = self.runner.take_citations()
         probe_scores = self.runner.probe_deviation(plan.probes) if plan.probes else None
         rows = [it.request for it in plan.items if it.request is not None]
@@ -249,12 +228,9 @@ class ModelWorker:
                 self._grammar.prepare(rids, params, logits.shape[-1]) if self._grammar is not None else None
             )
             if prepared is not None and msg.defer and self.tp is None:
-                # sampled in the next call: the scheduler plans it meanwhile. The next step's inputs
-                # take its tokens from `slot`, filled when it is sampled.
+                # sampled at the start of the next call: the scheduler plans it meanwhile
                 prev, self._deferred = self._deferred, None
-                slot = torch.empty(len(rows), dtype=torch.long, device=logits.device)
-                self.runner.prev_tokens = (slot, {r.rid: i for i, r in enumerate(rows)})
-                self._unsampled = (rows, logits, processed, prepared, slot)
+                self._unsampled = (rows, logits, processed, prepared)
                 return self._answer(prev.result() if prev is not None else StepResult([]))
             if prepared is not None:
                 processed = self._grammar.finish(processed, prepared)
@@ -279,7 +255,7 @@ class ModelWorker:
     def _sample(self, rows: list, logits: torch.Tensor, processed: torch.Tensor) -> tuple:
         """Draws each row's token from its processed logits; logprobs (if asked) from the model's."""
         params, rids = [r.params for r in rows], [r.rid for r in rows]
-        tokens = sample_tokens_device(processed, params, [self._generators.get(r.rid) for r in rows])
+        tokens = sample_tokens_device(processed, params, [self._generators[r.rid] for r in rows])
         if self.tp is not None:  # rank 0's draw for everyone (unseeded generators differ by rank)
             tokens = self.tp.broadcast(tokens.contiguous())
         self._logits.advance(rids, tokens)
