@@ -163,12 +163,75 @@ def bench_engine(args: argparse.Namespace) -> list[dict]:
             for name, sp in runs.items():
                 short = SamplingParams(**{**sp.__dict__, "max_tokens": 12})
                 device_busy_ms(eng, fresh(), short, trace=f"{args.trace}/trace_{name}_b{b}.json.gz")
+        if args.timeline and args.device.startswith("cuda"):
+            timeline(eng, fresh(), runs["json_schema"])
         print(json.dumps(row), flush=True)
         rows.append(row)
         if args.out:  # each row as soon as it is measured
             with open(args.out, "a") as f:
                 f.write(json.dumps(row) + "\n")
     return rows
+
+
+def timeline(eng, prompts, sp, show: tuple[int, int] = (20, 30)) -> None:
+    """Prints, for steps show[0]..show[1] of one run, when (ms, host clock) the worker's call began,
+    its mask wait ended, the forward was launched and the call returned; when the grammar job ran;
+    and when the device reached the forward and finished it (CUDA events mapped onto the host clock)."""
+    w, g = eng.worker, eng.worker._grammar
+    marks: list[dict] = []
+    now = time.perf_counter
+
+    def ev() -> torch.cuda.Event:
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
+
+    orig = (w._execute, g.finish, w.runner.execute, g._fill)
+
+    def execute(msg):
+        marks.append({"enter": now()})
+        out = orig[0](msg)
+        marks[-1]["exit"] = now()
+        return out
+
+    def finish(logits, prepared):
+        out = orig[1](logits, prepared)
+        marks[-1]["masks_in"] = now()
+        return out
+
+    def run(plan):
+        marks[-1]["launch"], marks[-1]["gpu_start"] = now(), ev()
+        out = orig[2](plan)
+        marks[-1]["launched"], marks[-1]["gpu_end"] = now(), ev()
+        return out
+
+    def fill(*a):
+        t0 = now()
+        out = orig[3](*a)
+        marks[-1].update(job_start=t0, job_end=now())
+        return out
+
+    ref = ev()
+    ref.synchronize()
+    h_ref = now()
+    w._execute, g.finish, w.runner.execute, g._fill = execute, finish, run, fill
+    try:
+        eng.generate(prompts, sp)
+        torch.cuda.synchronize()
+    finally:
+        w._execute, g.finish, w.runner.execute, g._fill = orig
+    t0 = marks[show[0]]["enter"]
+
+    def ms(m: dict, k: str) -> str:
+        if k not in m:
+            return "-"
+        v = h_ref + ref.elapsed_time(m[k]) / 1e3 if k.startswith("gpu") else m[k]
+        return f"{1e3 * (v - t0):8.2f}"
+
+    keys = ["enter", "masks_in", "launch", "launched", "exit", "job_start", "job_end", "gpu_start", "gpu_end"]
+    print("step " + " ".join(f"{k:>9}" for k in keys))
+    for i in range(*show):
+        print(f"{i:4d} " + " ".join(f"{ms(marks[i], k):>9}" for k in keys))
 
 
 def device_busy_ms(eng, prompts, sp, trace: str | None = None) -> float:
@@ -198,6 +261,8 @@ def main() -> None:
     p.add_argument("--profile", action="store_true",
                    help="--engine on CUDA: device-busy time per step (torch.profiler)")  # fmt: skip
     p.add_argument("--trace", default=None, help="--engine on CUDA: write chrome traces (12 steps) here")
+    p.add_argument("--timeline", action="store_true",
+                   help="--engine on CUDA: host and device times of steps 20-30 of a schema run")  # fmt: skip
     p.add_argument("--grammar-threads", type=int, default=0, help="--engine: llguidance mask threads")
     p.add_argument("--out", default=None, help="append the rows here (JSON lines)")
     args = p.parse_args()
