@@ -194,8 +194,10 @@ def _batches(rng: random.Random) -> list[list]:
 
 def _params(r: int, i: int) -> SamplingParams:
     if r == 2 and i == 1:
+        # top_k 20: a draw among ~49k near-equal tokens moves with the last bits of the sharded sums
+        # (CI saw it once); among 20 it does not, and rank 0's draw still has to reach every rank
         return SamplingParams(
-            max_tokens=4, temperature=0.9, top_p=0.9, seed=1234, ignore_eos=True, logprobs=2
+            max_tokens=4, temperature=0.9, top_k=20, top_p=0.9, seed=1234, ignore_eos=True, logprobs=2
         )
     return SamplingParams(max_tokens=4, ignore_eos=True, logprobs=2, citations=r == 0 and i == 0)
 
@@ -206,8 +208,8 @@ def _run(engine: Engine, batches) -> list[dict]:
 
 
 def _assert_same(got: list[dict], want: list[dict]) -> None:
-    for g, w in zip(got, want, strict=True):
-        assert g["token_ids"] == w["token_ids"]
+    for k, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g["token_ids"] == w["token_ids"], k
         lp = lambda o: [e["logprob"] for e in o["logprobs"]]  # noqa: E731
         assert lp(g) == pytest.approx(lp(w), abs=1e-4)
         for ge, we in zip(g["logprobs"], w["logprobs"]):
