@@ -119,6 +119,8 @@ def add_workload_args(p: argparse.ArgumentParser, batches: list[int]) -> None:
                    help="build the next step while the device runs this one (the engine's default)")
     p.add_argument("--docs-per-request", type=int, default=5, help="lazy/block: documents a request")
     p.add_argument("--pool-docs", type=int, default=100, help="lazy/block: documents to draw them from")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks (GPUs) the model is split over")
+    p.add_argument("--cuda-graph-max-batch", type=int, default=64, help="0: every step launches eagerly")
 
 
 def make_workload(args):
@@ -143,6 +145,8 @@ def make_workload(args):
         shared_chunk_attention=args.shared_chunk_attention,
         overlap_schedule=args.overlap_schedule,
         kv_cache_tokens=shared + max_b * (own + args.steps + 16 + headroom),
+        tensor_parallel_size=args.tensor_parallel_size,
+        cuda_graph_max_batch=args.cuda_graph_max_batch,
     )
     gen = torch.Generator().manual_seed(0)
     vocab = min(eng.model_config.vocab_size, 32000)

@@ -72,9 +72,16 @@ def test_a_rank_loads_only_its_slices(tiny_model_dir, size):
             assert torch.equal(part.weights[name], w), name
         q = "model.layers.0.self_attn.q_proj.weight"
         assert part.weights[q].numel() * size == whole.weights[q].numel()
-    dummy = load_model("tiny-llama", load_format="dummy", tokenizer=False, tp_shard=(1, 2))
-    assert {n: tuple(w.shape) for n, w in dummy.weights.items()} == param_shapes(dummy.shard_config)
-    assert dummy.shard_config.num_heads * 2 == dummy.config.num_heads
+    # dummy weights: a rank's are the slices of the whole dummy model (so every size runs one model)
+    whole_dummy = load_model("tiny-llama", load_format="dummy", tokenizer=False, seed=size)
+    for r in range(size):
+        dummy = load_model("tiny-llama", load_format="dummy", tokenizer=False, seed=size, tp_shard=(r, size))
+        assert {n: tuple(w.shape) for n, w in dummy.weights.items()} == param_shapes(dummy.shard_config)
+        assert dummy.shard_config.num_heads * size == dummy.config.num_heads
+        want = dict(whole_dummy.weights)
+        shard_weights(whole_dummy.config, want, r, size)
+        for name, w in want.items():
+            assert torch.equal(dummy.weights[name], w), name
 
 
 @pytest.mark.parametrize(

@@ -58,6 +58,20 @@ PRESETS: dict[str, dict] = {
         bos_token_id=128000,
         eos_token_id=_LLAMA3_EOS,
     ),
+    # too big for one 80 GB GPU (~141 GB of bf16 weights): for tensor-parallel benchmarks
+    "llama-3.1-70b": _llama(
+        8192,
+        80,
+        64,
+        8,
+        28672,
+        128256,
+        rope_theta=500000.0,
+        rope_scaling=_llama3_scaling(8.0),
+        max_position_embeddings=131072,
+        bos_token_id=128000,
+        eos_token_id=_LLAMA3_EOS,
+    ),
     "llama-3.2-1b": _llama(
         2048,
         16,
@@ -145,15 +159,24 @@ def preset_config(name: str) -> dict:
 
 
 def dummy_weights(
-    cfg: ModelConfig, dtype: torch.dtype = torch.float32, seed: int = 0, device: str | torch.device = "cpu"
+    cfg: ModelConfig,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+    shard: dict[str, tuple] | None = None,
 ) -> dict[str, torch.Tensor]:
     """normal(0, 0.02) weights (norm scales: ones), made directly in dtype and on device: no float32 or
-    host copy of a big model."""
+    host copy of a big model. shard: a tensor-parallel rank's slice index per split weight
+    (tensor_parallel.shard_plan); each such weight is made whole, one at a time, and only the rank's
+    slice is kept, so every tensor-parallel size holds the same model."""
     gen = torch.Generator(device=device).manual_seed(seed)
     weights: dict[str, torch.Tensor] = {}
     for name, shape in param_shapes(cfg).items():
         if is_norm(name):
-            weights[name] = torch.ones(shape, dtype=dtype, device=device)
+            w = torch.ones(shape, dtype=dtype, device=device)
         else:
-            weights[name] = torch.empty(shape, dtype=dtype, device=device).normal_(0.0, 0.02, generator=gen)
+            w = torch.empty(shape, dtype=dtype, device=device).normal_(0.0, 0.02, generator=gen)
+        if shard is not None and name in shard:
+            w = w[shard[name]].contiguous()  # the whole tensor is freed here
+        weights[name] = w
     return weights

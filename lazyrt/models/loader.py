@@ -76,8 +76,8 @@ def load_model(
     (default $LAZYRT_CACHE_DIR or ~/.cache/lazyrt). tokenizer=False: skip the tokenizer (and the
     transformers import), e.g. for tensor-parallel ranks that only run steps. tp_shard=(rank, size):
     load only that tensor-parallel rank's slices of the split weights (shard_config: its config);
-    dummy weights are then made in the slices' shapes (random values of their own, not a slice of
-    the whole dummy model's).
+    dummy weights are then the rank's slices of the whole dummy model (each split weight made whole,
+    one at a time), so every size holds the same model.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; valid: {', '.join(LOAD_FORMATS)}")
@@ -190,11 +190,11 @@ def _load_dummy(
         tokenizer = _tokenizer(os.environ[TOKENIZER_DIR_ENV])
     if want_tokenizer and tokenizer is None:
         tokenizer = _tokenizer(gguf_convert.ensure_converted(default_model_path(), cache_dir))
-    local = shard_plan(config, *tp_shard)[0] if tp_shard is not None else None
+    local, shard = shard_plan(config, *tp_shard) if tp_shard is not None else (None, None)
     return LoadedModel(
         config=config,
         hf_config=hf_config,
-        weights=dummy.dummy_weights(local or config, dtype, seed, device),
+        weights=dummy.dummy_weights(config, dtype, seed, device, shard),
         tokenizer=tokenizer,
         model_id=f"dummy:{name}:{seed}",
         path=None,

@@ -125,7 +125,10 @@ class DecodeGraphs:
                 self._forward(b, doc_logits, shared)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # tensor parallel: NCCL's watchdog thread polls its own events while this thread captures the
+        # all-reduces; "thread_local" checks only this thread's calls
+        mode = "global" if self.runner.model.all_reduce is None else "thread_local"
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode=mode):
             out = self._forward(b, doc_logits, shared)
         return graph, out
 

@@ -109,8 +109,10 @@ class ModelWorker:
             tp_size=cfg.tensor_parallel_size,
             kv_replicas=kv_replicas(loaded.config, cfg.tensor_parallel_size),
         )
-        # CUDA graphs do not capture the all-reduces yet: tensor-parallel steps launch eagerly
-        if self.model.device.type == "cuda" and cfg.cuda_graph_max_batch > 0 and self.tp is None:
+        # Under tensor parallelism the graphs capture the NCCL all-reduces too: every rank captures the
+        # same batch sizes in the same order (the warm-up runs before each capture are collectives),
+        # and every rank replays the same graph in each step.
+        if self.model.device.type == "cuda" and cfg.cuda_graph_max_batch > 0:
             # A server configured with document attention uses it in every step: capture those graphs
             # now, not on first use mid-traffic (a request's own override still captures on demand).
             doc_attention = (cfg.doc_attention_temperature, cfg.doc_attention_scale) != (1, 1)

@@ -1,0 +1,116 @@
+"""Tensor parallelism (issue 17): pure decode step time at TP=N beside TP=1, and greedy agreement.
+
+One tensor-parallel size per process (a fresh process gives the GPUs back between sizes); rows append
+to --out, and --report prints the side-by-side table:
+
+  python -m benchmarks.tp_decode --tensor-parallel-size 1 --out tp.jsonl
+  python -m benchmarks.tp_decode --tensor-parallel-size 2 --out tp.jsonl
+  python -m benchmarks.tp_decode --report tp.jsonl
+
+Each run: the engine's start time, the decode step wall time at --batches on decode_roofline.py's
+workload (lazy RAG prompts of 5 Zipf-drawn documents, dummy weights), then greedy tokens of
+--greedy-prompts random prompts (--greedy-tokens each, ignore_eos), compared across sizes by --report.
+CPU smoke:  python -m benchmarks.tp_decode --model tiny-llama --device cpu --batches 2 --context 48 \
+              --steps 2 --pool-docs 4 --docs-per-request 2 --greedy-prompts 3 --greedy-tokens 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+
+def run(args) -> list[dict]:
+    from benchmarks.decode_roofline import decode_step_seconds, make_workload
+    from lazyrt import SamplingParams
+
+    t0 = time.perf_counter()
+    eng, prompts, _ = make_workload(args)
+    start_s = time.perf_counter() - t0
+    tp = args.tensor_parallel_size
+    # LlamaModel keeps its weights in a dict by HF name; tied embeddings are one tensor, counted once
+    unique = {t.data_ptr(): t for t in eng.model.w.values()}
+    rank_gb = sum(t.numel() * t.element_size() for t in unique.values()) / 1e9
+    base = {"model": args.model, "tp": tp, "device": str(eng.model.device), "context": args.context,
+            "cache_mode": args.cache_mode, "graphs": args.cuda_graph_max_batch}  # fmt: skip
+    rows = [dict(base, kind="start", start_s=start_s, rank0_weight_gb=rank_gb)]
+    print(f"TP={tp}: engine up in {start_s:.1f} s, rank 0 holds {rank_gb:.2f} GB of weights", flush=True)
+    decode_step_seconds(eng, prompts(min(args.batches))[0], 4)  # compiles, warms up
+    for b in args.batches:
+        g0 = eng.runner.graph_steps
+        step = decode_step_seconds(eng, prompts(b)[0], args.steps)
+        rows.append(dict(base, kind="step", batch=b, step_ms=step * 1e3,
+                         graph_steps=eng.runner.graph_steps - g0))  # fmt: skip
+        print(f"TP={tp} batch {b}: {step * 1e3:.2f} ms a step", flush=True)
+    if args.greedy_prompts:
+        gen = torch.Generator().manual_seed(args.seed)
+        vocab = min(eng.model_config.vocab_size, 32000)
+        plain = [torch.randint(100, vocab, (args.greedy_len,), generator=gen).tolist()
+                 for _ in range(args.greedy_prompts)]  # fmt: skip
+        sp = SamplingParams(max_tokens=args.greedy_tokens, temperature=0.0, ignore_eos=True)
+        outs = eng.generate(plain, sp)
+        rows.append(dict(base, kind="greedy", tokens=[o["token_ids"] for o in outs]))
+    eng.close()
+    if args.out:
+        with open(args.out, "a") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+    return rows
+
+
+def report(path: str) -> str:
+    rows = [json.loads(line) for line in open(path) if line.strip()]
+    sizes = sorted({r["tp"] for r in rows})
+    last = {}  # the latest row per (kind, tp, batch)
+    for r in rows:
+        last[(r["kind"], r["tp"], r.get("batch"))] = r
+    lines = ["| TP | engine start (s) | rank 0 weights (GB) |", "|---|---|---|"]
+    for n in sizes:
+        s = last.get(("start", n, None))
+        if s:
+            lines.append(f"| {n} | {s['start_s']:.1f} | {s['rank0_weight_gb']:.2f} |")
+    batches = sorted({r["batch"] for r in rows if r["kind"] == "step"})
+    head = " | ".join(f"TP={n} (ms)" for n in sizes)
+    ratios = [n for n in sizes if n != 1]
+    lines += ["", f"| batch | {head} | " + " | ".join(f"TP={n} / TP=1" for n in ratios) + " |",
+              "|---" * (1 + len(sizes) + len(ratios)) + "|"]  # fmt: skip
+    for b in batches:
+        ms = {n: last[("step", n, b)]["step_ms"] for n in sizes if ("step", n, b) in last}
+        cells = [f"{ms[n]:.2f}" if n in ms else "-" for n in sizes]
+        rat = [f"{ms[n] / ms[1]:.2f}" if n in ms and 1 in ms else "-" for n in ratios]
+        lines.append(f"| {b} | " + " | ".join(cells + rat) + " |")
+    ref = last.get(("greedy", 1, None))
+    for n in ratios:
+        other = last.get(("greedy", n, None))
+        if ref and other:
+            same = sum(a == b for a, b in zip(ref["tokens"], other["tokens"]))
+            agree = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+                     for a, b in zip(ref["tokens"], other["tokens"])]  # fmt: skip
+            lines.append(f"\ngreedy TP={n} vs TP=1: {same} of {len(agree)} prompts identical over "
+                         f"{len(ref['tokens'][0])} tokens; first differences at {sorted(agree)}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    from benchmarks.decode_roofline import add_workload_args
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_workload_args(p, [1, 16, 64])
+    p.add_argument("--greedy-prompts", type=int, default=20, help="0: skip the greedy comparison")
+    p.add_argument("--greedy-tokens", type=int, default=32)
+    p.add_argument("--greedy-len", type=int, default=64, help="tokens a greedy prompt")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="JSON lines, appended")
+    p.add_argument("--report", default=None, metavar="JSONL", help="print the table of these rows only")
+    args = p.parse_args(argv)
+    if args.report:
+        print(report(args.report))
+        return
+    run(args)
+
+
+if __name__ == "__main__":
+    main()
