@@ -155,9 +155,12 @@ class ModelWorker:
         return max(1, budget // per_page)
 
     def close(self) -> None:
-        """Closes rank 0's links to the other tensor-parallel ranks (nothing to do otherwise)."""
+        """Closes rank 0's links to the other tensor-parallel ranks and its communicator (nothing to
+        do otherwise)."""
         if self._followers is not None:
             self._followers.close()
+        if self.tp is not None:
+            self.tp.close()
 
     def ready_info(self) -> WorkerReady:
         return WorkerReady(

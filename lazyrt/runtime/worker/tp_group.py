@@ -51,6 +51,18 @@ class TPGroup:
             opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]  # one host
             self.pg = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, self.size, opts)
 
+    def close(self) -> None:
+        """Gives up the NCCL communicator without waiting for the other ranks: left to the process
+        group's destructor at exit, it waited for ranks that had already been stopped (seen on 2 H100s:
+        the Engine's process hung at exit until killed)."""
+        if self.device.type != "cuda":
+            return
+        for name in ("abort", "shutdown"):
+            fn = getattr(self.pg, name, None)
+            if fn is not None:
+                fn()
+                return
+
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum over the ranks, in place (t must be contiguous); returns t."""
         self.pg.allreduce([t]).wait()
