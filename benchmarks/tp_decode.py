@@ -38,13 +38,21 @@ def run(args) -> list[dict]:
     rank_gb = sum(t.numel() * t.element_size() for t in unique.values()) / 1e9
     base = {"model": args.model, "tp": tp, "device": str(eng.model.device), "context": args.context,
             "cache_mode": args.cache_mode, "graphs": args.cuda_graph_max_batch}  # fmt: skip
-    rows = [dict(base, kind="start", start_s=start_s, rank0_weight_gb=rank_gb)]
+    rows: list[dict] = []
+
+    def emit(row: dict) -> None:  # appended at once: the rows survive a step or a close that hangs
+        rows.append(row)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    emit(dict(base, kind="start", start_s=start_s, rank0_weight_gb=rank_gb))
     print(f"TP={tp}: engine up in {start_s:.1f} s, rank 0 holds {rank_gb:.2f} GB of weights", flush=True)
     decode_step_seconds(eng, prompts(min(args.batches))[0], 4)  # compiles, warms up
     for b in args.batches:
         g0 = eng.runner.graph_steps
         step = decode_step_seconds(eng, prompts(b)[0], args.steps)
-        rows.append(dict(base, kind="step", batch=b, step_ms=step * 1e3,
+        emit(dict(base, kind="step", batch=b, step_ms=step * 1e3,
                          graph_steps=eng.runner.graph_steps - g0))  # fmt: skip
         print(f"TP={tp} batch {b}: {step * 1e3:.2f} ms a step", flush=True)
     if args.greedy_prompts:
@@ -54,15 +62,11 @@ def run(args) -> list[dict]:
                  for _ in range(args.greedy_prompts)]  # fmt: skip
         sp = SamplingParams(max_tokens=args.greedy_tokens, temperature=0.0, ignore_eos=True)
         outs = eng.generate(plain, sp)
-        rows.append(dict(base, kind="greedy", tokens=[o["token_ids"] for o in outs]))
+        emit(dict(base, kind="greedy", tokens=[o["token_ids"] for o in outs]))
         # the noise floor of the comparison: the same size, each prompt alone (other kernel shapes)
         alone = [eng.generate(q, sp)[0]["token_ids"] for q in plain]
-        rows.append(dict(base, kind="greedy_alone", tokens=alone))
+        emit(dict(base, kind="greedy_alone", tokens=alone))
     eng.close()
-    if args.out:
-        with open(args.out, "a") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
     return rows
 
 

@@ -177,6 +177,6 @@ def dummy_weights(
         else:
             w = torch.empty(shape, dtype=dtype, device=device).normal_(0.0, 0.02, generator=gen)
         if shard is not None and name in shard:
-            w = w[shard[name]].contiguous()  # the whole tensor is freed here
+            w = w[shard[name]].clone()  # a copy (a row slice is a view), so the whole tensor is freed
         weights[name] = w
     return weights

@@ -78,9 +78,9 @@ def shard_plan(config: ModelConfig, rank: int, size: int) -> tuple[ModelConfig, 
 def shard_weights(
     config: ModelConfig, weights: dict[str, torch.Tensor], rank: int, size: int
 ) -> ModelConfig:
-    """Replaces the split weights in `weights` by rank's slices (contiguous copies, so the full tensors
-    can be freed) and returns the rank's ModelConfig."""
+    """Replaces the split weights in `weights` by rank's slices (copies, so the full tensors can be
+    freed: a row slice is a view that .contiguous() would keep whole) and returns the rank's ModelConfig."""
     local, index = shard_plan(config, rank, size)
     for name, ix in index.items():
-        weights[name] = weights[name][ix].contiguous()
+        weights[name] = weights[name][ix].clone()
     return local

@@ -349,10 +349,10 @@ class Engine:
     def close(self) -> None:
         """Stops the tensor-parallel ranks' processes (if any; also done when the Engine is
         collected or the interpreter exits). The Engine cannot generate afterwards."""
+        if self._tp_ranks is not None:  # first: rank 0's communicator then closes with no peer waiting
+            self._tp_ranks.stop()
         if hasattr(self, "worker"):
             self.worker.close()
-        if self._tp_ranks is not None:
-            self._tp_ranks.stop()
         if hasattr(self, "core"):
             self.core.worker = _ClosedWorker()
 

@@ -10,6 +10,7 @@ collective timing out.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
 # Collectives and the start-up rendezvous wait this long for the other ranks (loading a large
 # checkpoint on every rank comes first).
 TIMEOUT_S = 600
+CLOSE_TIMEOUT_S = 5
 
 
 class TPGroup:
@@ -57,11 +59,11 @@ class TPGroup:
         the Engine's process hung at exit until killed)."""
         if self.device.type != "cuda":
             return
-        for name in ("abort", "shutdown"):
-            fn = getattr(self.pg, name, None)
-            if fn is not None:
-                fn()
-                return
+        fn = getattr(self.pg, "abort", None) or getattr(self.pg, "shutdown", None)
+        if fn is not None:  # on a thread, bounded: closing must not hang whatever NCCL does
+            t = threading.Thread(target=fn, name="tp-abort", daemon=True)
+            t.start()
+            t.join(CLOSE_TIMEOUT_S)
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum over the ranks, in place (t must be contiguous); returns t."""
