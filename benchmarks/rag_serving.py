@@ -241,6 +241,12 @@ async def get_json(client, url: str) -> dict:
         return {}
 
 
+async def cache_stats(client, url: str) -> dict:
+    """A server's /cache_stats; behind lazyrt.router, the sums over its replicas (its "total")."""
+    s = await get_json(client, url + "/cache_stats")
+    return s["total"] if "replicas" in s and "total" in s else s
+
+
 def prom_value(text: str, name: str) -> float | None:
     for line in text.splitlines():
         if line.startswith(name + " ") or line.startswith(name + "{"):
@@ -261,13 +267,13 @@ async def run_point(url: str, wl: Workload, args, concurrency: int | None = None
         flush = await client.post(url + "/flush_cache", timeout=60)
         if flush.status_code != 200:
             print(f"[bench] warning: /flush_cache -> {flush.status_code}", flush=True)
-        before = await get_json(client, url + "/cache_stats")
+        before = await cache_stats(client, url)
         peak = {"used": 0, "chunk": 0}
         stop = asyncio.Event()
 
         async def poll_pages():
             while not stop.is_set():
-                s = await get_json(client, url + "/cache_stats")
+                s = await cache_stats(client, url)
                 if s:
                     peak["used"] = max(peak["used"], s.get("total_pages", 0) - s.get("free_pages", 0))
                     peak["chunk"] = max(peak["chunk"], s.get("chunk_pages", 0))
@@ -305,7 +311,7 @@ async def run_point(url: str, wl: Workload, args, concurrency: int | None = None
         wall = time.perf_counter() - t0
         stop.set()
         await poller
-        after = await get_json(client, url + "/cache_stats")
+        after = await cache_stats(client, url)
         try:
             prom = (await client.get(url + "/metrics", timeout=30)).text
         except Exception:
@@ -375,7 +381,7 @@ def summarize(results: list[Result], wall: float, before: dict, after: dict, pea
         "kv_pages_total": after.get("total_pages"),
         "kv_pages_used_peak": peak["used"] or None,
         "kv_pages_chunk_peak": peak["chunk"] or None,
-        "kv_pages_used_after": (after["total_pages"] - after["free_pages"]) if after else None,
+        "kv_pages_used_after": after["total_pages"] - after["free_pages"] if "total_pages" in after else None,
         "prom_kv_pages_used": prom_value(prom, "lazyrt_kv_pages_used"),
         "prom_requests_aborted": prom_value(prom, "lazyrt_requests_aborted_total"),
     }
