@@ -109,13 +109,29 @@ def test_shards_keep_each_query_head_with_its_kv_head_and_sum_to_the_whole(heads
                 for kind in ("weight", "bias"):
                     got = w[p + f"{x_}_proj.{kind}"][loc * d : (loc + 1) * d]
                     assert torch.equal(got, full[p + f"{x_}_proj.{kind}"][glob * d : (glob + 1) * d])
-        assert torch.equal(w["lm_head.weight"], full["lm_head.weight"])  # replicated
+        v = c.vocab_size // size
+        if c.vocab_size % size == 0:  # vocab parallel: the rank's vocabulary rows
+            for name in ("lm_head.weight", "model.embed_tokens.weight"):
+                assert torch.equal(w[name], full[name][r * v : (r + 1) * v]), name
+            assert lc.vocab_size == v
+        else:  # replicated
+            assert torch.equal(w["lm_head.weight"], full["lm_head.weight"])
+            assert lc.vocab_size == c.vocab_size
     # row-parallel halves: the all-reduced partial sums are the whole layer's output
     silu = torch.nn.functional.silu
     mlp = lambda w: silu(x @ w[m + "gate_proj.weight"].T) * (x @ w[m + "up_proj.weight"].T)  # noqa: E731
     want = mlp(full) @ full[m + "down_proj.weight"].T
     got = sum(mlp(w) @ w[m + "down_proj.weight"].T for _, w in shards)
     torch.testing.assert_close(got, want)
+    if c.vocab_size % size == 0:  # vocab parallel: masked lookups sum to the embedding, logits concatenate
+        tok = torch.randint(0, c.vocab_size, (7,))
+        v = c.vocab_size // size
+        mine = [((tok >= r * v) & (tok < (r + 1) * v)).unsqueeze(-1) for r in range(size)]
+        emb = [w["model.embed_tokens.weight"][(tok - r * v).clamp(0, v - 1)] * mine[r]
+               for r, (_, w) in enumerate(shards)]  # fmt: skip
+        torch.testing.assert_close(sum(emb), full["model.embed_tokens.weight"][tok])
+        logits = torch.cat([x @ w["lm_head.weight"].T for _, w in shards], dim=-1)
+        torch.testing.assert_close(logits, x @ full["lm_head.weight"].T)
     o = torch.randn(5, heads * d, dtype=torch.float64)  # attention output, all heads
     want = o @ full[p + "o_proj.weight"].T
     n = heads // size * d
@@ -254,6 +270,7 @@ def test_engine_tp2_equals_tp1(family, mode, tiny_model_dir):
         c = two.model.config
         assert (c.num_heads, c.num_kv_heads, c.intermediate_size) == (2, 1, 64)  # half of 4, 2, 128
         assert two.pool.num_kv_heads == 1
+        assert two.model.lm_head.shape[0] * 2 == two.model_config.vocab_size  # vocab parallel
         got = _run(two, batches)
         stats = two.cache_stats()
         conts = ["a b c", "the end"]

@@ -28,13 +28,18 @@ class LlamaModel:
         ops: TorchLayerOps | None = None,
         fuse_projections: bool | None = None,
         all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        all_gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        vocab_start: int = 0,
     ):
         """Takes ownership of `weights` (fusing replaces entries in place). ops / fuse_projections:
         default by device and dtype (CUDA: fused projections, FlashInfer/Triton layer ops).
         all_reduce: tensor parallelism (models/tensor_parallel.py): config and weights are this rank's
-        shard, and o_proj / down_proj outputs are partial sums that all_reduce adds up over the ranks."""
+        shard, and o_proj / down_proj outputs are partial sums that all_reduce adds up over the ranks.
+        all_gather (vocab parallel): the embedding and lm_head hold vocabulary rows [vocab_start,
+        vocab_start + config.vocab_size) only; all_gather(t) returns every rank's t stacked [ranks, ...]."""
         self.config = config
         self.all_reduce = all_reduce
+        self.all_gather, self.vocab_start = all_gather, vocab_start
         missing = [n for n in self._required_names() if n not in weights]
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:3]}")
@@ -108,6 +113,16 @@ class LlamaModel:
         o = backend.forward(i, q, k, v, meta)  # k goes in unrotated: the backend decides when to rotate
         return self._reduce(F.linear(o.reshape(n, c.num_heads * c.head_dim), w[p + "o_proj.weight"]))
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        table = self.w["model.embed_tokens.weight"]
+        if self.all_gather is None:
+            return F.embedding(input_ids, table)
+        # vocab parallel: rows outside this rank's range are zeros here and come from their rank
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= table.shape[0])
+        h = F.embedding(local.clamp(0, table.shape[0] - 1), table).masked_fill_(outside.unsqueeze(-1), 0)
+        return self._reduce(h)
+
     def _reduce(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.all_reduce is None else self.all_reduce(x)
 
@@ -117,7 +132,7 @@ class LlamaModel:
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, for the T new tokens of a step."""
         c, w, ops = self.config, self.w, self.ops
-        h = F.embedding(input_ids, w["model.embed_tokens.weight"])
+        h = self._embed(input_ids)
         x = ops.rms_norm(h, w["model.layers.0.input_layernorm.weight"], c.rms_norm_eps)
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
@@ -142,7 +157,7 @@ class LlamaModel:
         c, w, ops = self.config, self.w, self.ops
         if not 0 <= layer < c.num_layers:
             raise ValueError(f"layer={layer}: the model has {c.num_layers} layers")
-        h = F.embedding(input_ids, w["model.embed_tokens.weight"])
+        h = self._embed(input_ids)
         x = ops.rms_norm(h, w["model.layers.0.input_layernorm.weight"], c.rms_norm_eps)
         for i in range(layer):
             p = f"model.layers.{i}."
@@ -164,4 +179,7 @@ class LlamaModel:
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+        out = F.linear(hidden, self.lm_head)
+        if self.all_gather is not None:  # vocab parallel: [ranks, T, V / ranks] -> [T, V]
+            out = self.all_gather(out.contiguous()).permute(1, 0, 2).reshape(out.shape[0], -1)
+        return out.float()

@@ -3,8 +3,11 @@
 Rank r of N keeps query heads [r*H/N, (r+1)*H/N) with their KV heads and the same slice of the MLP's
 columns: q/k/v and gate/up are split by output rows (column parallel), o_proj and down_proj by input
 columns (row parallel), so each rank's o_proj / down_proj output is a partial sum that one all-reduce
-completes. Embeddings, norms and lm_head stay whole on every rank (every rank gets the full logits).
-With fewer KV heads than ranks each rank keeps the one KV head its query heads read (replicated).
+completes. When the vocabulary divides by the size, the embedding and lm_head are split by vocabulary
+rows too (vocab parallel: a token's embedding comes from the rank that holds its row, through an
+all-reduce; each rank's logits cover its rows and an all-gather assembles them); otherwise they stay
+whole on every rank. Norms stay whole. With fewer KV heads than ranks each rank keeps the one KV head
+its query heads read (replicated).
 """
 
 from __future__ import annotations
@@ -43,6 +46,11 @@ def kv_replicas(config: ModelConfig, size: int) -> int:
     return max(1, size // config.num_kv_heads)
 
 
+def vocab_parallel(config: ModelConfig, size: int) -> bool:
+    """Whether the embedding and lm_head are split by vocabulary rows over `size` ranks."""
+    return size > 1 and config.vocab_size % size == 0
+
+
 def shard_plan(config: ModelConfig, rank: int, size: int) -> tuple[ModelConfig, dict[str, tuple]]:
     """Rank's ModelConfig (its head counts and intermediate size) and, for each split weight, the index
     of rank's slice in the whole tensor (weights not named stay whole)."""
@@ -71,7 +79,16 @@ def shard_plan(config: ModelConfig, rank: int, size: int) -> tuple[ModelConfig, 
         index[m + "gate_proj.weight"] = (cols,)
         index[m + "up_proj.weight"] = (cols,)
         index[m + "down_proj.weight"] = (slice(None), cols)
-    local = dataclasses.replace(config, num_heads=nq, num_kv_heads=nkv, intermediate_size=ni)
+    vocab = config.vocab_size
+    if vocab_parallel(config, size):
+        vocab //= size
+        rows_v = slice(rank * vocab, (rank + 1) * vocab)
+        index["model.embed_tokens.weight"] = (rows_v,)
+        if not config.tie_word_embeddings:
+            index["lm_head.weight"] = (rows_v,)
+    local = dataclasses.replace(
+        config, num_heads=nq, num_kv_heads=nkv, intermediate_size=ni, vocab_size=vocab
+    )
     return local, index
 
 

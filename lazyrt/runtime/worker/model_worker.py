@@ -78,7 +78,15 @@ class ModelWorker:
         self.tp = TPGroup(tp.rendezvous, tp.rank, torch.device(dev), tp_check) if tp is not None else None
         self._tp_check = tp_check
         reduce = self.tp.all_reduce if self.tp is not None else None
-        self.model = LlamaModel(local_config, weights, all_reduce=reduce)
+        # vocab parallel (tensor_parallel.vocab_parallel): this rank's embedding / lm_head rows only
+        split_vocab = self.tp is not None and local_config.vocab_size != loaded.config.vocab_size
+        self.model = LlamaModel(
+            local_config,
+            weights,
+            all_reduce=reduce,
+            all_gather=self.tp.all_gather if split_vocab else None,
+            vocab_start=tp.rank * local_config.vocab_size if split_vocab else 0,
+        )
         del weights
         if dev.startswith("cuda"):
             torch.cuda.empty_cache()  # the unfused copies: give them back before sizing the KV pool

@@ -70,6 +70,15 @@ class TPGroup:
         self.pg.allreduce([t]).wait()
         return t
 
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        """Every rank's t (contiguous, the same shape on all), stacked: [size, *t.shape]."""
+        out = torch.empty((self.size, *t.shape), dtype=t.dtype, device=t.device)
+        if self.device.type == "cuda":
+            self.pg._allgather_base(out, t).wait()  # one NCCL all-gather into out, capturable in graphs
+        else:
+            self.pg.allgather([list(out.unbind(0))], [t]).wait()
+        return out
+
     def min_int(self, value: int) -> int:
         t = torch.tensor([value], dtype=torch.int64, device=self.device)
         opts = dist.AllreduceOptions()
