@@ -1,0 +1,63 @@
+"""The batched HostAttention.fill (every host part of a layer at once) against its per-part torch
+reference (fill_reference: retrieval_attention_ref part by part, the previous fill): ragged parts
+(different tokens, top-k and sink, several query rows, pages out of order), exact and approximate."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from lazyrt.kernels.rope import RopeCache
+from lazyrt.retrieval.host_attention import HostAttention, HostIndexCache, HostPart, RetrievalOptions
+
+pytest.importorskip("faiss")
+
+
+class _Rope:
+    rope_theta, rope_scaling = 10000.0, None
+
+    def __init__(self, rotary_dim: int):
+        self.rotary_dim = rotary_dim
+
+
+def _parts(rng: random.Random, num_pages: int, ps: int, shapes: list[tuple[int, int, int | None]]):
+    """HostParts over disjoint random (not consecutive) pages: shapes (tokens, query rows, top_k)."""
+    free = list(range(num_pages))
+    rng.shuffle(free)
+    parts, row, pair = [], 0, 0
+    for n, m, top_k in shapes:
+        pages = tuple(free.pop() for _ in range(-(-n // ps)))
+        parts.append(HostPart(range(row, row + m), pages, n, rng.randint(n, 900), pair, top_k))
+        row, pair = row + m, pair + m
+    return parts, row
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("exact", [False, True])
+def test_batched_fill_equals_the_per_part_reference(dtype, exact):
+    rng = random.Random()
+    g = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    ps, layers, kvh, group, d = 8, 2, 2, 3, 32
+    rope = RopeCache.build(_Rope(rng.choice([d, d // 2])), 1024)  # partial rotary too
+    host_kv = torch.randn(200, layers, 2, ps, kvh, d, generator=g).to(dtype)
+    big = 10**6 if exact else None
+    # the engine's top-k (None) and a request's own; some chunks twice the size; one tiny (top-k covers it)
+    shapes = [(rng.randint(150, 200), rng.randint(1, 3), big) for _ in range(3)]
+    shapes += [(shapes[0][0], 2, big or 12), (rng.randint(300, 360), 1, big), (5, 2, None)]
+    shapes += [(shapes[0][0], 1, big)]
+    parts, rows = _parts(rng, host_kv.shape[0], ps, shapes)
+    opts = RetrievalOptions(top_k=10**6 if exact else 20, sink=rng.choice([1, 4]), scan=0.05)
+    q = torch.randn(rows, kvh * group, d, generator=g)
+    cache = HostIndexCache()
+    for layer in range(layers):
+        want_o, want_l = torch.zeros(rows, kvh * group, d), torch.zeros(rows, kvh * group)
+        HostAttention(parts, host_kv, rope, d**-0.5, opts, cache).fill_reference(layer, q, want_o, want_l)
+        o, lse = torch.full_like(want_o, float("nan")), torch.full_like(want_l, float("nan"))
+        ha = HostAttention(parts, host_kv, rope, d**-0.5, opts, cache)
+        for _ in range(2):  # the second call reuses the step's plan and the cached stacks
+            ha.fill(layer, q, o, lse)
+            torch.testing.assert_close(o, want_o, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(lse, want_l, atol=1e-5, rtol=1e-5)
+    assert cache.builds == (0 if exact else 2 * (len(parts) - 1))  # the tiny chunk is always exact
