@@ -87,11 +87,11 @@ class IndexEntry:
         order = self.slot_of[:, :, None].expand(kv_heads, n, d)
         self.table = local.transpose(0, 1).gather(1, order).contiguous()
         self.batched = index.group_probes is None  # two-level probing: the per-part reference only
-        if index.probes is None:
-            self.probes_t, self.bias = index.centroids.transpose(1, 2).contiguous(), None
+        if index.probes is None:  # views of the index's (the products read them transposed)
+            self.probes_t, self.bias = index.centroids.transpose(1, 2), None
         else:
-            self.probes_t = index.probes[..., :d].transpose(1, 2).contiguous()
-            self.bias = index.probes[..., d:].transpose(1, 2).contiguous()
+            probes = index.probes.transpose(1, 2)
+            self.probes_t, self.bias = probes[:, :d], probes[:, d:]
         self.sizes = index.offsets[:, 1:] - index.offsets[:, :-1]
         self.starts = index.offsets[:, :-1].contiguous()
         self.size_cum = self.sizes.sort(-1).values.cumsum(-1)
@@ -365,7 +365,7 @@ class HostAttention:
         ])  # fmt: skip
         # at most t lists fit the budget: the t smallest already fill it (and always the best one)
         t = max(1, min(lists, int((st.size_cum <= g.budget).sum(-1).max())))
-        order = scores.topk(t, -1).indices  # [G, kvh, Q, t] best first
+        order = _largest(scores, t, ordered=True)  # [G, kvh, Q, t] best first
         size = st.sizes.unsqueeze(2).expand(G, kvh, Q, lists).gather(3, order)
         take = size.cumsum(-1) <= g.budget
         take[..., 0] = True
@@ -381,22 +381,49 @@ class HostAttention:
         sinks = torch.arange(sink).expand(G, kvh, Q, sink)
         cols = torch.cat([sinks, pos], -1)  # [G, kvh, Q, sink + c]
         rows = cols + (torch.arange(kvh) * n).view(1, kvh, 1, 1)
-        kb = cache.work("keys", (G, kvh, Q, sink + c, d), entries[0].table.dtype)
-        for i, e in enumerate(entries):
-            torch.index_select(e.table.view(-1, d), 0, rows[i].view(-1), out=kb[i].view(-1, d))
-        kf = cache.work("keys32", kb.shape, torch.float32)
-        kf.copy_(kb).mul_(qg.unsqueeze(3))
-        s = kf.sum(-1)  # [G, kvh, Q, sink + c]
-        found = s[..., sink:].masked_fill(~valid, float("-inf")).topk(min(g.top_k, n - sink), sorted=False)
-        s = torch.cat([s[..., :sink], found.values], -1) * self.sm_scale
-        cols = torch.cat([sinks, cols[..., sink:].gather(3, found.indices)], -1)  # [G, kvh, Q, sink + k]
+        # the candidates' scores, part by part (a part's keys are its own tensor; and one part's fp32
+        # keys stay in cache, where all parts' at once would not)
+        w = sink + c
+        kb = cache.work("keys", (kvh * Q * w, d), entries[0].table.dtype)
+        kf = cache.work("keys32", (kvh * Q, w, d), torch.float32)
+        s = torch.empty(G, kvh * Q, w)
+        qv = qg.view(G, kvh * Q, 1, d)
+        for i, e in enumerate(entries):  # (a product per key: faster here than bmm's matrix-vector)
+            torch.index_select(e.table.view(-1, d), 0, rows[i].view(-1), out=kb)
+            torch.sum(kf.copy_(kb.view(kf.shape)).mul_(qv[i]), -1, out=s[i])
+        s = s.view(G, kvh, Q, w)
+        cand_s = s[..., sink:].masked_fill(~valid, float("-inf"))
+        found = _largest(cand_s, min(g.top_k, n - sink), ordered=False)
+        s = torch.cat([s[..., :sink], cand_s.gather(3, found)], -1) * self.sm_scale
+        cols = torch.cat([sinks, cols[..., sink:].gather(3, found)], -1)  # [G, kvh, Q, sink + k]
         slots = st.slot_of.unsqueeze(2).expand(G, kvh, Q, n).gather(3, cols)
-        vrows = self._kv_rows(g, layer, slots, 1)
-        vb = cache.work("values", (*vrows.shape, d), self.host_kv.dtype)
-        torch.index_select(self.host_kv.view(-1, d), 0, vrows.view(-1), out=vb.view(-1, d))
-        vf = cache.work("values32", vb.shape, torch.float32).copy_(vb)
-        p = torch.softmax(s, -1)
-        return torch.matmul(p.unsqueeze(-2), vf).squeeze(-2), torch.logsumexp(s, -1)
+        vrows = self._kv_rows(g, layer, slots, 1).view(G, -1)
+        w = cols.shape[-1]
+        p = torch.softmax(s, -1).view(G, kvh * Q, 1, w)
+        vb = cache.work("values", (kvh * Q * w, d), self.host_kv.dtype)
+        vf = cache.work("values32", (kvh * Q, w, d), torch.float32)
+        o = torch.empty(G, kvh * Q, 1, d)
+        flat = self.host_kv.view(-1, d)
+        for i in range(G):
+            torch.index_select(flat, 0, vrows[i], out=vb)
+            torch.bmm(p[i], vf.copy_(vb.view(vf.shape)), out=o[i])
+        return o.view(G, kvh, Q, d), torch.logsumexp(s, -1)
+
+
+def _largest(x: torch.Tensor, k: int, ordered: bool) -> torch.Tensor:
+    """Indices of the k largest of x [..., n] (fp32, no NaN) along the last dim, best first if ordered
+    (ties: the lower index first). Like x.topk(k).indices, but 2-3x faster on the CPU: the scores,
+    mapped to int32 in descending order and packed with their index into int64, through numpy's
+    partition / sort."""
+    n = x.shape[-1]
+    b = x.contiguous().view(torch.int32)
+    key = ~(b ^ ((b >> 31) & 0x7FFFFFFF))  # a float's order is its bits' (negatives: reversed); ~: descending
+    packed = ((key.long() << 32) | torch.arange(n)).numpy()
+    if k < n:
+        packed = np.partition(packed, k - 1, -1)[..., :k]
+    if ordered:
+        packed = np.sort(packed, -1)
+    return torch.from_numpy(packed & 0xFFFFFFFF)
 
 
 def host_rows(parts: list[list[HostPart]], qo_indptr: np.ndarray) -> list[HostPart]:
