@@ -61,3 +61,18 @@ def test_batched_fill_equals_the_per_part_reference(dtype, exact):
             torch.testing.assert_close(o, want_o, atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(lse, want_l, atol=1e-5, rtol=1e-5)
     assert cache.builds == (0 if exact else 2 * (len(parts) - 1))  # the tiny chunk is always exact
+
+
+def test_largest_is_topk():
+    """_largest (numpy partition / sort of packed keys) picks what torch.topk does: ordered, and as a
+    set, with negative scores and -inf (unscanned) entries."""
+    from lazyrt.retrieval.host_attention import _largest
+
+    x = torch.randn(3, 5, 40) * 10
+    x[..., 25:] = float("-inf")
+    for k in (1, 7, 25, 40):
+        want = x.topk(k, -1)
+        if k <= 25:  # ties (-inf) aside, the order is the same
+            assert torch.equal(_largest(x, k, ordered=True), want.indices)
+        got = _largest(x, k, ordered=False)
+        assert torch.equal(x.gather(-1, got).sort(-1).values, want.values.sort(-1).values)
