@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from lazyrt.kernels.rope import RopeCache
+from lazyrt.retrieval import host_attention
 from lazyrt.retrieval.host_attention import HostAttention, HostIndexCache, HostPart, RetrievalOptions
 
 pytest.importorskip("faiss")
@@ -36,7 +37,7 @@ def _parts(rng: random.Random, num_pages: int, ps: int, shapes: list[tuple[int, 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("exact", [False, True])
-def test_batched_fill_equals_the_per_part_reference(dtype, exact):
+def test_batched_fill_equals_the_per_part_reference(dtype, exact, monkeypatch):
     rng = random.Random()
     g = torch.Generator().manual_seed(rng.randrange(1 << 30))
     ps, layers, kvh, group, d = 8, 2, 2, 3, 32
@@ -52,11 +53,14 @@ def test_batched_fill_equals_the_per_part_reference(dtype, exact):
     q = torch.randn(rows, kvh * group, d, generator=g)
     cache = HostIndexCache()
     for layer in range(layers):
+        monkeypatch.setattr(host_attention, "WORK_ELEMENTS", 1 << 22)
         want_o, want_l = torch.zeros(rows, kvh * group, d), torch.zeros(rows, kvh * group)
         HostAttention(parts, host_kv, rope, d**-0.5, opts, cache).fill_reference(layer, q, want_o, want_l)
         o, lse = torch.full_like(want_o, float("nan")), torch.full_like(want_l, float("nan"))
         ha = HostAttention(parts, host_kv, rope, d**-0.5, opts, cache)
-        for _ in range(2):  # the second call reuses the step's plan and the cached stacks
+        for blocks in (False, True):  # the second call reuses the step's plan and the cached stacks
+            if blocks:  # and scores / sums a few query heads at a time
+                monkeypatch.setattr(host_attention, "WORK_ELEMENTS", 40 * d)  # 1-2 rows a block
             ha.fill(layer, q, o, lse)
             torch.testing.assert_close(o, want_o, atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(lse, want_l, atol=1e-5, rtol=1e-5)

@@ -26,6 +26,8 @@ from lazyrt.kernels.rope import RopeCache, apply_rope_ref
 from lazyrt.retrieval.attention import retrieval_attention_ref
 from lazyrt.retrieval.key_index import KeyIndex, build_key_index
 
+WORK_ELEMENTS = 1 << 22  # the batched fill's buffers hold at most this many keys' elements (4M: 16 MB fp32)
+
 
 @dataclass(frozen=True)
 class RetrievalOptions:
@@ -381,32 +383,41 @@ class HostAttention:
         sinks = torch.arange(sink).expand(G, kvh, Q, sink)
         cols = torch.cat([sinks, pos], -1)  # [G, kvh, Q, sink + c]
         rows = cols + (torch.arange(kvh) * n).view(1, kvh, 1, 1)
-        # the candidates' scores, part by part (a part's keys are its own tensor; and one part's fp32
-        # keys stay in cache, where all parts' at once would not)
-        w = sink + c
-        kb = cache.work("keys", (kvh * Q * w, d), entries[0].table.dtype)
-        kf = cache.work("keys32", (kvh * Q, w, d), torch.float32)
-        s = torch.empty(G, kvh * Q, w)
-        qv = qg.view(G, kvh * Q, 1, d)
+        # the candidates' scores, part by part (a part's keys are its own tensor) and in blocks of rows
+        # (one block's fp32 keys stay in cache, where all parts' at once would not; and the buffers
+        # stay small however many query rows a part has)
+        w, hq = sink + c, kvh * Q
+        b = max(1, min(hq, WORK_ELEMENTS // (w * d)))
+        kb = cache.work("keys", (b * w, d), entries[0].table.dtype)
+        kf = cache.work("keys32", (b, w, d), torch.float32)
+        s = torch.empty(G, hq, w)
+        qv, rows = qg.view(G, hq, 1, d), rows.view(G, hq * w)
         for i, e in enumerate(entries):  # (a product per key: faster here than bmm's matrix-vector)
-            torch.index_select(e.table.view(-1, d), 0, rows[i].view(-1), out=kb)
-            torch.sum(kf.copy_(kb.view(kf.shape)).mul_(qv[i]), -1, out=s[i])
+            for r in range(0, hq, b):
+                nb = min(hq, r + b) - r
+                torch.index_select(e.table.view(-1, d), 0, rows[i, r * w : (r + nb) * w], out=kb[: nb * w])
+                kfr = kf[:nb].copy_(kb[: nb * w].view(nb, w, d)).mul_(qv[i, r : r + nb])
+                torch.sum(kfr, -1, out=s[i, r : r + nb])
         s = s.view(G, kvh, Q, w)
         cand_s = s[..., sink:].masked_fill(~valid, float("-inf"))
         found = _largest(cand_s, min(g.top_k, n - sink), ordered=False)
         s = torch.cat([s[..., :sink], cand_s.gather(3, found)], -1) * self.sm_scale
         cols = torch.cat([sinks, cols[..., sink:].gather(3, found)], -1)  # [G, kvh, Q, sink + k]
         slots = st.slot_of.unsqueeze(2).expand(G, kvh, Q, n).gather(3, cols)
-        vrows = self._kv_rows(g, layer, slots, 1).view(G, -1)
         w = cols.shape[-1]
-        p = torch.softmax(s, -1).view(G, kvh * Q, 1, w)
-        vb = cache.work("values", (kvh * Q * w, d), self.host_kv.dtype)
-        vf = cache.work("values32", (kvh * Q, w, d), torch.float32)
-        o = torch.empty(G, kvh * Q, 1, d)
+        vrows = self._kv_rows(g, layer, slots, 1).view(G, hq * w)
+        p = torch.softmax(s, -1).view(G, hq, 1, w)
+        b = max(1, min(hq, WORK_ELEMENTS // (w * d)))
+        vb = cache.work("values", (b * w, d), self.host_kv.dtype)
+        vf = cache.work("values32", (b, w, d), torch.float32)
+        o = torch.empty(G, hq, 1, d)
         flat = self.host_kv.view(-1, d)
         for i in range(G):
-            torch.index_select(flat, 0, vrows[i], out=vb)
-            torch.bmm(p[i], vf.copy_(vb.view(vf.shape)), out=o[i])
+            for r in range(0, hq, b):
+                nb = min(hq, r + b) - r
+                torch.index_select(flat, 0, vrows[i, r * w : (r + nb) * w], out=vb[: nb * w])
+                vfr = vf[:nb].copy_(vb[: nb * w].view(nb, w, d))
+                torch.bmm(p[i, r : r + nb], vfr, out=o[i, r : r + nb])
         return o.view(G, kvh, Q, d), torch.logsumexp(s, -1)
 
 
