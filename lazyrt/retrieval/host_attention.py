@@ -12,6 +12,14 @@ all its keys when top-k covers them (exact). The parts merge with the device par
 An index is built the first time a segment needs one (per layer, on the CPU; its keys' frame is the
 segment's own, so it serves every request and every position) and dropped when an offload writes
 any of its host pages (the page ids then hold another chunk).
+
+`fill` attends every host part of a layer at once (parts of one shape, i.e. tokens, sink and top-k,
+together): each part's list scores are one product, then the lists each query scans (best first
+while they hold at most the scan budget), the candidates' table positions, their exact scores, the
+top-k and the softmax over sink + top-k keys are a few ops over [parts, KV heads, query rows, ...].
+The per-part data a step reads is prepared once per (chunk, layer) in HostIndexCache (IndexEntry:
+keys list by list, list sizes and starts; stacked per group of chunks). `fill_reference` is the
+per-part torch reference (retrieval_attention_ref part by part) it equals.
 """
 
 from __future__ import annotations
@@ -222,7 +230,7 @@ class HostAttention:
 
     def _part_kv(self, part: HostPart, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         pages = part.pages  # a run of consecutive host pages (the usual case) is a view, not a copy
-        if pages[-1] - pages[0] == len(pages) - 1:
+        if pages == tuple(range(pages[0], pages[0] + len(pages))):  # (not only the ends: (3, 9, 5) isn't)
             kv = self.host_kv[pages[0] : pages[-1] + 1, layer]  # [pages, 2, page_size, kv_heads, D]
         else:
             kv = self.host_kv[list(pages), layer]
