@@ -238,13 +238,13 @@ class HostAttention:
         return kv[:, 0].reshape(-1, *kv.shape[3:])[:n], kv[:, 1].reshape(-1, *kv.shape[3:])[:n]
 
     def _shape(self, part: HostPart) -> tuple[int, int, bool, float]:
-        """(sink, top_k, exact, scan budget in keys) of a part."""
+        """(sink, top_k, exact, scan) of a part."""
         n = part.num_tokens
         sink = min(self.options.sink, n - 1)
         top_k = part.top_k or self.options.top_k
         # scan at least 2 x top_k keys: top-k out of fewer candidates would be no choice at all
         scan = min(1.0, max(self.options.scan, 2 * top_k / max(1, n - sink)))
-        return sink, top_k, top_k >= n - sink, scan * (n - sink)
+        return sink, top_k, top_k >= n - sink, scan
 
     def _entry(self, part: HostPart, layer: int, sink: int) -> IndexEntry:
         key = (part.pages, part.num_tokens, layer, sink)
@@ -261,12 +261,11 @@ class HostAttention:
             q1, q2 = qp[..., :half], qp[..., half:rd]  # turned back by start_pos: the segment's frame
             qp = torch.cat([q1 * cos + q2 * sin, q2 * cos - q1 * sin, qp[..., rd:]], dim=-1)
             k, v = self._part_kv(part, layer)
-            sink, top_k, exact, budget = self._shape(part)
+            sink, top_k, exact, scan = self._shape(part)
             index = local = None
             if not exact:
                 entry = self._entry(part, layer, sink)
                 index, local = entry.index, entry.local()
-            scan = budget / (part.num_tokens - sink)
             po, pl = retrieval_attention_ref(qp, k, v, index, self.rope, self.sm_scale, top_k, scan, local)
             o[part.pair0 : part.pair0 + m] = po.to(o.device)
             lse[part.pair0 : part.pair0 + m] = pl.to(lse.device)
@@ -278,7 +277,8 @@ class HostAttention:
         for part in self.parts:
             by_shape.setdefault((part.num_tokens, *self._shape(part)), []).append(part)
         groups = []
-        for (n, sink, top_k, exact, budget), parts in by_shape.items():
+        for (n, sink, top_k, exact, scan), parts in by_shape.items():
+            budget = scan * (n - sink)  # as search_key_index's (a list at exactly the budget is scanned)
             m = max(len(p.rows) for p in parts)
             rows = torch.tensor([[p.rows[min(i, len(p.rows) - 1)] for i in range(m)] for p in parts])
             starts = torch.tensor([p.start_pos for p in parts])
