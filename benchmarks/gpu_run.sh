@@ -3,7 +3,7 @@
 # Stages: kernels-test | bench BATCHES... | sweep BATCHES... | engine-test [PYTEST ARGS] | fi-test | jit
 #         | serving [rag_serving.py ARGS...] | roofline [ARGS...] | profile [decode_profile.py ARGS...]
 #         | offline-hf [ARGS...]
-#         | shared-chunk [shared_chunk_bench.py ARGS...]
+#         | shared-chunk [shared_chunk_bench.py ARGS...] | tp [tp_decode.py ARGS...]
 # (serving/roofline/offline-hf: dummy llama-3.1-8b, tokenizer from .gpu_carry_tok; results in $OUT)
 # (fi-test needs .gpu_carry_tok: a config.json + tokenizer dir of the default model, for dummy weights)
 # Needs .whl/ (bash ../shared/gpu/make-wheels.sh pyzmq gguf msgpack); restores .jit.tgz if carried.
@@ -51,13 +51,18 @@ run_stage() {
                   python3 benchmarks/shared_chunk_bench.py --out "$OUT/shared_chunk.json" "${batches[@]}" 2>&1 | tail -12 ;;
     offline-hf) LAZYRT_TOKENIZER_DIR="$PWD/.gpu_carry_tok" python3 benchmarks/offline_vs_hf.py \
                   --out "$OUT/offline_vs_hf.jsonl" "${batches[@]}" 2>&1 | tail -8 ;;
+    tp)  # tensor parallel (2 GPUs): decode step and greedy tokens at TP=1 then TP=2, one process each
+      for n in 1 2; do NCCL_NVLS_ENABLE=0 LAZYRT_TOKENIZER_DIR="$PWD/.gpu_carry_tok" timeout 240 python3 -m \
+        benchmarks.tp_decode --tensor-parallel-size $n --out "$OUT/tp_decode.jsonl" "${batches[@]}" 2>&1 \
+        | grep -v -i warn | tail -6; done
+      python3 -m benchmarks.tp_decode --report "$OUT/tp_decode.jsonl" ;;
     # in parts under the 16 MB a returned file may have: cat jit.tgz.part.* > .jit.tgz locally
     jit) tar czf - -C .jit . | split -b 15000000 - "$OUT/jit.tgz.part." && ls -la "$OUT"/jit.tgz.part.* ;;
   esac
 }
 for a in "$@"; do
   case "$a" in
-    kernels-test|bench|sweep|engine-test|fi-test|jit|serving|roofline|profile|offline-hf|shared-chunk) [ -n "$stage" ] && run_stage "$stage"; stage="$a"; batches=() ;;
+    kernels-test|bench|sweep|engine-test|fi-test|jit|serving|roofline|profile|offline-hf|shared-chunk|tp) [ -n "$stage" ] && run_stage "$stage"; stage="$a"; batches=() ;;
     *) batches+=("$a") ;;
   esac
 done
