@@ -43,35 +43,28 @@ def _llama3_scaling(factor: float) -> dict:
     }
 
 
+def _llama31(hidden, layers, heads, inter) -> dict:
+    """A Llama 3.1 size: 8 KV heads, the 128k vocabulary, llama3 RoPE scaling to 128k positions."""
+    return _llama(
+        hidden,
+        layers,
+        heads,
+        8,
+        inter,
+        128256,
+        rope_theta=500000.0,
+        rope_scaling=_llama3_scaling(8.0),
+        max_position_embeddings=131072,
+        bos_token_id=128000,
+        eos_token_id=_LLAMA3_EOS,
+    )
+
+
 # Hugging Face config.json dicts. Vocab sizes of the tiny presets fit the default (SmolLM2) tokenizer.
 PRESETS: dict[str, dict] = {
-    "llama-3.1-8b": _llama(
-        4096,
-        32,
-        32,
-        8,
-        14336,
-        128256,
-        rope_theta=500000.0,
-        rope_scaling=_llama3_scaling(8.0),
-        max_position_embeddings=131072,
-        bos_token_id=128000,
-        eos_token_id=_LLAMA3_EOS,
-    ),
+    "llama-3.1-8b": _llama31(4096, 32, 32, 14336),
     # too big for one 80 GB GPU (~141 GB of bf16 weights): for tensor-parallel benchmarks
-    "llama-3.1-70b": _llama(
-        8192,
-        80,
-        64,
-        8,
-        28672,
-        128256,
-        rope_theta=500000.0,
-        rope_scaling=_llama3_scaling(8.0),
-        max_position_embeddings=131072,
-        bos_token_id=128000,
-        eos_token_id=_LLAMA3_EOS,
-    ),
+    "llama-3.1-70b": _llama31(8192, 80, 64, 28672),
     "llama-3.2-1b": _llama(
         2048,
         16,
