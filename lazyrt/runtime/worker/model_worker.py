@@ -18,7 +18,7 @@ from lazyrt.config import EngineConfig
 from lazyrt.models.config import ModelConfig
 from lazyrt.models.llama import LlamaModel
 from lazyrt.models.loader import load_model
-from lazyrt.models.tensor_parallel import kv_replicas
+from lazyrt.models.tensor_parallel import kv_replicas, vocab_parallel
 from lazyrt.retrieval.host_attention import RetrievalOptions
 from lazyrt.runtime.ipc.messages import StepMsg, StepResult, WorkerReady
 from lazyrt.runtime.scheduler.plan import StepPlan
@@ -79,7 +79,7 @@ class ModelWorker:
         self._tp_check = tp_check
         reduce = self.tp.all_reduce if self.tp is not None else None
         # vocab parallel (tensor_parallel.vocab_parallel): this rank's embedding / lm_head rows only
-        split_vocab = self.tp is not None and local_config.vocab_size != loaded.config.vocab_size
+        split_vocab = tp is not None and vocab_parallel(loaded.config, tp.rendezvous.size)
         self.model = LlamaModel(
             local_config,
             weights,
