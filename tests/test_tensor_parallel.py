@@ -8,7 +8,9 @@ The Engine tests start one extra process (rank 1) each; the server test starts a
 from __future__ import annotations
 
 import json
+import os
 import random
+import signal
 import threading
 
 import httpx
@@ -346,6 +348,88 @@ def test_a_dead_rank_fails_the_step_naming_it(tiny_model_dir):
             two.generate("Hello", SamplingParams(max_tokens=2))
 
 
+@pytest.mark.slow
+def test_a_step_failing_on_rank0_alone_breaks_the_group_at_once(tiny_model_dir):
+    """Rank 0 fails mid-forward (after one all-reduce, rank 1 is waiting in the next): the step's
+    request gets TPGroupBroken naming rank 0's error, and so does every later step at once (before,
+    the next step's all-reduces paired with the ones rank 1 was still waiting in)."""
+    from lazyrt.runtime.worker.tp_group import TPGroupBroken
+
+    with Engine(tiny_model_dir("llama3"), device="cpu", kv_cache_tokens=1024, tensor_parallel_size=2) as two:
+        assert len(two.generate("Hello", SamplingParams(max_tokens=2))[0]["token_ids"]) == 2
+        reduce, calls = two.model._reduce, []
+
+        def fails_second(x):
+            calls.append(1)
+            if len(calls) == 2:
+                raise RuntimeError("injected failure")
+            return reduce(x)
+
+        two.model._reduce = fails_second
+        with pytest.raises(TPGroupBroken, match="rank 0: RuntimeError: injected failure.*restart the engine"):
+            two.generate("Hello again", SamplingParams(max_tokens=2))
+        two.model._reduce = reduce
+        with pytest.raises(TPGroupBroken, match="injected failure"):
+            two.generate("Hello", SamplingParams(max_tokens=2))
+        assert len(calls) == 2  # refused before any rank ran it
+
+
+def test_a_follower_stops_at_its_first_failed_step(tmp_path):
+    """follow_steps (rank >= 1's loop) runs steps until one raises, then returns exit code 1; the
+    parent check runs while it waits."""
+    import zmq
+
+    from lazyrt.runtime.ipc.sockets import send, socket
+    from lazyrt.runtime.worker.tp_follower import follow_steps
+
+    ran, checks = [], []
+
+    class Worker:
+        def execute(self, msg):
+            ran.append(msg)
+            if msg == "bad":
+                raise RuntimeError("rank 1 only")
+
+    ctx = zmq.Context()
+    addr = f"ipc://{tmp_path}/plan"
+    inbox = socket(ctx, zmq.PULL, addr, bind=True)
+    out = socket(ctx, zmq.PUSH, addr, bind=False)
+
+    def check_parent():
+        checks.append(1)
+        if len(checks) == 1:  # idle once, then rank 0's steps arrive
+            for m in ("ok", "bad", "never run"):
+                send(out, m)
+
+    try:
+        assert follow_steps(Worker(), inbox, check_parent, rank=1) == 1
+        assert ran == ["ok", "bad"] and checks == [1]
+    finally:
+        out.close(0)
+        inbox.close(0)
+        ctx.term()
+
+
+def test_rank_watch_reports_a_dead_rank_once():
+    from lazyrt.runtime.worker.tp_group import RankWatch
+
+    calls, dead, done = [], [], threading.Event()
+
+    def check():
+        calls.append(1)
+        if len(calls) >= 3:
+            raise RuntimeError("model worker rank 1 exited")
+
+    def on_dead(e):
+        dead.append(str(e))
+        done.set()
+
+    watch = RankWatch(check, on_dead, interval_s=0.01)
+    assert done.wait(10)
+    watch.stop()
+    assert dead == ["model worker rank 1 exited"] and len(calls) == 3
+
+
 def test_engine_with_a_size_the_heads_do_not_divide_is_refused(tiny_model_dir):
     with pytest.raises(ValueError, match="tensor_parallel_size=3"):
         Engine(tiny_model_dir("llama3"), device="cpu", kv_cache_tokens=1024, tensor_parallel_size=3)
@@ -380,6 +464,16 @@ def test_server_tp2_equals_engine_tp1(tiny_model_dir):
         assert r["token_ids"] == engine.generate("Once upon a time", SamplingParams(**sp))[0]["token_ids"]
         stats = httpx.get(srv.url + "/cache_stats", timeout=30).json()
         assert stats["total_pages"] == 8192 // 16 and stats["held_pages"] == 0
+        # rank 1 dies mid-generation: the request is answered with an error and the server stops
+        # (non-zero), rather than rank 0 waiting in an all-reduce with a dead peer
+        long = {"text": "Count on", "sampling_params": {"max_tokens": 4000, "ignore_eos": True}}
+        killer = threading.Timer(3.0, os.kill, (pids["model worker rank 1"], signal.SIGKILL))
+        killer.start()
+        r = httpx.post(srv.url + "/generate", json=long, timeout=120)
+        killer.join()
+        assert r.status_code >= 500 or "error" in r.json(), r.text
+        assert srv.proc.wait(60) != 0
+        assert "model worker rank 1 process exited unexpectedly" in srv.read_log()
     finally:
         srv.stop()
 

@@ -68,8 +68,10 @@ async def _watch(procs: ProcessGroup, state: ServerState, server: uvicorn.Server
     while not server.should_exit:
         dead = procs.dead()
         if dead:
-            name, code = dead[0]
-            why = f"the {name} process exited unexpectedly (exit code {code})"
+            if len(dead) == 1:
+                await asyncio.sleep(_WATCH_S)  # one death often brings others (a rank's peers): name them all
+                dead = procs.dead()
+            why = "; ".join(f"the {n} process exited unexpectedly (exit code {c})" for n, c in dead)
             logger.error("%s; shutting down", why)
             state.healthy = False
             state.client.fail_all(why)

@@ -8,6 +8,7 @@ previous deferred step's tokens, so the host builds one step while the device ru
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
@@ -27,7 +28,7 @@ from lazyrt.runtime.worker.grammar import GrammarConstraints
 from lazyrt.runtime.worker.logits_processing import LogitsProcessing, logprob_entries, token_logprobs
 from lazyrt.runtime.worker.model_runner import ModelRunner
 from lazyrt.runtime.worker.sampler import sample_tokens_device
-from lazyrt.runtime.worker.tp_group import TPGroup
+from lazyrt.runtime.worker.tp_group import RankWatch, TPGroup, TPGroupBroken
 from lazyrt.runtime.worker.tp_ranks import PlanLinks, TPMember
 from lazyrt.sampling_params import SamplingParams
 
@@ -77,6 +78,9 @@ class ModelWorker:
         self._followers = PlanLinks(tp.rendezvous) if tp is not None and tp.rank == 0 else None
         self.tp = TPGroup(tp.rendezvous, tp.rank, torch.device(dev), tp_check) if tp is not None else None
         self._tp_check = tp_check
+        # set when a step failed on this rank or a rank died: the group's collectives no longer pair up
+        self._broken: str | None = None
+        self._rank_watch = RankWatch(tp_check, self._rank_died) if tp_check is not None and self.tp else None
         reduce = self.tp.all_reduce if self.tp is not None else None
         # vocab parallel (tensor_parallel.vocab_parallel): this rank's embedding / lm_head rows only
         split_vocab = tp is not None and vocab_parallel(loaded.config, tp.rendezvous.size)
@@ -165,6 +169,8 @@ class ModelWorker:
     def close(self) -> None:
         """Closes rank 0's links to the other tensor-parallel ranks and its communicator (nothing to
         do otherwise)."""
+        if self._rank_watch is not None:
+            self._rank_watch.stop()
         if self._followers is not None:
             self._followers.close()
         if self.tp is not None:
@@ -189,10 +195,14 @@ class ModelWorker:
         )
 
     def execute(self, msg: StepMsg) -> StepResult:
+        """Runs one step. Under tensor parallelism a failed step (on any rank) or a dead rank breaks
+        the group: TPGroupBroken, now and for every later step (the engine must be restarted)."""
+        if self._broken is not None:
+            raise TPGroupBroken(self._broken)
         if self._followers is not None:
             self._followers.send(msg)  # the other ranks run the same step alongside
         try:
-            return self._execute(msg)
+            result = self._execute(msg)
         except BaseException as e:
             # the scheduler drops its step in flight and aborts the requests: start clean
             self._deferred, self._unsampled, self.runner.prev_tokens = None, None, None
@@ -200,9 +210,41 @@ class ModelWorker:
                 self._grammar.drop_pending()
             if isinstance(e, torch.cuda.OutOfMemoryError) and torch.cuda.is_available():
                 torch.cuda.empty_cache()  # hand the failed step's cached blocks back before the next
-            if self._tp_check is not None:
-                self._tp_check()  # a collective failed because a rank died: say which
+            if self.tp is not None:
+                self._break_group(e)
             raise
+        if self._broken is not None:  # a rank died while the step ran: its collectives were aborted
+            raise TPGroupBroken(self._broken)
+        return result
+
+    def _break_group(self, e: BaseException) -> None:
+        """Raises TPGroupBroken (from e) naming why: a dead rank if there is one, else this rank's error.
+        The other ranks may be waiting in a collective this rank left mid-step (or have run ahead of
+        it), so no later step could pair its collectives with theirs."""
+        why = None
+        # a collective that broke off because a peer died: name the dead rank (its exit may take a moment
+        # to show after its connections closed)
+        for _ in range(10 if self._tp_check is not None else 0):
+            try:
+                self._tp_check()
+            except Exception as dead:
+                why = str(dead)
+                break
+            time.sleep(0.1)
+        if why is None:
+            lines = str(e).strip().splitlines()
+            why = f"a step failed on tensor-parallel rank {self.tp.rank}: {type(e).__name__}" + (
+                f": {lines[0]}" if lines else ""
+            )
+        self._broken = f"{why}; the ranks can no longer run steps together: restart the engine"
+        self.tp.abort()
+        raise TPGroupBroken(self._broken) from e
+
+    def _rank_died(self, e: Exception) -> None:
+        """RankWatch: another rank's process died. Rank 0 may be waiting in a collective with it;
+        aborting the communicator ends that wait (on NCCL) and the step in flight raises."""
+        self._broken = f"{e}; the ranks can no longer run steps together: restart the engine"
+        self.tp.abort()
 
     def _execute(self, msg: StepMsg) -> StepResult:
         if self._unsampled is not None:  # before the releases: its rows' generators and matchers

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import zmq
 
@@ -20,6 +21,7 @@ def run_worker_process(cfg: EngineConfig, ipc: IpcPaths, log_level: str, tp: TPM
     import torch  # heavy imports after setup
 
     from lazyrt.runtime.worker.model_worker import ModelWorker
+    from lazyrt.runtime.worker.tp_group import TPGroupBroken
 
     ctx = zmq.Context()
     inbox = socket(ctx, zmq.PULL, ipc.worker_in, bind=True)
@@ -39,6 +41,14 @@ def run_worker_process(cfg: EngineConfig, ipc: IpcPaths, log_level: str, tp: TPM
         msg = recv(inbox)
         try:
             answer = worker.execute(msg)
+        except TPGroupBroken as e:
+            # under tensor parallelism a failed step ends the group: fail the step's requests, then
+            # exit; the server sees the exit, answers every request left and stops
+            logger.exception("model step failed; the tensor-parallel group cannot go on: exiting")
+            send(outbox, StepFailed(_describe(e)))
+            outbox.close(linger=2000)
+            logging.shutdown()
+            os._exit(1)  # not through the NCCL process group's destructor: it can wait for the others
         except Exception as e:
             # A step that raises (e.g. CUDA out of memory on a large batch) fails its requests, not
             # the server: ModelWorker has dropped the step; the scheduler aborts what was in it.

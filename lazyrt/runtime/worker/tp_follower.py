@@ -4,15 +4,21 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import os
 import shutil
 import tempfile
 import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import zmq
 
 from lazyrt.config import EngineConfig
 from lazyrt.runtime.ipc.sockets import PARENT_CHECK_MS, child_setup, poll, recv, socket
 from lazyrt.runtime.worker.tp_ranks import TPMember, TPRendezvous, check_devices
+
+if TYPE_CHECKING:
+    from lazyrt.runtime.worker.model_worker import ModelWorker
 
 logger = logging.getLogger("lazyrt.worker")
 
@@ -28,15 +34,25 @@ def run_follower_process(cfg: EngineConfig, member: TPMember, log_level: str) ->
     inbox = socket(ctx, zmq.PULL, member.rendezvous.plan_addrs[member.rank - 1], bind=True)
     worker = ModelWorker(cfg, member)
     logger.info("tensor-parallel rank %d of %d ready", member.rank, member.rendezvous.size)
+    code = follow_steps(worker, inbox, watch.check, member.rank)
+    logging.shutdown()
+    os._exit(code)  # not through the process group's destructor: it can wait for the other ranks
+
+
+def follow_steps(worker: ModelWorker, inbox: zmq.Socket, check_parent: Callable[[], None], rank: int) -> int:
+    """Runs every StepMsg from rank 0 until one fails; returns the exit code (1). A failed step ends
+    the rank: the others may be waiting in a collective it left, or have left one it waits in, so no
+    later step would pair up; its exit tells rank 0 (which names it and fails every later step) and
+    the server (which stops)."""
     while True:
         if not poll([inbox], PARENT_CHECK_MS):
-            watch.check()
+            check_parent()
             continue
         try:
             worker.execute(recv(inbox))
         except Exception:
-            # rank 0 runs the same step and fails it the same way; its scheduler aborts the requests
-            logger.exception("model step failed on tensor-parallel rank %d", member.rank)
+            logger.exception("model step failed on tensor-parallel rank %d; this rank stops", rank)
+            return 1
 
 
 def share_cpu_threads(cfg: EngineConfig) -> None:

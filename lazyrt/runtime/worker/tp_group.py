@@ -28,6 +28,11 @@ TIMEOUT_S = 600
 CLOSE_TIMEOUT_S = 5
 
 
+class TPGroupBroken(RuntimeError):
+    """A step failed on a tensor-parallel rank, or a rank died: the ranks' collectives no longer pair up
+    (one may wait in a collective the others left), so the group runs no further step."""
+
+
 class TPGroup:
     def __init__(
         self,
@@ -57,6 +62,12 @@ class TPGroup:
         """Gives up the NCCL communicator without waiting for the other ranks: left to the process
         group's destructor at exit, it waited for ranks that had already been stopped (seen on 2 H100s:
         the Engine's process hung at exit until killed)."""
+        self.abort()
+
+    def abort(self) -> None:
+        """Aborts the NCCL communicator, which also ends this rank's collectives in flight (NCCL would
+        wait for a dead peer until its timeout; gloo's collectives fail by themselves when a peer's
+        connection closes, so on CPU there is nothing to do)."""
         if self.device.type != "cuda":
             return
         fn = getattr(self.pg, "abort", None) or getattr(self.pg, "shutdown", None)
@@ -92,6 +103,34 @@ class TPGroup:
         opts.rootRank = root
         self.pg.broadcast([t], opts).wait()
         return t
+
+
+OnDead = Callable[[Exception], None]
+
+
+class RankWatch:
+    """Calls check() every interval_s on a daemon thread; the first time it raises (another rank's
+    process has died), calls on_dead(that error) once and stops. Rank 0 of an offline Engine uses it
+    to break out of a collective whose peer is gone (the server's own watch stops every process)."""
+
+    def __init__(self, check: Callable[[], None], on_dead: OnDead, interval_s: float = 0.5):
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, args=(check, on_dead, interval_s), name="tp-rank-watch", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, check: Callable[[], None], on_dead: OnDead, interval_s: float) -> None:
+        while not self._stop.wait(interval_s):
+            try:
+                check()
+            except Exception as e:
+                on_dead(e)
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def _wait_for_all(store: dist.Store, rank: int, size: int, check: Callable[[], None] | None) -> None:
