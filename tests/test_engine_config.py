@@ -61,3 +61,18 @@ def test_pool_size_follows_the_fraction(monkeypatch):
     # an explicit token budget wins over the fraction
     fixed = EngineConfig(kv_cache_tokens=160, kv_cache_memory_fraction=0.1)
     assert _pages(fixed, mc, free, monkeypatch) == 10
+
+
+def test_half_precision_on_cpu_is_warned(tiny_model_dir, caplog):
+    """CPU half-precision matmuls are ~100x slower than float32: the worker says so, naming the dtype;
+    the default (auto -> float32 on CPU) says nothing."""
+    import logging
+
+    from lazyrt import Engine
+
+    path = tiny_model_dir("llama3")
+    with caplog.at_level(logging.WARNING, logger="lazyrt.worker"):
+        Engine(path, device="cpu", kv_cache_tokens=256).close()
+        assert not [r for r in caplog.records if "on CPU" in r.getMessage()]
+        Engine(path, device="cpu", dtype="bfloat16", kv_cache_tokens=256).close()
+    assert any("dtype=bfloat16 on CPU" in r.getMessage() for r in caplog.records)

@@ -8,6 +8,7 @@ previous deferred step's tokens, so the host builds one step while the device ru
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 
@@ -31,6 +32,8 @@ from lazyrt.runtime.worker.sampler import sample_tokens_device
 from lazyrt.runtime.worker.tp_group import RankWatch, TPGroup, TPGroupBroken
 from lazyrt.runtime.worker.tp_ranks import PlanLinks, TPMember
 from lazyrt.sampling_params import SamplingParams
+
+logger = logging.getLogger("lazyrt.worker")
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -60,6 +63,12 @@ class ModelWorker:
         dtype_name = (
             cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if dev.startswith("cuda") else "float32")
         )
+        if dev == "cpu" and dtype_name != "float32" and (tp is None or tp.rank == 0):
+            logger.warning(
+                "dtype=%s on CPU: CPU matmuls in half precision are far slower than in float32 (a decode "
+                "step of the default model took ~100x longer in bfloat16); dtype=auto uses float32 there",
+                dtype_name,
+            )
         # ranks >= 1 only run steps (rank 0 samples for them): no tokenizer, no transformers import
         # a rank reads (or, dummy, makes) only its slices: a model too big for one device loads
         loaded = load_model(
