@@ -43,6 +43,10 @@ class EngineConfig:
     retrieval_top_k: int = 128
     retrieval_sink: int = 16
     retrieval_scan: float = 0.05
+    # Threads that build a host chunk's indexes off the step; until a chunk-layer's index is built the
+    # chunk is attended exactly (all its keys) there. 0: the step that first needs an index builds it
+    # and waits (reproducible: every step after the first searches).
+    retrieval_build_threads: int = 1
     kv_cache_memory_gb: float = 2.0  # CPU budget when kv_cache_tokens is None
     # CUDA budget when kv_cache_tokens is None: this share of the memory free once the weights are
     # loaded (the rest is for activations, CUDA graphs, other engines in the process)
@@ -185,7 +189,7 @@ def check_host_kv_cache_tokens(cache_mode: str, tokens: int, page_size: int) -> 
 
 def check_retrieval_options(cfg: EngineConfig) -> None:
     """Validates the retrieval attention options (ValueError naming the option)."""
-    for name in ("retrieval_top_k", "retrieval_sink"):
+    for name in ("retrieval_top_k", "retrieval_sink", "retrieval_build_threads"):
         v, low = getattr(cfg, name), 1 if name == "retrieval_top_k" else 0
         if isinstance(v, bool) or not isinstance(v, int) or v < low:
             raise ValueError(f"{name}={v!r}: must be an integer >= {low}")

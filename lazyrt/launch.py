@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="first keys of each host-tier chunk always attended exactly")
     p.add_argument("--retrieval-scan", type=float, default=d.retrieval_scan,
                    help="share of a host-tier chunk's keys the index search scans, in (0, 1]")
+    p.add_argument("--retrieval-build-threads", type=int, default=d.retrieval_build_threads,
+                   help="threads building host-tier chunks' indexes off the step (a chunk is attended "
+                   "exactly until its index is built); 0 = the step that needs an index builds it")
     p.add_argument(
         "--kv-cache-memory-gb",
         type=float,
@@ -205,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         retrieval_top_k=args.retrieval_top_k,
         retrieval_sink=args.retrieval_sink,
         retrieval_scan=args.retrieval_scan,
+        retrieval_build_threads=args.retrieval_build_threads,
         kv_cache_memory_gb=args.kv_cache_memory_gb,
         kv_cache_memory_fraction=args.kv_cache_memory_fraction,
         max_running_requests=args.max_running_requests,

@@ -94,3 +94,87 @@ def test_largest_is_topk():
             assert torch.equal(_largest(x, k, ordered=True), want.indices)
         got = _largest(x, k, ordered=False)
         assert torch.equal(x.gather(-1, got).sort(-1).values, want.values.sort(-1).values)
+
+
+def _setup(rng: random.Random, dtype=torch.float32):
+    g = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    ps, layers, kvh, group, d = 8, 2, 2, 3, 32
+    rope = RopeCache.build(_Rope(d), 1024)
+    host_kv = torch.randn(120, layers, 2, ps, kvh, d, generator=g).to(dtype)
+    shapes = [(rng.randint(150, 200), rng.randint(1, 2), None) for _ in range(4)]
+    parts, rows = _parts(rng, host_kv.shape[0], ps, shapes)
+    q = torch.randn(rows, kvh * group, d, generator=g)
+    return host_kv, rope, parts, rows, q, d
+
+
+def test_background_builds_attend_exactly_until_the_index_is_ready():
+    """build_threads=1: while a part's index is queued the part is attended exactly (= the fill with
+    top-k covering every key); once built, the fill searches (= the per-part reference over the same
+    indexes). The builder is held busy first, so nothing is built before the first fill."""
+    import threading
+
+    rng = random.Random()
+    host_kv, rope, parts, rows, q, d = _setup(rng)
+    heads = q.shape[1]
+    approx, exact = RetrievalOptions(20, 4, 0.05, build_threads=1), RetrievalOptions(10**6, 4, 0.05)
+    cache = HostIndexCache(build_threads=1)
+    hold = threading.Event()
+    assert cache.ready(((), 0, 0, 0), lambda: hold.wait(30) and None) is None  # occupies the builder
+    for layer in range(2):
+        o, lse = torch.zeros(rows, heads, d), torch.zeros(rows, heads)
+        HostAttention(parts, host_kv, rope, d**-0.5, approx, cache).fill(layer, q, o, lse)
+        want_o, want_l = torch.zeros_like(o), torch.zeros_like(lse)
+        ref = HostAttention(parts, host_kv, rope, d**-0.5, exact, HostIndexCache())
+        ref.fill_reference(layer, q, want_o, want_l)
+        torch.testing.assert_close(o, want_o, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lse, want_l, atol=1e-5, rtol=1e-5)
+    assert cache.builds == 0 and cache.pending == 1 + 2 * len(parts)
+    hold.set()
+    assert cache.wait(60) and cache.builds == 2 * len(parts)
+    for layer in range(2):
+        ha = HostAttention(parts, host_kv, rope, d**-0.5, approx, cache)
+        o, lse = torch.zeros(rows, heads, d), torch.zeros(rows, heads)
+        ha.fill(layer, q, o, lse)
+        want_o, want_l = torch.zeros_like(o), torch.zeros_like(lse)
+        ha.fill_reference(layer, q, want_o, want_l)
+        _assert_nearly_all_same(o, lse, want_o, want_l)
+    assert cache.builds == 2 * len(parts)  # nothing rebuilt
+
+
+def test_an_index_whose_pages_are_rewritten_while_it_builds_is_dropped():
+    import threading
+
+    rng = random.Random()
+    host_kv, rope, parts, _, _, d = _setup(rng)
+    opts = RetrievalOptions(20, 4, 0.05, build_threads=1)
+    cache = HostIndexCache(build_threads=1)
+    ha = HostAttention(parts, host_kv, rope, d**-0.5, opts, cache)
+    part = parts[0]
+    key = (part.pages, part.num_tokens, 0, 4)
+    started, hold = threading.Event(), threading.Event()
+
+    def slow_build():
+        started.set()
+        hold.wait(30)
+        return ha._builder_of(part, 0, 4)()
+
+    assert cache.ready(key, slow_build) is None
+    assert started.wait(30)
+    cache.invalidate([part.pages[-1]])  # an offload writes one of its pages while it builds
+    hold.set()
+    assert cache.wait(60) and cache.builds == 0
+    assert cache.ready(key, ha._builder_of(part, 0, 4)) is None  # queued again
+    assert cache.wait(60) and cache.builds == 1 and cache.ready(key, None) is not None
+
+
+def test_a_failed_background_build_raises_in_the_step_that_asks_next():
+    cache = HostIndexCache(build_threads=1)
+    key = ((3, 4), 20, 0, 4)
+
+    def broken():
+        raise RuntimeError("no faiss here")
+
+    assert cache.ready(key, broken) is None
+    assert cache.wait(60)
+    with pytest.raises(RuntimeError, match="no faiss here"):
+        cache.ready(key, broken)

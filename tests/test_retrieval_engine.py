@@ -157,11 +157,12 @@ def test_exact_when_top_k_covers_every_key(overlap, tiny_model_dir):
 
 def test_top_k_retrieval_builds_each_index_once(tiny_model_dir):
     """top-k below the chunk's keys: the engine builds an index per (host segment, layer) and reuses
-    it across steps and requests; the requests run to the end and leave no pages held."""
+    it across steps and requests; the requests run to the end and leave no pages held. (Builds in
+    the step: retrieval_build_threads=0.)"""
     path = tiny_model_dir("llama")
     warm, big = _workload(random.Random())
     sp = SamplingParams(max_tokens=3, ignore_eos=True)
-    eng = _tight(path, 8)
+    eng = _tight(path, 8, retrieval_build_threads=0)
     outs = _run(eng, warm + big, sp)
     assert all(len(o["token_ids"]) == 3 for o in outs)
     layers = eng.model_config.num_layers
@@ -169,6 +170,20 @@ def test_top_k_retrieval_builds_each_index_once(tiny_model_dir):
     # each host chunk gets one index per layer, built once and reused by the later steps/requests
     assert 0 < eng.runner.host_indexes.builds <= 3 * layers
     assert eng.runner.retrieval_steps >= 2 * 3 and s["chunk_host_attended"] >= 2 and s["held_pages"] == 0
+
+
+def test_background_index_builds_serve_every_request(tiny_model_dir):
+    """The default retrieval_build_threads=1: steps attend a chunk exactly until its index is built
+    off the step; the requests run to the end, the indexes get built (each once) and no page is held."""
+    path = tiny_model_dir("llama")
+    warm, big = _workload(random.Random())
+    eng = _tight(path, 8)
+    assert eng.config.retrieval_build_threads == 1
+    outs = _run(eng, warm + big, SamplingParams(max_tokens=3, ignore_eos=True))
+    assert all(len(o["token_ids"]) == 3 for o in outs)
+    assert eng.runner.host_indexes.wait(60)
+    assert 0 < eng.runner.host_indexes.builds <= 3 * eng.model_config.num_layers
+    assert eng.cache_stats()["held_pages"] == 0
 
 
 @pytest.mark.parametrize(
@@ -180,6 +195,8 @@ def test_top_k_retrieval_builds_each_index_once(tiny_model_dir):
         (dict(retrieval_sink=-1), "retrieval_sink"),
         (dict(retrieval_scan=0.0), "retrieval_scan"),
         (dict(retrieval_scan=1.5), "retrieval_scan"),
+        (dict(retrieval_build_threads=-1), "retrieval_build_threads"),
+        (dict(retrieval_build_threads=1.5), "retrieval_build_threads"),
         (dict(retrieval_attention=True, host_kv_cache_tokens=64, doc_attention_temperature=2.0),
          "doc_attention"),  # fmt: skip
     ],
@@ -194,11 +211,10 @@ def test_retrieval_flags_reach_the_config(capsys):
 
     args = build_parser().parse_args(
         ["--retrieval-attention", "--retrieval-top-k", "64", "--retrieval-sink", "8",
-         "--retrieval-scan", "0.1"]  # fmt: skip
+         "--retrieval-scan", "0.1", "--retrieval-build-threads", "0"]  # fmt: skip
     )
-    assert (args.retrieval_attention, args.retrieval_top_k, args.retrieval_sink, args.retrieval_scan) == (
-        True, 64, 8, 0.1,
-    )  # fmt: skip
+    assert (args.retrieval_attention, args.retrieval_top_k, args.retrieval_sink, args.retrieval_scan,
+            args.retrieval_build_threads) == (True, 64, 8, 0.1, 0)  # fmt: skip
 
 
 def test_per_request_top_k(tiny_model_dir):

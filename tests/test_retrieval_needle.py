@@ -36,7 +36,7 @@ def test_needle_answer_equals_full_attention(default_model):
     full = Engine(kv_cache_tokens=16384).rag(docs, question, sampling_params=sp)
     eng = Engine(
         kv_cache_tokens=16 * 26, host_kv_cache_tokens=16 * 400, max_running_requests=1,
-        retrieval_attention=True, retrieval_top_k=48, retrieval_sink=8,
+        retrieval_attention=True, retrieval_top_k=48, retrieval_sink=8, retrieval_build_threads=0,
     )  # fmt: skip
     for d in docs:  # each report computed once; the device keeps the latest, the rest go to the host
         eng.rag([d], "Summarize.", sampling_params=SamplingParams(max_tokens=1))

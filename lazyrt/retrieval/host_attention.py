@@ -25,6 +25,9 @@ per-part torch reference (retrieval_attention_ref part by part) it equals.
 from __future__ import annotations
 
 import math
+import queue
+import threading
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,6 +45,7 @@ class RetrievalOptions:
     top_k: int
     sink: int
     scan: float
+    build_threads: int = 0  # background index builders (0: a step builds what it needs, and waits)
 
 
 @dataclass
@@ -133,22 +137,81 @@ class _Stack:
 class HostIndexCache:
     """IndexEntry per (host pages, tokens, layer, sink), built on first use; dropped when one of its
     pages is rewritten. Also keeps the stacked data of each group of chunks a layer attends together
-    (a decode step asks for the same groups every step) and the batched fill's work buffers."""
+    (a decode step asks for the same groups every step) and the batched fill's work buffers.
+
+    build_threads > 0: `ready` queues a missing index for daemon threads that build it off the step
+    and returns None meanwhile (the caller attends that part exactly); 0: `ready` builds it at once.
+    An index whose pages are rewritten while it builds is thrown away when done."""
 
     MAX_STACKS = 512
 
-    def __init__(self) -> None:
+    def __init__(self, build_threads: int = 0) -> None:
         self._indexes: dict[tuple, IndexEntry] = {}
         self._stacks: dict[tuple, _Stack] = {}
         self._work: dict[str, torch.Tensor] = {}
         self.builds = 0
+        self.build_threads = build_threads
+        self._lock = threading.Lock()  # the dicts and counters, shared with the builder threads
+        self._queued: dict[tuple, object] = {}  # key -> token of its queued build (a newer one replaces it)
+        self._failed: dict[tuple, BaseException] = {}
+        self._idle = threading.Condition(self._lock)
+        self._queue: queue.SimpleQueue | None = None
 
     def get(self, key: tuple, build) -> IndexEntry:
-        idx = self._indexes.get(key)
+        """The index, built now if missing (build() -> (KeyIndex, keys at local positions))."""
+        with self._lock:
+            idx = self._indexes.get(key)
         if idx is None:
-            idx = self._indexes[key] = IndexEntry(*build())
-            self.builds += 1
+            idx = IndexEntry(*build())
+            with self._lock:
+                self._indexes[key] = idx
+                self.builds += 1
         return idx
+
+    def ready(self, key: tuple, build) -> IndexEntry | None:
+        """The index if built; else (build_threads > 0) queues its build and returns None, or (0) builds
+        it now. A build that failed raises its error here."""
+        if not self.build_threads:
+            return self.get(key, build)
+        with self._lock:
+            idx = self._indexes.get(key)
+            if idx is not None:
+                return idx
+            if key in self._failed:
+                raise self._failed.pop(key)
+            if key not in self._queued:
+                if self._queue is None:
+                    self._queue = queue.SimpleQueue()
+                    weakref.finalize(self, _stop_builders, self._queue, self.build_threads)
+                    for i in range(self.build_threads):
+                        threading.Thread(
+                            target=_build_loop, args=(weakref.ref(self), self._queue),
+                            name=f"retrieval-index-{i}", daemon=True,
+                        ).start()  # fmt: skip
+                token = self._queued[key] = object()
+                self._queue.put((key, build, token))
+        return None
+
+    def _built(self, key: tuple, token: object, entry: IndexEntry | None, error: Exception | None) -> None:
+        with self._lock:
+            if self._queued.get(key) is token:  # else its pages were rewritten meanwhile: stale
+                del self._queued[key]
+                if error is not None:
+                    self._failed[key] = error
+                else:
+                    self._indexes[key] = entry
+                    self.builds += 1
+            self._idle.notify_all()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Blocks until no build is queued (True) or timeout seconds pass (False)."""
+        with self._lock:
+            return self._idle.wait_for(lambda: not self._queued, timeout)
+
+    @property
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._queued)
 
     def stack(self, keys: tuple[tuple, ...], entries: list[IndexEntry]) -> _Stack:
         st = self._stacks.get(keys)
@@ -175,10 +238,45 @@ class HostIndexCache:
 
     def invalidate(self, pages: list[int]) -> None:
         gone = set(pages)
-        for key in [k for k in self._indexes if not gone.isdisjoint(k[0])]:
-            del self._indexes[key]
-        for key in [k for k in self._stacks if any(not gone.isdisjoint(e[0]) for e in k)]:
-            del self._stacks[key]
+        with self._lock:
+            for d in (self._indexes, self._queued, self._failed):
+                for key in [k for k in d if not gone.isdisjoint(k[0])]:
+                    del d[key]
+            for key in [k for k in self._stacks if any(not gone.isdisjoint(e[0]) for e in k)]:
+                del self._stacks[key]
+            self._idle.notify_all()
+
+
+def _build_loop(cache_ref: weakref.ref, jobs: queue.SimpleQueue) -> None:
+    """A builder thread: builds queued indexes until its cache is collected (it holds the cache only
+    while handing a result over). A job whose key was invalidated while queued is skipped."""
+    while True:
+        job = jobs.get()
+        if job is None or not _run_build(cache_ref, *job):
+            return
+        del job  # (its build closure holds the cache: not while waiting for the next)
+
+
+def _run_build(cache_ref: weakref.ref, key: tuple, build, token: object) -> bool:
+    """Builds one queued index unless it went stale; False when the cache is gone."""
+    cache = cache_ref()
+    if cache is None:
+        return False
+    with cache._lock:
+        stale = cache._queued.get(key) is not token
+    if not stale:
+        entry = error = None
+        try:
+            entry = IndexEntry(*build())
+        except Exception as e:  # raised in the step that next asks for it
+            error = e
+        cache._built(key, token, entry, error)
+    return True
+
+
+def _stop_builders(jobs: queue.SimpleQueue, threads: int) -> None:
+    for _ in range(threads):
+        jobs.put(None)
 
 
 @dataclass
@@ -246,9 +344,13 @@ class HostAttention:
         scan = min(1.0, max(self.options.scan, 2 * top_k / max(1, n - sink)))
         return sink, top_k, top_k >= n - sink, scan
 
+    def _builder_of(self, part: HostPart, layer: int, sink: int):
+        return lambda: self._builder(self._part_kv(part, layer)[0], sink)()
+
     def _entry(self, part: HostPart, layer: int, sink: int) -> IndexEntry:
+        """The part's index, built now if missing (the reference path)."""
         key = (part.pages, part.num_tokens, layer, sink)
-        return self.indexes.get(key, lambda: self._builder(self._part_kv(part, layer)[0], sink)())
+        return self.indexes.get(key, self._builder_of(part, layer, sink))
 
     def fill_reference(self, layer: int, q: torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> None:
         """`fill` part by part through retrieval_attention_ref (the torch reference of the batched fill)."""
@@ -272,24 +374,45 @@ class HostAttention:
 
     def _plan(self) -> list[_Group]:
         """Groups the parts by shape (the same for every layer of the step)."""
-        half = self.rope.rotary_dim // 2
         by_shape: dict[tuple, list[HostPart]] = {}
         for part in self.parts:
             by_shape.setdefault((part.num_tokens, *self._shape(part)), []).append(part)
-        groups = []
-        for (n, sink, top_k, exact, scan), parts in by_shape.items():
-            budget = scan * (n - sink)  # as search_key_index's (a list at exactly the budget is scanned)
-            m = max(len(p.rows) for p in parts)
-            rows = torch.tensor([[p.rows[min(i, len(p.rows) - 1)] for i in range(m)] for p in parts])
-            starts = torch.tensor([p.start_pos for p in parts])
-            npages = max(len(p.pages) for p in parts)
-            pages = torch.tensor([list(p.pages) + [p.pages[0]] * (npages - len(p.pages)) for p in parts])
-            keep = torch.tensor([g * m + i for g, p in enumerate(parts) for i in range(len(p.rows))])
-            pairs = torch.tensor([p.pair0 + i for p in parts for i in range(len(p.rows))])
-            cos = self.rope.cos[starts, :half].view(len(parts), 1, 1, half)
-            sin = self.rope.sin[starts, :half].view(len(parts), 1, 1, half)
-            groups.append(_Group(parts, n, sink, top_k, exact, budget, m, rows, cos, sin, pages, keep, pairs))
-        return groups
+        return [self._group(parts, *shape) for shape, parts in by_shape.items()]
+
+    def _group(
+        self, parts: list[HostPart], n: int, sink: int, top_k: int, exact: bool, scan: float
+    ) -> _Group:
+        half = self.rope.rotary_dim // 2
+        budget = scan * (n - sink)  # as search_key_index's (a list at exactly the budget is scanned)
+        m = max(len(p.rows) for p in parts)
+        rows = torch.tensor([[p.rows[min(i, len(p.rows) - 1)] for i in range(m)] for p in parts])
+        starts = torch.tensor([p.start_pos for p in parts])
+        npages = max(len(p.pages) for p in parts)
+        pages = torch.tensor([list(p.pages) + [p.pages[0]] * (npages - len(p.pages)) for p in parts])
+        keep = torch.tensor([g * m + i for g, p in enumerate(parts) for i in range(len(p.rows))])
+        pairs = torch.tensor([p.pair0 + i for p in parts for i in range(len(p.rows))])
+        cos = self.rope.cos[starts, :half].view(len(parts), 1, 1, half)
+        sin = self.rope.sin[starts, :half].view(len(parts), 1, 1, half)
+        return _Group(parts, n, sink, top_k, exact, budget, m, rows, cos, sin, pages, keep, pairs)
+
+    def _ready_groups(self, g: _Group, layer: int) -> list[tuple[_Group, list[IndexEntry] | None]]:
+        """An approximate group as (group, its parts' index entries), or, while some parts' indexes
+        are still being built off the step, those parts as an exact group (entries None) beside the rest."""
+        entries = [
+            self.indexes.ready((p.pages, p.num_tokens, layer, g.sink), self._builder_of(p, layer, g.sink))
+            for p in g.parts
+        ]
+        if all(e is not None for e in entries):
+            return [(g, entries)]
+        shape = (g.n, g.sink, g.top_k)
+        waiting = [p for p, e in zip(g.parts, entries) if e is None]
+        out = [(self._group(waiting, *shape, True, 1.0), None)]
+        ready = [(p, e) for p, e in zip(g.parts, entries) if e is not None]
+        if ready:
+            sub = self._group([p for p, _ in ready], *shape, False, g.budget / (g.n - g.sink))
+            sub.budget = g.budget  # (exactly the group's, not recomputed through a division)
+            out.append((sub, [e for _, e in ready]))
+        return out
 
     def fill(self, layer: int, q: torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> None:
         """Writes the host parts of o [P, H, D] / lse [P, H] (fp32) from q [T, H, D] rotated at the
@@ -302,12 +425,15 @@ class HostAttention:
             self._groups = self._plan()
         qc = q.float().cpu()
         outs, lses, pairs = [], [], []
+        todo = [(g, None) for g in self._groups if g.exact]
         for g in self._groups:
+            if not g.exact:
+                todo += self._ready_groups(g, layer)
+        for g, entries in todo:
             qg = self._group_queries(g, qc)
-            if g.exact:
+            if entries is None:
                 go, gl = self._exact(g, layer, qg)
             else:
-                entries = [self._entry(p, layer, g.sink) for p in g.parts]
                 if not all(e.batched for e in entries):
                     for p in g.parts:  # two-level indexes (not built here): the reference
                         HostAttention([p], self.host_kv, self.rope, self.sm_scale, self.options,
@@ -335,27 +461,36 @@ class HostAttention:
         kvh = self.host_kv.shape[4]
         return qp.view(G, m, kvh, qh // kvh, d).transpose(1, 2).reshape(G, kvh, m * (qh // kvh), d)
 
-    def _kv_rows(self, g: _Group, layer: int, slots: torch.Tensor, which: int) -> torch.Tensor:
-        """Rows of host_kv.view(-1, d) holding (slot, KV head) of each part: slots [G, kv_heads, ...]
-        (chunk slots); which 0: keys, 1: values. Same shape as slots."""
+    def _kv_rows(
+        self, g: _Group, layer: int, slots: torch.Tensor, which: int, first: int = 0
+    ) -> torch.Tensor:
+        """Rows of host_kv.view(-1, d) holding (slot, KV head) of parts first.. of the group: slots
+        [parts, kv_heads, ...] (chunk slots); which 0: keys, 1: values. Same shape as slots."""
         _, layers, _, ps, kvh, _ = self.host_kv.shape
         G = slots.shape[0]
-        page = g.pages.gather(1, (slots // ps).view(G, -1)).view(slots.shape)
+        page = g.pages[first : first + G].gather(1, (slots // ps).view(G, -1)).view(slots.shape)
         head = torch.arange(kvh).view(1, kvh, *([1] * (slots.dim() - 2)))
         return ((page * layers + layer) * 2 + which) * (ps * kvh) + (slots % ps) * kvh + head
 
     def _exact(self, g: _Group, layer: int, qg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every key of each part: (o [G, kv_heads, Q, d], lse [G, kv_heads, Q])."""
-        G, kvh, _, d = qg.shape
+        """Every key of each part: (o [G, kv_heads, Q, d], lse [G, kv_heads, Q]); parts a few at a time
+        (fp32 copies of every key of many long documents at once would be large)."""
+        G, kvh, Q, d = qg.shape
         n = g.n
         flat = self.host_kv.view(-1, d)
-        slots = torch.arange(n).expand(G, kvh, n)
-        k = flat[self._kv_rows(g, layer, slots, 0)].float()  # [G, kv_heads, n, d]
         pos = torch.arange(n)
-        k = apply_rope_ref(k.view(G * kvh, n, d).transpose(0, 1), pos, self.rope).transpose(0, 1)
-        v = flat[self._kv_rows(g, layer, slots, 1)].float()
-        s = torch.matmul(qg, k.reshape(G, kvh, n, d).transpose(-1, -2)) * self.sm_scale  # [G, kvh, Q, n]
-        return torch.matmul(torch.softmax(s, -1), v), torch.logsumexp(s, -1)
+        o, lse = torch.empty(G, kvh, Q, d), torch.empty(G, kvh, Q)
+        step = max(1, WORK_ELEMENTS // (kvh * n * d))
+        for a in range(0, G, step):
+            b = min(G, a + step)
+            slots = torch.arange(n).expand(b - a, kvh, n)
+            k = flat[self._kv_rows(g, layer, slots, 0, a)].float()  # [parts, kv_heads, n, d]
+            k = apply_rope_ref(k.view(-1, n, d).transpose(0, 1), pos, self.rope).transpose(0, 1)
+            v = flat[self._kv_rows(g, layer, slots, 1, a)].float()
+            s = torch.matmul(qg[a:b], k.reshape(b - a, kvh, n, d).transpose(-1, -2)) * self.sm_scale
+            torch.matmul(torch.softmax(s, -1), v, out=o[a:b])
+            torch.logsumexp(s, -1, out=lse[a:b])
+        return o, lse
 
     def _approx(
         self, g: _Group, layer: int, qg: torch.Tensor, entries: list[IndexEntry]

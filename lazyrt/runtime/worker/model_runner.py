@@ -54,7 +54,7 @@ class ModelRunner:
         self.host_kv = host_kv  # the host KV tier's pages (None = off)
         # retrieval attention over host segments (None = off); its indexes; steps that used it
         self.retrieval = retrieval
-        self.host_indexes = HostIndexCache()
+        self.host_indexes = HostIndexCache(retrieval.build_threads if retrieval is not None else 0)
         self.retrieval_steps = 0
         self._rope_cpu: RopeCache | None = None
         # lazy only: the shared kernel rotates keys by their local index (pages hold unrotated keys)

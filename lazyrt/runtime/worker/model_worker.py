@@ -124,7 +124,9 @@ class ModelWorker:
             rotate_keys=cfg.cache_mode == "lazy",
             shared_chunk_attention=cfg.shared_chunk_attention,
             host_kv=self.host_kv,
-            retrieval=RetrievalOptions(cfg.retrieval_top_k, cfg.retrieval_sink, cfg.retrieval_scan)
+            retrieval=RetrievalOptions(
+                cfg.retrieval_top_k, cfg.retrieval_sink, cfg.retrieval_scan, cfg.retrieval_build_threads
+            )
             if cfg.retrieval_attention
             else None,
             tp_size=cfg.tensor_parallel_size,
