@@ -461,14 +461,12 @@ class HostAttention:
         kvh = self.host_kv.shape[4]
         return qp.view(G, m, kvh, qh // kvh, d).transpose(1, 2).reshape(G, kvh, m * (qh // kvh), d)
 
-    def _kv_rows(
-        self, g: _Group, layer: int, slots: torch.Tensor, which: int, first: int = 0
-    ) -> torch.Tensor:
-        """Rows of host_kv.view(-1, d) holding (slot, KV head) of parts first.. of the group: slots
-        [parts, kv_heads, ...] (chunk slots); which 0: keys, 1: values. Same shape as slots."""
+    def _kv_rows(self, g: _Group, layer: int, slots: torch.Tensor, which: int) -> torch.Tensor:
+        """Rows of host_kv.view(-1, d) holding (slot, KV head) of each part: slots [G, kv_heads, ...]
+        (chunk slots); which 0: keys, 1: values. Same shape as slots."""
         _, layers, _, ps, kvh, _ = self.host_kv.shape
         G = slots.shape[0]
-        page = g.pages[first : first + G].gather(1, (slots // ps).view(G, -1)).view(slots.shape)
+        page = g.pages.gather(1, (slots // ps).view(G, -1)).view(slots.shape)
         head = torch.arange(kvh).view(1, kvh, *([1] * (slots.dim() - 2)))
         return ((page * layers + layer) * 2 + which) * (ps * kvh) + (slots % ps) * kvh + head
 
@@ -477,17 +475,19 @@ class HostAttention:
         (fp32 copies of every key of many long documents at once would be large)."""
         G, kvh, Q, d = qg.shape
         n = g.n
-        flat = self.host_kv.view(-1, d)
         pos = torch.arange(n)
         o, lse = torch.empty(G, kvh, Q, d), torch.empty(G, kvh, Q)
+        layer_kv = self.host_kv[:, layer]  # [pages, 2, page_size, kv_heads, d]
         step = max(1, WORK_ELEMENTS // (kvh * n * d))
         for a in range(0, G, step):
             b = min(G, a + step)
-            slots = torch.arange(n).expand(b - a, kvh, n)
-            k = flat[self._kv_rows(g, layer, slots, 0, a)].float()  # [parts, kv_heads, n, d]
-            k = apply_rope_ref(k.view(-1, n, d).transpose(0, 1), pos, self.rope).transpose(0, 1)
-            v = flat[self._kv_rows(g, layer, slots, 1, a)].float()
-            s = torch.matmul(qg[a:b], k.reshape(b - a, kvh, n, d).transpose(-1, -2)) * self.sm_scale
+            # whole pages (each a contiguous block), then the parts' first n slots
+            kv = layer_kv.index_select(0, g.pages[a:b].reshape(-1)).view(b - a, -1, 2, *layer_kv.shape[2:])
+            kv = kv.transpose(1, 2).reshape(b - a, 2, -1, kvh, d)[:, :, :n].float()  # [parts, 2, n, kvh, d]
+            k = apply_rope_ref(kv[:, 0].transpose(0, 1).reshape(n, -1, d), pos, self.rope)  # [n, parts*kvh,d]
+            k = k.view(n, b - a, kvh, d).permute(1, 2, 3, 0)  # [parts, kvh, d, n]
+            v = kv[:, 1].transpose(1, 2)  # [parts, kvh, n, d]
+            s = torch.matmul(qg[a:b], k) * self.sm_scale  # [parts, kvh, Q, n]
             torch.matmul(torch.softmax(s, -1), v, out=o[a:b])
             torch.logsumexp(s, -1, out=lse[a:b])
         return o, lse
