@@ -194,6 +194,23 @@ class ChunkTable:
             chunk.pages, chunk.ready = [], False
         return freed
 
+    def offload(self, chunk: Chunk) -> list[int] | None:
+        """Move an unreferenced ready chunk to the host tier now, whatever its priority: a request
+        waiting for its documents in rounds (retrieval attention) needs it kept there, not dropped
+        and recomputed. Host copies no one holds or loads make room. Returns its device pages for
+        the caller to free, or None when the host has no room (it stays on the device)."""
+        self._check_member(chunk)
+        if chunk.ref_count or not chunk.ready or not chunk.pages:
+            raise ValueError("offload: the chunk is in use, not ready or not on the device")
+        if not chunk.host_pages and not self._to_host(chunk, upto=float("inf")):
+            return None
+        self.policy.on_evict(chunk)
+        self.stats.evictions += 1
+        freed = chunk.pages
+        self._owned.difference_update(freed)
+        chunk.pages, chunk.ready = [], False
+        return freed
+
     def load(self, chunk: Chunk, pages: list[int]) -> None:
         """A chunk found only on the host goes back to the device `pages` (allocated by the caller):
         the load is queued, and the chunk is ready for any kernel of the step that takes it or later
@@ -244,9 +261,10 @@ class ChunkTable:
                     self._drop(c)
         return freed
 
-    def _to_host(self, chunk: Chunk) -> bool:
+    def _to_host(self, chunk: Chunk, upto: float | None = None) -> bool:
         """Give the evicted chunk a host copy (queueing its offload) if it fits, making room by
-        dropping host copies of lower priority; False if it does not fit."""
+        dropping host copies of priority up to `upto` (default: the chunk's own); False if it does
+        not fit."""
         host = self.host_pool
         n = len(chunk.pages)
         if host is None or n > host.num_pages:
@@ -260,7 +278,7 @@ class ChunkTable:
                 short,
                 lambda c: bool(c.host_pages) and not c.loading and not c.ref_count,
                 _host,
-                upto=chunk.priority,
+                upto=chunk.priority if upto is None else upto,
             )
             if sum(map(_host, victims)) < short:
                 return False

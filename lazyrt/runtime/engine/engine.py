@@ -282,6 +282,8 @@ class Engine:
             out["logprobs"] = detok.logprobs
         if req.host_chunks:  # retrieval attention: documents attended in the host tier
             out["meta"]["host_attended_chunks"] = req.host_chunks
+        if req.chunk_rounds:  # its documents were computed in rounds while it waited
+            out["meta"]["chunk_rounds"] = req.chunk_rounds
         return out
 
     # ---- documents by reference (lazyrt.documents) ---------------------------------------------

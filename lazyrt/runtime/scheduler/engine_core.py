@@ -93,7 +93,10 @@ class EngineCore:
         if not plan.items and not plan.probes:
             if self._in_flight is not None:  # e.g. every running request waits on its last token
                 return self._collect()
-            raise NoProgress("scheduler made no progress (no runnable work)")
+            # a request that gave up on its documents' rounds says why (Scheduler._chunk_round)
+            why = next((f": a request waits for its documents ({r.error})" for r in self.scheduler.waiting
+                        if r.error), " (no runnable work)")  # fmt: skip
+            raise NoProgress("scheduler made no progress" + why)
         defer = self.overlap and not plan.probes and not any(
             it.request is not None and (it.request.score_len > 0 or it.request.params.citations)
             for it in plan.items
@@ -235,6 +238,8 @@ def request_meta(req: Request) -> dict:
     }
     if req.host_chunks:
         meta["host_attended_chunks"] = req.host_chunks
+    if req.chunk_rounds:  # its documents were computed in rounds while it waited
+        meta["chunk_rounds"] = req.chunk_rounds
     if req.score_logprobs is not None:
         meta["continuation_logprobs"] = req.score_logprobs
     if req.params.citations:  # every token's meta: a stop string may end it at any one

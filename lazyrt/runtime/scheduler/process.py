@@ -117,8 +117,8 @@ class SchedulerLoop:
                 continue
             try:
                 outs = self.core.step()
-            except NoProgress:
-                self.fail_waiting("the scheduler could not make progress on this request")
+            except NoProgress as e:
+                self.fail_waiting(f"the scheduler could not make progress on this request: {e}")
                 continue
             except WorkerStepError as e:
                 self.fail_step(e)  # EngineCore has aborted the requests; new ones are served

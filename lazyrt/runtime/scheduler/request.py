@@ -58,6 +58,10 @@ class Request:
     # host tier keeps them); host_chunks: how many of its chunks it attends in the host tier
     host_pins: list[Chunk] = field(default_factory=list)
     host_chunks: int = 0
+    # retrieval attention, documents that do not fit the device together: rounds of them computed
+    # while it waits (Scheduler._chunk_round), and which documents those rounds computed
+    chunk_rounds: int = 0
+    staged: set[tuple[int, ...]] = field(default_factory=set)
     copied_pages: list[int] = field(default_factory=list)  # block mode: per-use copies of doc pages
     # pending block copies: (chunk pages to copy, destination pages, position delta to re-rotate by)
     copies: list[tuple[list[int], list[int], int]] = field(default_factory=list)

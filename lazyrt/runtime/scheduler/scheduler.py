@@ -133,12 +133,15 @@ class Scheduler:
     def pages_for(self, n_tokens: int) -> int:
         return -(-n_tokens // self.page_size)
 
-    def worst_case_pages(self, req: Request) -> int:
-        """Pages the request needs with nothing cached: more than the pool means it can never run."""
+    def worst_case_pages(self, req: Request, on_host: set[tuple[int, ...]] | None = None) -> int:
+        """Pages the request needs with nothing cached: more than the pool means it can never run
+        (unless its documents are computed in rounds: _chunk_round). on_host: the documents found
+        only in the host tier (default: those it holds there)."""
         own = self.pages_for(len(req.suffix) + req.max_new_tokens)
         if not (req.is_rag and self.uses_chunks):
             return self.pages_for(req.prompt_len + req.max_new_tokens)
-        pinned = self._host_only_docs(req)  # attended in the host tier: no device pages
+        # attended in the host tier: no device pages
+        pinned = self._host_only_docs(req) if on_host is None else on_host
         doc_pages = sum(self.pages_for(len(d)) for d in req.docs if tuple(d) not in pinned)
         return self.pages_for(len(req.prefix)) + doc_pages + self._per_use_pages(req) + own
 
@@ -186,13 +189,44 @@ class Scheduler:
 
     def check_fits(self, req: Request) -> None:
         need = self.worst_case_pages(req)
-        if need > self.pool.num_pages:
+        if need <= self.pool.num_pages:
+            return
+        if not self._computes_in_rounds(req):
             raise RequestTooLarge(
                 f"request needs {need} KV pages ({need * self.page_size} tokens incl. max_tokens) but the "
                 f"KV cache holds {self.pool.num_pages} pages; raise kv_cache_tokens or shorten the prompt"
-                + (" (with retrieval attention, only documents already in the host KV tier need no device "
-                   "pages: documents not yet computed must fit together)" if self.retrieval else "")
             )
+        # Retrieval attention: its documents are computed a round at a time and moved to the host
+        # tier (_chunk_round), so the device needs room for one document beside the rest of the
+        # request, and the host for the documents the device does not hold at admission.
+        fixed = self.pages_for(len(req.prefix)) + self._own_and_per_use_pages(req)
+        on_host = self._host_only_docs(req)
+        docs = {tuple(d) for d in req.docs}
+        largest = max((self.pages_for(len(d)) for d in docs if d not in on_host), default=0)
+        if fixed + largest > self.pool.num_pages:
+            raise RequestTooLarge(
+                f"request needs {fixed + largest} KV pages on the device (prefix, suffix, max_tokens and its "
+                f"largest document not yet computed) but the KV cache holds {self.pool.num_pages} pages; "
+                "raise kv_cache_tokens or shorten the prompt (with retrieval attention, documents are "
+                "computed a few at a time and moved to the host KV tier: only the largest must fit with "
+                "the rest of the request)"
+            )
+        total = sum(self.pages_for(len(d)) for d in docs)
+        host = self.chunks.host_pool.num_pages
+        if total > host + self.pool.num_pages - fixed:
+            raise RequestTooLarge(
+                f"request's documents need {total} KV pages but the host KV tier holds {host} pages and the "
+                f"KV cache {self.pool.num_pages - fixed} more beside the rest of the request; raise "
+                "host_kv_cache_tokens (or kv_cache_tokens) or send fewer documents"
+            )
+
+    def _computes_in_rounds(self, req: Request) -> bool:
+        """Retrieval attention: documents that do not fit the device together may be computed in
+        rounds while the request waits (scored prompts attend nothing in the host tier)."""
+        return self.retrieval and req.is_rag and not req.score_len
+
+    def _own_and_per_use_pages(self, req: Request) -> int:
+        return self.pages_for(len(req.suffix) + req.max_new_tokens) + self._per_use_pages(req)
 
     def add(self, req: Request) -> None:
         req.doc_logits = self.doc_logits_for(req)
@@ -225,10 +259,13 @@ class Scheduler:
 
     def _pin_host_docs(self, req: Request) -> None:
         """Retrieval attention: hold the request's documents found only in the host tier until it is
-        admitted (they need no device pages, so it may be larger than the device pool)."""
+        admitted (they need no device pages, so it may be larger than the device pool). Those held
+        already are not held twice."""
+        held = {id(c) for c in req.host_pins}
         for c in self._host_only(req):
-            self.chunks.acquire(c)
-            req.host_pins.append(c)
+            if id(c) not in held:
+                self.chunks.acquire(c)
+                req.host_pins.append(c)
 
     def _unpin(self, req: Request) -> None:
         for c in req.host_pins:
@@ -311,6 +348,89 @@ class Scheduler:
                 at_host.add(k)
         return at_host
 
+    def _needs_rounds(self, req: Request) -> bool:
+        """The request's documents not in the host tier now do not fit the device together."""
+        if not self._computes_in_rounds(req):
+            return False
+        on_host = {c.tokens for c in self._host_only(req)}  # now: a held one may have been loaded since
+        return self.worst_case_pages(req, on_host) > self.pool.num_pages
+
+    def _max_rounds(self, req: Request) -> int:
+        # each round computes at least one document and keeps every earlier one (held in the host
+        # tier), so more rounds than documents means its documents were lost (e.g. a failed step)
+        return 2 * len({tuple(d) for d in req.docs}) + 2
+
+    def _chunk_round(self, req: Request) -> bool:
+        """Retrieval attention, a waiting request whose documents do not fit the device together:
+        moves the ones computed so far to the host tier (held there for it, so none is dropped and
+        computed again), then admits it if the rest fit with it as today, else queues ChunkJobs for
+        as many of its missing documents as the device holds beside what the request needs (the
+        request keeps waiting). Returns whether it was admitted."""
+        prefix = tuple(req.prefix)
+        found = {d: self.chunks.lookup(prefix, d, record=False) for d in dict.fromkeys(map(tuple, req.docs))}
+        if any(c is not None and c.pages and not c.ready for c in found.values()):
+            return False  # the last round's chunks (or another request's) are still being written
+        for c in found.values():
+            if c is None or not c.pages:
+                continue
+            if any(p is c for p in req.host_pins):  # held on the host; another request loaded it since
+                req.host_pins = [p for p in req.host_pins if p is not c]
+                self.chunks.release(c)
+            if not c.ref_count:  # in use by a running request: it stays until that one ends
+                freed = self.chunks.offload(c)
+                self.pool.free(freed or [])  # None: no host room, it stays on the device
+        self._pin_host_docs(req)
+        if self.worst_case_pages(req) <= self.pool.num_pages:
+            return self._try_admit(req)  # the rest fit together: admitted as today
+        if req.chunk_rounds >= self._max_rounds(req):
+            req.error = (
+                f"its documents were computed in {req.chunk_rounds} rounds and some were lost before it "
+                "could run; raise host_kv_cache_tokens or kv_cache_tokens"
+            )
+            return False
+        fixed = self.pages_for(len(prefix)) + self._own_and_per_use_pages(req)
+        on_device = sum(len(c.pages) for c in found.values() if c is not None)
+        cap = self.pool.num_pages - fixed - on_device
+        take, used = [], 0
+        for d, c in found.items():  # first fit, in prompt order
+            n = self.pages_for(len(d))
+            if c is None and used + n <= cap:
+                take.append(d)
+                used += n
+        cond = self.chunks.lookup((), prefix, record=False) if prefix else None
+        if cond is not None:
+            self.chunks.acquire(cond)  # kept through the eviction below
+        load = self.pages_for(len(prefix)) if prefix and (cond is None or not cond.pages) else 0
+        self._make_room(load + used)
+        while take and load + used > self.pool.num_free:  # running requests hold the rest for now
+            used -= self.pages_for(len(take.pop()))
+        if not take:
+            if cond is not None:
+                self.chunks.release(cond)
+            return False
+        if prefix and cond is None:
+            cond = self.chunks.insert((), prefix, self.pool.alloc(load))
+            self.chunks.acquire(cond)
+            self._queue_job(ChunkJob(cond, None))
+        elif load:
+            self.chunks.load(cond, self.pool.alloc(load))
+        for d in take:
+            self.chunks.record_use(None)  # a miss: computed for this request
+            c = self.chunks.insert(prefix, d, self.pool.alloc(self.pages_for(len(d))))
+            self._queue_job(ChunkJob(c, cond))
+        if cond is not None:
+            self.chunks.release(cond)
+        req.staged.update(take)
+        req.chunk_rounds += 1
+        return False
+
+    def _queue_job(self, job: ChunkJob) -> None:
+        """Each job holds its own refs until its KV is written."""
+        for x in (job.chunk, job.cond):
+            if x is not None:
+                self.chunks.acquire(x)
+        self.jobs.append(job)
+
     def _try_admit(self, req: Request) -> bool:
         if req.is_rag and self.uses_chunks:
             return self._admit_rag(req)
@@ -372,7 +492,8 @@ class Scheduler:
         req.host_chunks = len(at_host)
         self.host_attended += len(at_host)
         for key, c in found.items():
-            self.chunks.record_use(c)
+            if not (key[0] == prefix and key[1] in req.staged):  # its rounds counted those (misses)
+                self.chunks.record_use(c)
             if c is None:
                 c = self.chunks.insert(key[0], key[1], self.pool.alloc(self.pages_for(len(key[1]))))
                 self.chunks.acquire(c)
@@ -400,7 +521,8 @@ class Scheduler:
             pos = len(prefix)
         for j, (d, sel) in enumerate(zip(req.docs, sels)):
             c = found[(prefix, tuple(d))]
-            hit = existed[(prefix, tuple(d))]  # computed, or being computed for another request
+            # computed, or being computed for another request (not in rounds for this one)
+            hit = existed[(prefix, tuple(d))] and tuple(d) not in req.staged
             if req.parallel_docs:
                 pos = len(prefix)  # every doc right after the prefix (APE's parallel encoding)
             probe_docs.append((len(req.segments), hit))
@@ -481,7 +603,7 @@ class Scheduler:
             if self._prompt_in_prefill(req):
                 i += 1
                 continue
-            if not self._try_admit(req):
+            if not self._try_admit(req) and not (self._needs_rounds(req) and self._chunk_round(req)):
                 break
             del self.waiting[i]
             self.running.append(req)
