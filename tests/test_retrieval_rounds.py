@@ -30,8 +30,9 @@ def _small(path: str, **kw) -> Engine:
     )  # fmt: skip
 
 
-def _prompts(rng: random.Random, n: int) -> list[RagPrompt]:
-    prefix, docs = ids(rng, 20), [ids(rng, rng.randint(30, 44)) for _ in range(9)]
+def _prompts(rng: random.Random, n: int, n_docs: int = 9) -> list[RagPrompt]:
+    """n requests over 9 of n_docs documents each (about 2.6 pages a document)."""
+    prefix, docs = ids(rng, 20), [ids(rng, rng.randint(30, 44)) for _ in range(n_docs)]
     return [RagPrompt(prefix, rng.sample(docs, 9), ids(rng, 5)) for _ in range(n)]
 
 
@@ -42,13 +43,12 @@ def _no_leaks(eng: Engine) -> None:
     assert eng.pool.num_free == eng.pool.num_pages and host.num_free == host.num_pages
 
 
-@pytest.mark.parametrize("overlap", [True, False])
-def test_fresh_request_larger_than_the_device_is_served(overlap, tiny_model_dir):
+def test_fresh_request_larger_than_the_device_is_served(tiny_model_dir):
     path = tiny_model_dir("llama")
     (prompt,) = _prompts(random.Random(), 1)
     sp = SamplingParams(max_tokens=6, ignore_eos=True)
     want = Engine(path, device="cpu", kv_cache_tokens=8192).generate(prompt, sp)[0]["token_ids"]
-    eng = _small(path, overlap_schedule=overlap)
+    eng = _small(path)  # overlapped scheduling (the default): a round's chunks are ready a step early
     out = eng.generate(prompt, sp)[0]
     assert out["token_ids"] == want
     meta = out["meta"]
@@ -59,12 +59,14 @@ def test_fresh_request_larger_than_the_device_is_served(overlap, tiny_model_dir)
 
 
 def test_several_fresh_requests_at_once(tiny_model_dir):
+    """Three requests over 9 of 13 documents each (all 13 fit the host tier), two running at once:
+    one's rounds run beside the other's decode, without overlapped scheduling this time."""
     path = tiny_model_dir("llama")
-    prompts = _prompts(random.Random(), 3)
+    prompts = _prompts(random.Random(), 3, n_docs=13)
     sp = SamplingParams(max_tokens=5, ignore_eos=True)
     roomy = Engine(path, device="cpu", kv_cache_tokens=8192)
     want = [roomy.generate(p, sp)[0]["token_ids"] for p in prompts]
-    eng = _small(path, max_running_requests=4)
+    eng = _small(path, max_running_requests=2, overlap_schedule=False)
     outs = eng.generate(prompts, sp)
     assert [o["token_ids"] for o in outs] == want
     assert all(o["meta"].get("host_attended_chunks", 0) >= 1 for o in outs)
@@ -85,3 +87,65 @@ def test_requests_too_large_for_the_tiers_name_the_option(tiny_model_dir):
     with pytest.raises(RequestTooLarge, match="raise kv_cache_tokens or shorten the prompt"):
         plain.generate(RagPrompt(prefix, [ids(rng, 40) for _ in range(9)], ids(rng, 5)), sp)
     _no_leaks(eng)
+
+
+# ---- the scheduler alone: rounds keep what they computed, and give up when documents get lost ----
+def _sched():
+    import torch
+
+    from lazyrt.cache.page_pool import PagePool
+    from lazyrt.runtime.scheduler.scheduler import Scheduler
+
+    pool = PagePool(1, 12, 16, 1, 1, torch.float32, "meta")
+    return Scheduler(pool, "lazy", "m", host_kv_pages=40, retrieval_attention=True)
+
+
+def _request(rng: random.Random, rid: int = 0):
+    from lazyrt.runtime.scheduler.request import Request
+
+    docs = [ids(rng, rng.randint(30, 44)) for _ in range(9)]
+    return Request(rid, SamplingParams(max_tokens=6), prefix=ids(rng, 20), docs=docs, suffix=ids(rng, 5),
+                   max_new_tokens=6)  # fmt: skip
+
+
+def test_rounds_keep_every_document_they_computed():
+    from lazyrt.runtime.scheduler.request import RequestState
+
+    s, rng = _sched(), random.Random()
+    req = _request(rng)
+    s.add(req)
+    computed: list = []
+    for _ in range(20):
+        plan = s.schedule()
+        s.on_step_done(plan)
+        computed += [it.job.chunk.tokens for it in plan.items if it.job is not None and it.job.cond]
+        # each document computed so far still exists (device or host), none twice
+        assert all(s.chunks.lookup(tuple(req.prefix), d, record=False) is not None for d in computed)
+        assert len(set(computed)) == len(computed)
+        if req.state is not RequestState.WAITING:
+            break
+    assert req.state is not RequestState.WAITING and 2 <= req.chunk_rounds <= 9
+    assert req.host_chunks >= 1 and not req.host_pins and s.pool.num_free >= 0
+
+
+def test_rounds_give_up_when_their_documents_are_lost():
+    """A failed step loses the chunks it was computing each time: after a bounded number of rounds
+    the request stops asking for more and the engine reports why instead of computing forever."""
+    from lazyrt.runtime.scheduler.engine_core import EngineCore, NoProgress
+    from lazyrt.runtime.scheduler.request import RequestState
+
+    s, rng = _sched(), random.Random()
+    req = _request(rng)
+    s.add(req)
+    for _ in range(100):
+        plan = s.schedule()
+        if not plan.items:
+            break
+        s.fail_running([plan])  # its chunks are dropped: the next round computes them again
+    assert req.state is RequestState.WAITING and req.error and "host_kv_cache_tokens" in req.error
+    assert req.chunk_rounds == s._max_rounds(req)
+    with pytest.raises(NoProgress, match="waits for its documents"):
+        EngineCore(s, worker=None, eos_ids=set()).step()
+    s.finish(req, "abort")
+    s.flush()
+    assert s.pool.num_free == s.pool.num_pages and s.chunks.host_pool.num_free == s.chunks.host_pool.num_pages
