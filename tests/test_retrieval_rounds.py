@@ -30,9 +30,9 @@ def _small(path: str, **kw) -> Engine:
     )  # fmt: skip
 
 
-def _prompts(rng: random.Random, n: int, n_docs: int = 9) -> list[RagPrompt]:
-    """n requests over 9 of n_docs documents each (about 2.6 pages a document)."""
-    prefix, docs = ids(rng, 20), [ids(rng, rng.randint(30, 44)) for _ in range(n_docs)]
+def _prompts(rng: random.Random, n: int) -> list[RagPrompt]:
+    """n requests over the same 9 documents (about 2.6 pages each), in shuffled order."""
+    prefix, docs = ids(rng, 20), [ids(rng, rng.randint(30, 44)) for _ in range(9)]
     return [RagPrompt(prefix, rng.sample(docs, 9), ids(rng, 5)) for _ in range(n)]
 
 
@@ -46,30 +46,34 @@ def _no_leaks(eng: Engine) -> None:
 def test_fresh_request_larger_than_the_device_is_served(tiny_model_dir):
     path = tiny_model_dir("llama")
     (prompt,) = _prompts(random.Random(), 1)
-    sp = SamplingParams(max_tokens=6, ignore_eos=True)
+    sp = SamplingParams(max_tokens=4, ignore_eos=True)
     want = Engine(path, device="cpu", kv_cache_tokens=8192).generate(prompt, sp)[0]["token_ids"]
     eng = _small(path)  # overlapped scheduling (the default): a round's chunks are ready a step early
     out = eng.generate(prompt, sp)[0]
     assert out["token_ids"] == want
     meta = out["meta"]
     assert meta["host_attended_chunks"] >= 1 and meta["chunk_rounds"] >= 2
-    # every document was computed for it: misses, not hits
-    assert meta["chunk_misses"] == 9 and meta["chunk_hits"] == 0
+    # every document was computed for it: misses, not hits (the prefix too: nothing cached)
+    assert meta["chunk_misses"] == 9 and meta["chunk_hits"] == 0 and meta["cached_tokens"] == 0
+    assert eng.cache_stats()["chunk_misses"] == 10  # 9 documents and the prefix, each counted once
     _no_leaks(eng)
 
 
 def test_several_fresh_requests_at_once(tiny_model_dir):
-    """Three requests over 9 of 13 documents each (all 13 fit the host tier), two running at once:
-    one's rounds run beside the other's decode, without overlapped scheduling this time."""
+    """Two requests over 9 documents each, 3 shared (both fit the host tier), both running at once:
+    each is computed in rounds, the second's beside the first's decode, without overlapped
+    scheduling this time."""
     path = tiny_model_dir("llama")
-    prompts = _prompts(random.Random(), 3, n_docs=13)
-    sp = SamplingParams(max_tokens=5, ignore_eos=True)
+    rng = random.Random()
+    prefix, docs = ids(rng, 20), [ids(rng, rng.randint(30, 44)) for _ in range(15)]
+    prompts = [RagPrompt(prefix, docs[:9], ids(rng, 5)), RagPrompt(prefix, docs[6:][::-1], ids(rng, 5))]
+    sp = SamplingParams(max_tokens=4, ignore_eos=True)
     roomy = Engine(path, device="cpu", kv_cache_tokens=8192)
     want = [roomy.generate(p, sp)[0]["token_ids"] for p in prompts]
     eng = _small(path, max_running_requests=2, overlap_schedule=False)
     outs = eng.generate(prompts, sp)
     assert [o["token_ids"] for o in outs] == want
-    assert all(o["meta"].get("host_attended_chunks", 0) >= 1 for o in outs)
+    assert all(o["meta"].get("host_attended_chunks", 0) >= 1 and o["meta"]["chunk_rounds"] for o in outs)
     _no_leaks(eng)
 
 

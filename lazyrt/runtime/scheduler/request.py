@@ -59,9 +59,9 @@ class Request:
     host_pins: list[Chunk] = field(default_factory=list)
     host_chunks: int = 0
     # retrieval attention, documents that do not fit the device together: rounds of them computed
-    # while it waits (Scheduler._chunk_round), and which documents those rounds computed
+    # while it waits (Scheduler._chunk_round), and the chunks those rounds computed: (cond, tokens)
     chunk_rounds: int = 0
-    staged: set[tuple[int, ...]] = field(default_factory=set)
+    staged: set[tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=set)
     copied_pages: list[int] = field(default_factory=list)  # block mode: per-use copies of doc pages
     # pending block copies: (chunk pages to copy, destination pages, position delta to re-rotate by)
     copies: list[tuple[list[int], list[int], int]] = field(default_factory=list)

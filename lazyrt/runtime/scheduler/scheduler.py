@@ -409,9 +409,11 @@ class Scheduler:
                 self.chunks.release(cond)
             return False
         if prefix and cond is None:
+            self.chunks.record_use(None)
             cond = self.chunks.insert((), prefix, self.pool.alloc(load))
             self.chunks.acquire(cond)
             self._queue_job(ChunkJob(cond, None))
+            req.staged.add(((), prefix))
         elif load:
             self.chunks.load(cond, self.pool.alloc(load))
         for d in take:
@@ -420,7 +422,7 @@ class Scheduler:
             self._queue_job(ChunkJob(c, cond))
         if cond is not None:
             self.chunks.release(cond)
-        req.staged.update(take)
+        req.staged.update((prefix, d) for d in take)
         req.chunk_rounds += 1
         return False
 
@@ -492,7 +494,7 @@ class Scheduler:
         req.host_chunks = len(at_host)
         self.host_attended += len(at_host)
         for key, c in found.items():
-            if not (key[0] == prefix and key[1] in req.staged):  # its rounds counted those (misses)
+            if key not in req.staged:  # its rounds counted those (misses)
                 self.chunks.record_use(c)
             if c is None:
                 c = self.chunks.insert(key[0], key[1], self.pool.alloc(self.pages_for(len(key[1]))))
@@ -522,7 +524,7 @@ class Scheduler:
         for j, (d, sel) in enumerate(zip(req.docs, sels)):
             c = found[(prefix, tuple(d))]
             # computed, or being computed for another request (not in rounds for this one)
-            hit = existed[(prefix, tuple(d))] and tuple(d) not in req.staged
+            hit = existed[(prefix, tuple(d))] and (prefix, tuple(d)) not in req.staged
             if req.parallel_docs:
                 pos = len(prefix)  # every doc right after the prefix (APE's parallel encoding)
             probe_docs.append((len(req.segments), hit))
@@ -553,7 +555,7 @@ class Scheduler:
             pos += len(d)
         if req.parallel_docs:  # the question follows the longest doc
             pos = len(prefix) + max(map(len, req.docs), default=0)
-        if prefix and existed[((), prefix)]:
+        if prefix and existed[((), prefix)] and ((), prefix) not in req.staged:
             req.cached_tokens += len(prefix)
         if probe:
             req.probe_docs = probe_docs
