@@ -6,8 +6,10 @@ run one after the other in this process (dummy weights in the model's real shape
   full       every document's KV resident on the device (a pool that holds the whole context);
   retrieval  a device pool of `--device-share` of the context's KV and a host tier holding all of
              it; documents are computed `--warm-docs` at a time (so the earlier ones move to the
-             host), then the request attends the host-resident ones through retrieval attention
-             (sink + top-k keys per document, `--top-k`, `--sink`, `--scan`).
+             host; 0: no warm-up, the first request's documents are computed in rounds by the
+             scheduler, in its time to first token), then the request attends the host-resident
+             ones through retrieval attention (sink + top-k keys per document, `--top-k`, `--sink`,
+             `--scan`).
 Reported per engine and batch: time to first token, decode seconds per token (the steps after the
 first token, wall clock, synchronized), output tokens/s, peak device memory (torch) and how many of
 the request's documents were attended in the host tier.
@@ -35,7 +37,8 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--device-share", type=float, default=0.125, help="device KV pool / the context's KV")
-    p.add_argument("--warm-docs", type=int, default=4, help="documents computed per warm-up request")
+    p.add_argument("--warm-docs", type=int, default=4,
+                   help="documents per warm-up request (0: none, the scheduler computes them in rounds)")
     p.add_argument("--top-k", type=int, default=128)
     p.add_argument("--sink", type=int, default=16)
     p.add_argument("--scan", type=float, default=0.05)
@@ -58,7 +61,8 @@ def main() -> None:
         if mode == "full":
             kw = dict(kv_cache_tokens=context + extra)
         else:
-            dev = max(int(args.device_share * context), args.warm_docs * (args.doc_tokens + 16)) + extra
+            warm = max(args.warm_docs, 1) * (args.doc_tokens + 16)  # one round's documents at least
+            dev = max(int(args.device_share * context), warm) + extra
             kw = dict(kv_cache_tokens=dev, host_kv_cache_tokens=context + 1024, retrieval_attention=True,
                       retrieval_top_k=args.top_k, retrieval_sink=args.sink, retrieval_scan=args.scan,
                       retrieval_build_threads=args.build_threads)
@@ -76,7 +80,8 @@ def main() -> None:
         docs = [rand(args.doc_tokens) for _ in range(args.docs)]
         one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         t = time.perf_counter()
-        for i in range(0, args.docs, args.warm_docs):  # compute the documents, a few at a time
+        # compute the documents a few at a time (0: the scheduler does it for the first request)
+        for i in range(0, args.docs if args.warm_docs else 0, max(args.warm_docs, 1)):
             eng.generate(RagPrompt(prefix, docs[i : i + args.warm_docs], rand(4)), one)
         sync()
         warm_s = time.perf_counter() - t
