@@ -377,13 +377,16 @@ class HostAttention:
         by_shape: dict[tuple, list[HostPart]] = {}
         for part in self.parts:
             by_shape.setdefault((part.num_tokens, *self._shape(part)), []).append(part)
-        return [self._group(parts, *shape) for shape, parts in by_shape.items()]
+        # scan budget in keys, as search_key_index's (a list at exactly the budget is scanned)
+        return [
+            self._group(parts, n, sink, top_k, exact, scan * (n - sink))
+            for (n, sink, top_k, exact, scan), parts in by_shape.items()
+        ]
 
     def _group(
-        self, parts: list[HostPart], n: int, sink: int, top_k: int, exact: bool, scan: float
+        self, parts: list[HostPart], n: int, sink: int, top_k: int, exact: bool, budget: float
     ) -> _Group:
         half = self.rope.rotary_dim // 2
-        budget = scan * (n - sink)  # as search_key_index's (a list at exactly the budget is scanned)
         m = max(len(p.rows) for p in parts)
         rows = torch.tensor([[p.rows[min(i, len(p.rows) - 1)] for i in range(m)] for p in parts])
         starts = torch.tensor([p.start_pos for p in parts])
@@ -406,11 +409,10 @@ class HostAttention:
             return [(g, entries)]
         shape = (g.n, g.sink, g.top_k)
         waiting = [p for p, e in zip(g.parts, entries) if e is None]
-        out = [(self._group(waiting, *shape, True, 1.0), None)]
+        out = [(self._group(waiting, *shape, True, g.budget), None)]
         ready = [(p, e) for p, e in zip(g.parts, entries) if e is not None]
         if ready:
-            sub = self._group([p for p, _ in ready], *shape, False, g.budget / (g.n - g.sink))
-            sub.budget = g.budget  # (exactly the group's, not recomputed through a division)
+            sub = self._group([p for p, _ in ready], *shape, False, g.budget)
             out.append((sub, [e for _, e in ready]))
         return out
 
