@@ -247,14 +247,16 @@ class ModelWorker:
             why = f"a step failed on tensor-parallel rank {self.tp.rank}: {type(e).__name__}" + (
                 f": {lines[0]}" if lines else ""
             )
-        self._broken = f"{why}; the ranks can no longer run steps together: restart the engine"
-        self.tp.abort()
+        self._mark_broken(why)
         raise TPGroupBroken(self._broken) from e
 
     def _rank_died(self, e: Exception) -> None:
         """RankWatch: another rank's process died. Rank 0 may be waiting in a collective with it;
         aborting the communicator ends that wait (on NCCL) and the step in flight raises."""
-        self._broken = f"{e}; the ranks can no longer run steps together: restart the engine"
+        self._mark_broken(str(e))
+
+    def _mark_broken(self, why: str) -> None:
+        self._broken = f"{why}; the ranks can no longer run steps together: restart the engine"
         self.tp.abort()
 
     def _execute(self, msg: StepMsg) -> StepResult:
