@@ -507,11 +507,7 @@ class Scheduler:
         for key, c in found.items():
             cond = key[0]
             if not c.ready and key not in at_host and all(j.chunk is not c for j in self.jobs):
-                job = ChunkJob(c, prefix_chunk if cond else None)
-                for x in (job.chunk, job.cond):
-                    if x is not None:
-                        self.chunks.acquire(x)
-                self.jobs.append(job)
+                self._queue_job(ChunkJob(c, prefix_chunk if cond else None))
         req.chunks = list(found.values())
         probe = self._probe_budget(req)
         # Deviation policy: each doc as one segment until the probe step has picked the pages.
