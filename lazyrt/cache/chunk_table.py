@@ -189,9 +189,7 @@ class ChunkTable:
             if not chunk.host_pages and not self._to_host(chunk):
                 freed += self._drop(chunk)
                 continue
-            freed += chunk.pages
-            self._owned.difference_update(chunk.pages)
-            chunk.pages, chunk.ready = [], False
+            freed += self._leave_device(chunk)
         return freed
 
     def offload(self, chunk: Chunk) -> list[int] | None:
@@ -206,6 +204,10 @@ class ChunkTable:
             return None
         self.policy.on_evict(chunk)
         self.stats.evictions += 1
+        return self._leave_device(chunk)
+
+    def _leave_device(self, chunk: Chunk) -> list[int]:
+        """The chunk keeps only its host copy; returns its device pages for the caller to free."""
         freed = chunk.pages
         self._owned.difference_update(freed)
         chunk.pages, chunk.ready = [], False
