@@ -55,8 +55,11 @@ def zipf_docs(rng: random.Random, pool: int, k: int, alpha: float) -> list[int]:
     return docs
 
 
-def build_step(B: int, args, rng: random.Random, dev: str, block_pairs: int | None = None):
-    """KV pages, the per-request AttentionMetadata, the SharedChunkMeta, distinct docs of one step."""
+def build_step(
+    B: int, args, rng: random.Random, dev: str, block_pairs: int | None = None, segments_only: bool = False
+):
+    """KV pages, the per-request AttentionMetadata, the SharedChunkMeta, distinct docs of one step
+    (segments_only: group_segments' segments of that step, nothing on the device)."""
     doc_pages = -(-args.doc_tokens // PAGE)
     picks = [zipf_docs(rng, args.pool, args.docs, args.alpha) for _ in range(B)]
     distinct = sorted({d for p in picks for d in p})
@@ -79,6 +82,9 @@ def build_step(B: int, args, rng: random.Random, dev: str, block_pairs: int | No
         seqs.append((range(qo[-1], qo[-1] + args.q_len), runs))
         qo.append(qo[-1] + args.q_len)
         kvp.append(len(full[0]))
+    piece = args.piece_tokens or SHARED_PIECE_TOKENS // (2 if B <= SHARED_SMALL_BATCH else 1)  # as the engine
+    if segments_only:
+        return group_segments(seqs, PAGE, piece)[0]
     kv = torch.randn(next_page, 2, PAGE, KV_HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16)
     i32 = dict(dtype=torch.int32, device=dev)
     meta = AttentionMetadata(
@@ -89,7 +95,6 @@ def build_step(B: int, args, rng: random.Random, dev: str, block_pairs: int | No
         store_slots=torch.zeros(0, dtype=torch.long, device=dev), rotate_keys=True,
         max_q_len=args.q_len, max_kv_entries=max(b - a for a, b in zip(kvp, kvp[1:])),
     )  # fmt: skip
-    piece = args.piece_tokens or SHARED_PIECE_TOKENS // (2 if B <= SHARED_SMALL_BATCH else 1)  # as the engine
     segments, _, _ = group_segments(seqs, PAGE, piece)
     bp = block_pairs or max(1, 64 // (Q_HEADS // KV_HEADS))
     shared = SharedChunkMeta.build(segments, PAGE, len(positions), bp, dev)
@@ -133,6 +138,7 @@ def measure(B: int, args, rng: random.Random, rope: RopeCache, scale: float, ben
         shared_chunk_attention_triton,
     )
 
+    state = rng.getstate()  # the bucket variants rebuild this step's segments
     kv, full, shared, distinct = build_step(B, args, rng, "cuda")
     q = torch.randn(B * args.q_len, Q_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     shared.programs = persistent_programs(q.device)  # as in a CUDA graph
@@ -157,6 +163,30 @@ def measure(B: int, args, rng: random.Random, rope: RopeCache, scale: float, ben
         for hb in (1, 2, 4, 8, 32):
             merge = functools.partial(merge_parts_triton, o_s, lse_s, shared, q.dtype, hb)
             t[f"v_merge_h{hb}"] = bench(merge)
+        # tiles other than the default on the same step
+        for bn, stages, warps in ((128, 2, 4), (128, 3, 4), (128, 2, 8), (32, 3, 4), (64, 4, 4), (64, 2, 4)):
+            kw = dict(block_n=bn, num_stages=stages, num_warps=warps)
+            t[f"v_bn{bn}_s{stages}_w{warps}"] = _try(bench, functools.partial(sh, rope=rope, **kw))
+        # segments in buckets by users, each bucket its own launch with rows fitted to it: a segment
+        # of 1-4 users pads its rows to 16 instead of 64 (the work items' padded rows are wasted dots)
+        again = random.Random()
+        again.setstate(state)
+        segs = build_step(B, args, again, "cuda", segments_only=True)
+        for name, limits in (("b2", ((4, 4), (None, 16))), ("b3", ((4, 4), (8, 8), (None, 16))),
+                             ("b2_8", ((8, 8), (None, 16)))):
+            metas, lo = [], 0
+            for hi, bp in limits:
+                part = [g for g in segs if lo < len(g[2]) and (hi is None or len(g[2]) <= hi)]
+                lo = hi or lo
+                if part:
+                    metas.append(SharedChunkMeta.build(part, PAGE, q.shape[0], bp, "cuda"))
+            extra[f"rows_used_{name}"] = _rows_used(metas, Q_HEADS // KV_HEADS)
+
+            def run(metas=metas):
+                for m in metas:
+                    shared_chunk_attention_triton(q, kv, full.positions, m, rope, scale)
+            t[f"v_buckets_{name}"] = bench(run)
+        extra["rows_used_default"] = _rows_used([shared], Q_HEADS // KV_HEADS)
     if args.flashinfer:
         t["flashinfer"] = bench(flashinfer_run(full, q, kv, args.q_len))
     t["shared_path"] = t["shared"] + t["merge"]
@@ -171,6 +201,26 @@ def measure(B: int, args, rng: random.Random, rope: RopeCache, scale: float, ben
         "speedup": round(t["per_request"] / t["shared_path"], 2), **extra,
         **({"shared_vs_flashinfer": round(t["shared_path"] / t["flashinfer"], 2)} if args.flashinfer else {}),
     }  # fmt: skip
+
+
+def _try(bench, fn) -> float:
+    try:
+        return bench(fn)
+    except Exception as e:  # noqa: BLE001  (out of shared memory etc.)
+        print(f"variant skipped: {type(e).__name__}: {str(e)[:120]}")
+        return float("nan")
+
+
+def _rows_used(metas, group: int) -> float:
+    """Share of the work items' query rows that hold a real (pair, head): the rest are padding."""
+    from lazyrt.kernels.triton_shared_chunk import MIN_DOT, _pow2
+
+    used = padded = 0
+    for m in metas:
+        rows = max(MIN_DOT, _pow2(m.block_pairs * group))
+        used += m.num_pairs * group
+        padded += m.num_work_host * rows
+    return round(used / max(padded, 1), 3)
 
 
 def flashinfer_run(full: AttentionMetadata, q: torch.Tensor, kv: torch.Tensor, q_len: int):
