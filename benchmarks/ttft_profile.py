@@ -30,10 +30,13 @@ def main(argv=None) -> None:
     p.add_argument("--docs", type=int, default=5)
     p.add_argument("--question-tokens", type=int, default=16)
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--cuda-graph-max-batch", type=int, default=64,
+                   help="0: every step eager (the question step was eager before small-step graphs)")
     args = p.parse_args(argv)
     dev = args.device
     engine = Engine(args.model, load_format="dummy", device=dev, cache_mode=args.cache_mode,
-                    kv_cache_tokens=args.docs * args.doc_tokens * 4)  # fmt: skip
+                    kv_cache_tokens=args.docs * args.doc_tokens * 4,
+                    cuda_graph_max_batch=args.cuda_graph_max_batch)  # fmt: skip
     rng = random.Random(0)
     vocab = engine.model_config.vocab_size
     toks = lambda n: [rng.randrange(1000, vocab) for _ in range(n)]  # noqa: E731
@@ -70,7 +73,8 @@ def main(argv=None) -> None:
         assert out["meta"]["chunk_hits"] == len(docs), out["meta"]
     name = torch.cuda.get_device_name() if dev.startswith("cuda") else "cpu"
     print(f"device {name}; model {args.model}; {args.docs} cached docs x {args.doc_tokens} tokens")
-    print(f"question {args.question_tokens} tokens; median of {args.iters} requests")
+    print(f"question {args.question_tokens} tokens; median of {args.iters} requests; "
+          f"cuda_graph_max_batch {args.cuda_graph_max_batch}: {runner.graph_steps} steps replayed")
     print("| part | ms (median) |\n|---|---|")
     for name, v in parts.items():
         print(f"| {name} | {statistics.median(v):.2f} |")

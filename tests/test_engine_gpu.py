@@ -218,8 +218,8 @@ def test_doc_attention_decode_graphs_match_eager():
 @pytest.mark.parametrize("graphs", [64, 0])
 def test_shared_chunk_attention_matches_reference_in_engine(graphs):
     """Shared-chunk attention on CUDA (fp32): requests over a pool of 6 documents share them in
-    their decode and question steps; the Triton shared kernel + merge (decode in its CUDA graphs, or
-    eager) give the per-request torch reference's greedy tokens."""
+    their decode and question steps; the Triton shared kernel + merge (decode and small question
+    steps in its CUDA graphs, or eager) give the per-request torch reference's greedy tokens."""
     prompts = rag_prompts(random.Random(), 12)
     sps = [SamplingParams(max_tokens=12, ignore_eos=True) for _ in prompts]
     replays = []
@@ -237,14 +237,19 @@ def test_shared_chunk_attention_matches_reference_in_engine(graphs):
 
     def run(self, s, shared=None):
         replays.append(shared is not None)
+        small.append(shared is not None and not s.is_decode)
         return orig(self, s, shared)
 
+    small = []
     DecodeGraphs.run = run
     try:
         got = engine_tokens("lazy", False, prompts, sps, check=check, cuda_graph_max_batch=graphs)
+        got1 = engine_tokens("lazy", False, prompts[:1], sps[:1], cuda_graph_max_batch=graphs)
     finally:
         DecodeGraphs.run = orig
     assert got == ref
+    assert got1 == ref[:1]  # alone: its question step goes through a shared graph all the same
+    assert any(small) == bool(graphs)  # question steps (prefill rows) replayed from shared graphs
 
 
 def test_overlap_schedule_matches_synchronous_loop_with_graphs():

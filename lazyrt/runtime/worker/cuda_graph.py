@@ -147,6 +147,20 @@ class DecodeGraphs:
             and s.max_kv_entries <= self.max_entries
         )
 
+    def fits_small(self, s: StepInputs, max_q_len: int) -> bool:
+        """A step with prefill rows (a question, a short prompt, beside running decodes) that a
+        shared graph can replay: its rows fit a captured size and no item has more than max_q_len
+        new tokens. Shared-chunk attention attends every row through its (row, position) pairs, so
+        a shared graph of b rows serves any mix of decode and prefill rows up to b; its logits
+        cover every row and the caller picks the sampled ones."""
+        return (
+            not s.is_decode
+            and s.entry_logit_scale is None
+            and s.max_q_len <= max_q_len
+            and len(s.input_ids) in range(2, self.sizes[-1] + 1)
+            and bool(self.shared_graphs)
+        )
+
     @torch.inference_mode()
     def run(self, s: StepInputs, shared: dict[str, np.ndarray] | None = None) -> torch.Tensor:
         """Replays the step's graph; shared: its shared-chunk arrays (then fits_shared must hold)."""

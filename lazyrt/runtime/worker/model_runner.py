@@ -26,6 +26,7 @@ from lazyrt.runtime.scheduler.recompute import PROBE_LAYER
 from lazyrt.runtime.worker.citations import DocumentAttention
 from lazyrt.runtime.worker.host_segments import has_host_segments, split_host_segments
 from lazyrt.runtime.worker.step_inputs import (
+    SHARED_MAX_Q_LEN,
     SHARED_PIECE_TOKENS,
     DecodeLayout,
     SharedGrouping,
@@ -167,13 +168,16 @@ class ModelRunner:
         if not self.shared_chunk_attention:
             return None
         if s.shared is False:
-            if len(self._piece_keys) > 1 << 16:
-                self._piece_keys.clear()
-            s.shared = shared_arrays(
-                plan, s, self.pool.page_size, self.shared_block_pairs, self._grouping, self._piece_keys,
-                self._layout,
-            )
+            s.shared = self._shared_arrays(plan, s)
         return s.shared
+
+    def _shared_arrays(self, plan: StepPlan, s: StepInputs, force: bool = False) -> dict | None:
+        if len(self._piece_keys) > 1 << 16:
+            self._piece_keys.clear()
+        return shared_arrays(
+            plan, s, self.pool.page_size, self.shared_block_pairs, self._grouping, self._piece_keys,
+            self._layout, force=force,
+        )
 
     def step_metadata(self, plan: StepPlan, s: StepInputs) -> tuple[torch.Tensor, AttentionMetadata]:
         """build_metadata, with the step's shared-chunk segments when it has some worth sharing."""
@@ -236,6 +240,17 @@ class ModelRunner:
                 self.shared_steps += 1
                 self.graph_steps += 1
                 return self.graphs.run(s, arrays)
+        elif self.graphs is not None and self.graphs.fits_small(s, SHARED_MAX_Q_LEN):
+            # a small step with prefill rows (a question over cached documents): replayed through
+            # shared-chunk attention even when nothing repeats (its launches cost ~4 ms of host time)
+            arrays = self._shared_arrays(plan, s, force=True)
+            if arrays is not None and self.graphs.fits_shared(s, arrays):
+                self.shared_steps += 1
+                self.graph_steps += 1
+                logits = self.graphs.run(s, arrays)
+                if not s.sample_rows:
+                    return None
+                return logits[to_device(np.array(s.sample_rows, dtype=np.int64), self.device)]
         input_ids, meta = self.step_metadata(plan, s)
         hidden = self.model.forward(input_ids, meta, self.rope, self.backend)
         if not s.sample_rows:

@@ -436,12 +436,13 @@ class SharedGrouping:
 
 def shared_arrays(
     plan: StepPlan, s: StepInputs, page_size: int, block_pairs: int, cache: SharedGrouping,
-    intern: dict | None = None, layout: DecodeLayout | None = None,
+    intern: dict | None = None, layout: DecodeLayout | None = None, force: bool = False,
 ) -> dict[str, np.ndarray] | None:  # fmt: skip
     """build_arrays for the step's shared-chunk segments when sharing pays (as shared_segments), the
     segments ordered: the other runs' (grouped, cached in `cache`), then the items' own runs.
-    layout: the DecodeLayout s was built with (from_plan), if any."""
-    if s.entry_logit_scale is not None or s.num_seqs < 2 or s.max_q_len > SHARED_MAX_Q_LEN:
+    layout: the DecodeLayout s was built with (from_plan), if any. force: whether it pays or not
+    (a step replayed from a shared CUDA graph: one sequence alone included)."""
+    if s.entry_logit_scale is not None or s.max_q_len > SHARED_MAX_Q_LEN or (s.num_seqs < 2 and not force):
         return None
     ps, qo = page_size, s.qo_indptr
     pt = SHARED_PIECE_TOKENS // (2 if s.num_seqs <= SHARED_SMALL_BATCH else 1)
@@ -464,7 +465,7 @@ def shared_arrays(
         cache.version = layout.version if layout is not None else -1
     if patched:
         arrays = _patched_arrays(cache, layout, ps, pt, len(s.input_ids), block_pairs)
-        if arrays is not None:
+        if arrays or (arrays is not None and not force):
             return arrays or None  # {}: sharing does not pay
     rows = [range(int(qo[i]), int(qo[i + 1])) for i in range(len(plan.items))]
     own_seqs = [
@@ -474,7 +475,7 @@ def shared_arrays(
     ]  # fmt: skip
     segments, per_request, shared = group_segments(own_seqs, ps, pt)
     own_flat = flatten_segments(segments, ps)
-    if cache.per_request + per_request < SHARED_MIN_SAVING * (cache.shared + shared):
+    if cache.per_request + per_request < SHARED_MIN_SAVING * (cache.shared + shared) and not force:
         return None
     return finish_arrays(concat_flat(cache.flat, own_flat), len(s.input_ids), block_pairs)
 
