@@ -28,6 +28,10 @@ from lazyrt.router.policy import AffinityPolicy, doc_key, doc_tokens
 logger = logging.getLogger("lazyrt.router")
 ROUTED = ("/generate", "/score", "/v1/completions", "/v1/chat/completions")
 _HEALTH_S = 1.0
+# A replica that times out this many health checks in a row is marked down (one that refuses the
+# connection at once): a replica busy streaming hundreds of answers may be slow to answer one.
+_DOWN_AFTER = 3
+_HEALTH_TIMEOUT_S = 5.0
 _LEARN_BYTES = 1 << 20  # answers kept to learn characters per token from (larger ones are not)
 
 
@@ -36,6 +40,7 @@ class Replica:
     url: str
     healthy: bool = False
     in_flight: int = 0
+    slow_checks: int = 0  # health checks timed out in a row
 
 
 @dataclass
@@ -123,7 +128,14 @@ def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
 
 
 def create_router_app(state: RouterState) -> FastAPI:
-    http = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
+    # Every answer streams over its own connection for as long as it runs, so the proxy's pool has no
+    # cap (httpx's default of 100 connections queued requests past 100 in flight, and the health
+    # checks behind them timed out, marking busy replicas down); checks use their own small pool.
+    http = httpx.AsyncClient(
+        timeout=httpx.Timeout(None, connect=5.0),
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+    )
+    probe = httpx.AsyncClient(timeout=httpx.Timeout(10.0, connect=5.0))
     headers = {"authorization": f"Bearer {state.api_key}"} if state.api_key else {}
 
     @contextlib.asynccontextmanager
@@ -134,6 +146,7 @@ def create_router_app(state: RouterState) -> FastAPI:
         finally:
             task.cancel()
             await http.aclose()
+            await probe.aclose()
 
     app = FastAPI(title="lazyrt router", docs_url=None, redoc_url=None, lifespan=lifespan)
 
@@ -149,16 +162,19 @@ def create_router_app(state: RouterState) -> FastAPI:
     async def check(replica: Replica) -> None:
         was = replica.healthy
         try:
-            r = await http.get(replica.url + "/health", headers=headers, timeout=5)
-            replica.healthy = r.status_code == 200
+            r = await probe.get(replica.url + "/health", headers=headers, timeout=_HEALTH_TIMEOUT_S)
+            replica.healthy, replica.slow_checks = r.status_code == 200, 0
+        except httpx.TimeoutException:
+            replica.slow_checks += 1
+            replica.healthy = was and replica.slow_checks < _DOWN_AFTER
         except httpx.HTTPError:
-            replica.healthy = False
+            replica.healthy, replica.slow_checks = False, 0
         state.up.labels(replica.url).set(int(replica.healthy))
-        if not replica.healthy:
+        if not replica.healthy or replica.slow_checks:
             return
         view = state.policy.view(replica.url)
         try:
-            s = (await http.get(replica.url + "/cache_stats", headers=headers, timeout=10)).json()
+            s = (await probe.get(replica.url + "/cache_stats", headers=headers, timeout=10)).json()
             # what documents can hold now: the pool less the running requests' own pages (and the
             # prefix cache's), refreshed every check as the load changes
             capacity = (s["chunk_pages"] + s["free_pages"]) * s["page_size"]
