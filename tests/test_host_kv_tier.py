@@ -177,16 +177,23 @@ def test_evicted_documents_come_back_from_the_host(mode, overlap, tiny_model_dir
 
 @pytest.mark.parametrize("overlap", [True, False])
 def test_a_small_host_tier_evicts_and_stays_consistent(overlap, tiny_model_dir):
+    """Outputs and accounting stay right with a host tier of one or two documents. A random workload
+    rarely leaves one document in the host tier that outranks every later one (nothing is evicted
+    from it: seen once in CI); up to 4 fresh workloads run until one evicts from the host tier."""
     path = tiny_model_dir("llama")
-    batches = _workload(random.Random(), rounds=10)
-    want = _run(Engine(path, device="cpu", kv_cache_tokens=8192), batches)
-    eng = _tight(path, 16 * 5, overlap)  # room for one or two documents
-    assert _run(eng, batches) == want
-    s = _check_consistent(eng)
-    assert s["chunk_hits"] + s["chunk_misses"] == _lookups(batches)
-    assert s["chunk_host_evictions"] > 0 and s["chunk_offloads"] > 0
-    eng.flush_cache()
-    assert eng.pool.num_free == eng.pool.num_pages and eng.scheduler.chunks.num_host_pages == 0
+    ref = Engine(path, device="cpu", kv_cache_tokens=8192)
+    for _ in range(4):
+        batches = _workload(random.Random(), rounds=10)
+        eng = _tight(path, 16 * 5, overlap)  # room for one or two documents
+        assert _run(eng, batches) == _run(ref, batches)
+        s = _check_consistent(eng)
+        assert s["chunk_hits"] + s["chunk_misses"] == _lookups(batches)
+        eng.flush_cache()
+        assert eng.pool.num_free == eng.pool.num_pages and eng.scheduler.chunks.num_host_pages == 0
+        if s["chunk_host_evictions"] > 0 and s["chunk_offloads"] > 0:
+            return
+        ref.flush_cache()
+    pytest.fail("no workload of 4 evicted from the host tier")
 
 
 @pytest.mark.parametrize("overlap", [True, False])
