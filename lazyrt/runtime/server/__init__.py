@@ -15,7 +15,7 @@
 The top of the process tree: it may start every process, but it never touches the model or the
 caches itself (the scheduler and worker run elsewhere).
 
-May import: lazyrt.config, lazyrt.constraint, lazyrt.documents (request checks only),
+May import: lazyrt.api_key, lazyrt.config, lazyrt.constraint, lazyrt.documents (request checks only),
 lazyrt.sampling_params, lazyrt.runtime.ipc, and the process entry points lazyrt.runtime.tokenizer,
 lazyrt.runtime.scheduler, lazyrt.runtime.worker.
 """

@@ -20,6 +20,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from lazyrt.api_key import ApiKeyGuard
 from lazyrt.runtime.ipc.messages import ErrorOut, TextOut
 from lazyrt.runtime.server.document_routes import add_document_routes
 from lazyrt.runtime.server.metrics import ServerMetrics
@@ -168,20 +169,8 @@ def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="lazyrt", docs_url=None, redoc_url=None)
     client = state.client
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next: Callable) -> Response:
-        if state.api_key and request.url.path != "/health":
-            auth = request.headers.get("authorization", "")
-            if auth != f"Bearer {state.api_key}":
-                return error_response(
-                    ApiError(
-                        401,
-                        "missing or wrong API key (Authorization: Bearer ...)",
-                        None,
-                        "authentication_error",
-                    )
-                )
-        return await call_next(request)
+    if state.api_key:
+        app.add_middleware(ApiKeyGuard, api_key=state.api_key)
 
     async def read_json(request: Request) -> dict:
         length = request.headers.get("content-length")
