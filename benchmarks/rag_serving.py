@@ -319,6 +319,16 @@ async def run_point(url: str, wl: Workload, args, concurrency: int | None = None
     return summarize(results, wall, before, after, peak, prom)
 
 
+def run_async(coro):
+    """asyncio.run, on uvloop when it is installed (a dependency of lazyrt): at saturation the client
+    streams every token of hundreds of answers and its own event loop is part of what is measured."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
 def _split(results: list) -> dict:
     """The server's TTFT split (meta["timings_ms"]: tokenize / queue for admission / prefill incl. any
     step in flight / ttft = HTTP receipt to first output back at HTTP), medians over results, ms."""
@@ -407,7 +417,7 @@ def warmup(url: str, args, words: list[str]) -> None:
     )
     wl = build_workload(wcfg, words)
     ns = argparse.Namespace(**{**vars(args), "output_tokens": min(args.output_tokens, 8)})
-    res = asyncio.run(run_point(url, wl, ns))
+    res = run_async(run_point(url, wl, ns))
     if res["failed"]:
         raise RuntimeError(f"warm-up failed: {res['errors']}")
 
@@ -638,7 +648,7 @@ def run_mode(args, words, mode: str, rows: list[dict]) -> None:
                     rate=rate,
                     seed=args.seed,
                 )
-                res = asyncio.run(run_point(srv.url, build_workload(cfg, words), args))
+                res = run_async(run_point(srv.url, build_workload(cfg, words), args))
                 row = point_row(args, mode, pop, rate, res, srv)
                 write_row(args, row)
                 rows.append(row)
@@ -675,7 +685,7 @@ def run_kv_sweep(args, words, rows: list[dict]) -> None:
                         rate=math.inf,
                         seed=args.seed,
                     )
-                    res = asyncio.run(run_point(srv.url, build_workload(cfg, words), args, args.concurrency))
+                    res = run_async(run_point(srv.url, build_workload(cfg, words), args, args.concurrency))
                 finally:
                     if srv.proc is not None:
                         srv.stop()
