@@ -216,8 +216,9 @@ def create_router_app(state: RouterState) -> FastAPI:
             replica = state.by_url()[url]
             replica.in_flight += 1
             try:
-                req = pool(url).build_request("POST", url + path, content=raw, headers=fwd_headers)
-                resp = await pool(url).send(req, stream=True)
+                client = pool(url)
+                req = client.build_request("POST", url + path, content=raw, headers=fwd_headers)
+                resp = await client.send(req, stream=True)
             except httpx.TransportError as e:
                 replica.in_flight -= 1
                 replica.healthy = False

@@ -230,7 +230,7 @@ class ModelRunner:
         if any(it.request is not None and it.request.params.citations for it in plan.items):
             input_ids, meta = self.step_metadata(plan, s)
             hidden = self.model.forward(input_ids, meta, self.rope, self._citing(plan, s))
-            return self.model.logits(hidden[to_device(np.array(s.sample_rows, dtype=np.int64), self.device)])
+            return self.model.logits(hidden[self._sample_index(s)])
         if self.graphs is not None and self.graphs.fits(s):
             arrays = self._shared(plan, s)
             if arrays is None:
@@ -250,12 +250,12 @@ class ModelRunner:
                 logits = self.graphs.run(s, arrays)
                 if not s.sample_rows:
                     return None
-                return logits[to_device(np.array(s.sample_rows, dtype=np.int64), self.device)]
+                return logits[self._sample_index(s)]
         input_ids, meta = self.step_metadata(plan, s)
         hidden = self.model.forward(input_ids, meta, self.rope, self.backend)
         if not s.sample_rows:
             return None
-        return self.model.logits(hidden[to_device(np.array(s.sample_rows, dtype=np.int64), self.device)])
+        return self.model.logits(hidden[self._sample_index(s)])
 
     def _execute_host(self, plan: StepPlan) -> torch.Tensor | None:
         """A step with host segments (retrieval attention): eager, through shared-chunk attention
@@ -286,7 +286,11 @@ class ModelRunner:
         hidden = self.model.forward(input_ids, meta, self.rope, self._citing(plan, s))
         if not s.sample_rows:
             return None
-        return self.model.logits(hidden[to_device(np.array(s.sample_rows, dtype=np.int64), self.device)])
+        return self.model.logits(hidden[self._sample_index(s)])
+
+    def _sample_index(self, s: StepInputs) -> torch.Tensor:
+        """The step's sampled rows (each item's last token), on the device."""
+        return to_device(np.array(s.sample_rows, dtype=np.int64), self.device)
 
     def _citing(self, plan: StepPlan, s: StepInputs):
         """The step's attention backend; wrapped, when a request asks for citations, to measure each
