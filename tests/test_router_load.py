@@ -14,46 +14,14 @@ import httpx
 import pytest
 import uvicorn
 from fastapi import FastAPI
-from fastapi.responses import StreamingResponse
 from server_util import free_port
+from stand_in_replica import stand_in_replica
 
 from lazyrt.router import app as router_app
 from lazyrt.router.app import Replica, RouterState, create_router_app
 
 STREAM_S = 6.0  # each answer's length: past the old health check's 5 s pool wait
 IN_FLIGHT = 130
-
-
-def slow_replica() -> FastAPI:
-    app = FastAPI()
-    app.state.open = 0
-    app.state.most = 0
-    app.state.health_delay = 0.0
-
-    @app.get("/health")
-    async def health():
-        await asyncio.sleep(app.state.health_delay)
-        return {"status": "ok"}
-
-    @app.get("/cache_stats")
-    async def cache_stats():
-        return {"chunk_pages": 0, "free_pages": 1000, "page_size": 16, "eviction_policy": "lfu"}
-
-    @app.post("/generate")
-    async def generate():
-        async def body():
-            app.state.open += 1
-            app.state.most = max(app.state.most, app.state.open)
-            try:
-                yield b'data: {"text": "a"}\n\n'
-                await asyncio.sleep(STREAM_S)
-                yield b"data: [DONE]\n\n"
-            finally:
-                app.state.open -= 1
-
-        return StreamingResponse(body(), media_type="text/event-stream")
-
-    return app
 
 
 class Served:
@@ -77,7 +45,7 @@ class Served:
 
 @pytest.fixture
 def router_over_slow_replica():
-    rep_app = slow_replica()
+    rep_app = stand_in_replica(events=1, interval=STREAM_S)
     rep = Served(rep_app)
     state = RouterState([Replica(rep.url)])
     router = Served(create_router_app(state))

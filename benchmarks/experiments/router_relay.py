@@ -1,7 +1,7 @@
 """How many streamed events a second the router relays, and its CPU time per event (issue 17: on two
 H200s at ~4,500 output tokens/s the router process used 78-95% of a core).
 
-A stand-in replica (no model: a FastAPI app answering /generate with --events SSE events of ~60 bytes,
+A stand-in replica (tests/stand_in_replica.py: no model, --events SSE events of ~60 bytes an answer,
 one every --interval seconds, as a decoding replica sends one event a token) runs in its own process;
 the router (`python -m lazyrt.router --worker URL`) in another. --streams clients stream at once, first
 straight from the replica, then through the router; printed: events/s received, and the router
@@ -21,33 +21,9 @@ import time
 
 import httpx
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests"))
+TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests")
+sys.path.insert(0, TESTS)
 from server_util import free_port  # noqa: E402
-
-REPLICA = '''
-import asyncio, sys
-from fastapi import FastAPI
-from fastapi.responses import StreamingResponse
-import uvicorn
-app = FastAPI()
-EVENTS, INTERVAL = int(sys.argv[2]), float(sys.argv[3])
-EVENT = b'data: {"index": 0, "text": " tok", "finish_reason": null, "meta": {"k": 1}}' + b"\\n\\n"
-@app.get("/health")
-async def health():
-    return {"status": "ok"}
-@app.get("/cache_stats")
-async def cache_stats():
-    return {"chunk_pages": 0, "free_pages": 1000, "page_size": 16, "eviction_policy": "lfu"}
-@app.post("/generate")
-async def generate():
-    async def body():
-        for _ in range(EVENTS):
-            yield EVENT
-            await asyncio.sleep(INTERVAL)
-        yield b"data: [DONE]\\n\\n"
-    return StreamingResponse(body(), media_type="text/event-stream")
-uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")
-'''
 
 
 def cpu_seconds(pid: int) -> float:
@@ -91,7 +67,8 @@ def main() -> None:
     p.add_argument("--interval", type=float, default=0.01, help="seconds between a stream's events")
     args = p.parse_args()
     rport, port = free_port(), free_port()
-    rep = subprocess.Popen([sys.executable, "-c", REPLICA, str(rport), str(args.events), str(args.interval)])
+    rep = subprocess.Popen([sys.executable, os.path.join(TESTS, "stand_in_replica.py"), str(rport),
+                            str(args.events), str(args.interval)])
     router = subprocess.Popen([sys.executable, "-m", "lazyrt.router", "--port", str(port), "--log-level",
                                "warning", "--worker", f"http://127.0.0.1:{rport}"])  # fmt: skip
     try:
