@@ -193,7 +193,11 @@ def test_constrained_rows_leave_free_rows_unchanged_overlap_on_and_off(tiny_mode
         # model's flat distribution (49k tokens at ~2e-5 each) can move: compare the greedy rows only
         got_free.pop(1), want_free.pop(1)
     assert got_free == want_free
-    assert [o["token_ids"] for o in both[True]] == [o["token_ids"] for o in both[False]]
+    # A constrained row that ends still runs the step already in flight with overlap on, so later
+    # batches differ in shape between the loops and the CPU matmuls' last bits with them: a seeded
+    # draw from the random model's flat distribution can flip (as in test_overlap_schedule.py).
+    greedy = [i for i, sp in enumerate(mixed) if sp.temperature == 0]
+    assert [both[True][i]["token_ids"] for i in greedy] == [both[False][i]["token_ids"] for i in greedy]
     for i in (1, 3, 5, 7):
         assert both[True][i]["meta"]["finish_reason"] == "stop"
     jsonschema.validate(json.loads(both[True][1]["text"]), SCHEMAS[1])
