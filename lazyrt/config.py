@@ -47,6 +47,9 @@ class EngineConfig:
     # chunk is attended exactly (all its keys) there. 0: the step that first needs an index builds it
     # and waits (reproducible: every step after the first searches).
     retrieval_build_threads: int = 1
+    # torch CPU threads of the model worker; None = auto (lazyrt/runtime/worker/cpu_threads.py): 4 in a
+    # server's CUDA worker without retrieval attention or OMP_NUM_THREADS, torch's default otherwise
+    worker_cpu_threads: int | None = None
     kv_cache_memory_gb: float = 2.0  # CPU budget when kv_cache_tokens is None
     # CUDA budget when kv_cache_tokens is None: this share of the memory free once the weights are
     # loaded (the rest is for activations, CUDA graphs, other engines in the process)
@@ -110,6 +113,9 @@ class EngineConfig:
         f = self.kv_cache_memory_fraction
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 < f <= 0.95:
             raise ValueError(f"kv_cache_memory_fraction={f!r}: must be a number in (0, 0.95]")
+        t = self.worker_cpu_threads
+        if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 1):
+            raise ValueError(f"worker_cpu_threads={t!r}: must be an integer >= 1, or None for auto")
         if not self.kv_cache_memory_gb > 0:
             raise ValueError(f"kv_cache_memory_gb={self.kv_cache_memory_gb!r}: must be > 0")
         if self.max_running_requests < 1 or self.max_step_tokens < 1:

@@ -19,6 +19,7 @@ from lazyrt.runtime.tokenizer.doc_refs import register, resolve_doc, resolve_doc
 from lazyrt.runtime.tokenizer.doc_token_cache import DocTokenCache
 from lazyrt.runtime.tokenizer.rag_template import build_rag_prompt
 from lazyrt.runtime.tokenizer.token_text import TokenTexts
+from lazyrt.runtime.worker.cpu_threads import set_worker_cpu_threads
 from lazyrt.runtime.worker.model_worker import ModelWorker
 from lazyrt.runtime.worker.tp_follower import FollowerRanks
 from lazyrt.sampling_params import SamplingParams, out_of_vocab
@@ -51,6 +52,7 @@ class Engine:
         self._tp_ranks = FollowerRanks(cfg) if cfg.tensor_parallel_size > 1 else None
         try:
             ranks = self._tp_ranks
+            set_worker_cpu_threads(cfg, in_process=True)  # only an explicit worker_cpu_threads
             self.worker = ModelWorker(cfg, *((ranks.member0, ranks.check_alive) if ranks else ()))
         except BaseException:
             self.close()

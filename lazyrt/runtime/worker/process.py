@@ -10,6 +10,7 @@ import zmq
 from lazyrt.config import EngineConfig
 from lazyrt.runtime.ipc.messages import StepFailed
 from lazyrt.runtime.ipc.sockets import PARENT_CHECK_MS, IpcPaths, child_setup, poll, recv, send, socket
+from lazyrt.runtime.worker.cpu_threads import set_worker_cpu_threads
 from lazyrt.runtime.worker.tp_ranks import TPMember
 
 logger = logging.getLogger("lazyrt.worker")
@@ -26,13 +27,11 @@ def run_worker_process(cfg: EngineConfig, ipc: IpcPaths, log_level: str, tp: TPM
     ctx = zmq.Context()
     inbox = socket(ctx, zmq.PULL, ipc.worker_in, bind=True)
     outbox = socket(ctx, zmq.PUSH, ipc.worker_out, bind=False)
-    if tp is not None:
-        from lazyrt.runtime.worker.tp_follower import share_cpu_threads
-
-        share_cpu_threads(cfg)
+    threads = set_worker_cpu_threads(cfg)
     worker = ModelWorker(cfg, tp)
     info = worker.ready_info()
-    logger.info("model %s loaded on %s; %d KV pages", info.model_id, info.device, info.num_pages)
+    logger.info("model %s loaded on %s; %d KV pages; %d CPU threads", info.model_id, info.device,
+                info.num_pages, threads)  # fmt: skip
     send(outbox, info)
     while True:
         if not poll([inbox], PARENT_CHECK_MS):

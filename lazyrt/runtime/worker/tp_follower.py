@@ -15,6 +15,7 @@ import zmq
 
 from lazyrt.config import EngineConfig
 from lazyrt.runtime.ipc.sockets import PARENT_CHECK_MS, child_setup, poll, recv, socket
+from lazyrt.runtime.worker.cpu_threads import set_worker_cpu_threads
 from lazyrt.runtime.worker.tp_ranks import TPMember, TPRendezvous, check_devices
 
 if TYPE_CHECKING:
@@ -28,7 +29,7 @@ def run_follower_process(cfg: EngineConfig, member: TPMember, log_level: str) ->
     watch = child_setup(f"tp rank {member.rank}", log_level)
     from lazyrt.runtime.worker.model_worker import ModelWorker  # heavy imports after setup
 
-    share_cpu_threads(cfg)
+    set_worker_cpu_threads(cfg)
 
     ctx = zmq.Context()
     inbox = socket(ctx, zmq.PULL, member.rendezvous.plan_addrs[member.rank - 1], bind=True)
@@ -53,15 +54,6 @@ def follow_steps(worker: ModelWorker, inbox: zmq.Socket, check_parent: Callable[
         except Exception:
             logger.exception("model step failed on tensor-parallel rank %d; this rank stops", rank)
             return 1
-
-
-def share_cpu_threads(cfg: EngineConfig) -> None:
-    """On CPU the ranks share one machine's cores: each rank's torch gets its share of the threads
-    (the default, all cores per rank, makes N ranks' thread pools spin against each other)."""
-    import torch
-
-    if cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available()):
-        torch.set_num_threads(max(1, torch.get_num_threads() // cfg.tensor_parallel_size))
 
 
 def follower_processes(
