@@ -46,6 +46,9 @@ class RetrievalOptions:
     sink: int
     scan: float
     build_threads: int = 0  # background index builders (0: a step builds what it needs, and waits)
+    # where the k-means of an index build runs (the worker's CUDA device; None = CPU): ~10 GFLOP a
+    # chunk-layer at 2K keys, minutes of CPU for a 128K context, milliseconds of GPU
+    build_device: str | None = None
 
 
 @dataclass
@@ -320,9 +323,16 @@ class HostAttention:
         """Builds (KeyIndex, the keys at local positions in k's dtype: kept, so a step does not turn
         every key again; as much memory as the chunk's keys) from keys k [n, kv_heads, D] as stored."""
 
+        dev = self.options.build_device
+
         def build() -> tuple[KeyIndex, torch.Tensor]:
             local = apply_rope_ref(k.float(), torch.arange(k.shape[0]), self.rope)
-            return build_key_index(local, sink=sink), local.to(k.dtype)
+            if dev is None:
+                return build_key_index(local, sink=sink), local.to(k.dtype)
+            # a stream of its own: a builder thread's kernels must not queue behind the model's step
+            with torch.cuda.stream(torch.cuda.Stream(dev)):
+                index = build_key_index(local.to(dev), sink=sink)  # the index comes back on the CPU
+            return index, local.to(k.dtype)
 
         return build
 

@@ -125,7 +125,8 @@ class ModelWorker:
             shared_chunk_attention=cfg.shared_chunk_attention,
             host_kv=self.host_kv,
             retrieval=RetrievalOptions(
-                cfg.retrieval_top_k, cfg.retrieval_sink, cfg.retrieval_scan, cfg.retrieval_build_threads
+                cfg.retrieval_top_k, cfg.retrieval_sink, cfg.retrieval_scan, cfg.retrieval_build_threads,
+                str(dev) if torch.device(dev).type == "cuda" else None,
             )
             if cfg.retrieval_attention
             else None,
