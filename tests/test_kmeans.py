@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import DEVICES
 
-from lazyrt.retrieval.key_index import kmeans
+from lazyrt.retrieval.key_index import _cluster_counts, _sorted_sums, kmeans
 
 
 def _draw() -> tuple[random.Random, int]:
@@ -134,3 +134,15 @@ def test_kmeans_rejects_bad_arguments():
         kmeans(torch.ones(2, 10, 4, dtype=torch.int64), 3)
     with pytest.raises(ValueError, match="niter=0"):
         kmeans(x, 3, niter=0)
+
+
+def test_sorted_sums_equal_the_cpu_sums():
+    """The non-CPU path's cluster sums (sorted float64 running sums) against plain per-cluster sums."""
+    rng, _ = _draw()
+    b, n, d = rng.randint(1, 5), rng.randint(1, 300), rng.randint(1, 64)
+    k = rng.randint(1, n)
+    x, assign = torch.randn(b, n, d) * 10, torch.randint(0, k, (b, n))  # some clusters empty
+    sums = _sorted_sums(x, assign, _cluster_counts(assign, k))
+    ref = [torch.stack([x[p][assign[p] == j].double().sum(0) for j in range(k)]) for p in range(b)]
+    ref = torch.stack(ref)
+    torch.testing.assert_close(sums, ref, rtol=1e-9, atol=1e-9)

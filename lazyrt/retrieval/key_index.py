@@ -172,9 +172,10 @@ def kmeans(x: torch.Tensor, k: int, seed: int = 0, niter: int = 20) -> tuple[tor
     xx = x.square().sum(-1)  # [B, n]
     assign = None
     for _ in range(niter):
-        # |x - c|^2 less |x|^2 (the same for every centroid of a point): one batched product
-        part = torch.baddbmm(cents.square().sum(-1)[:, None, :], x, cents.transpose(1, 2), alpha=-2.0)
-        near, new = part.min(-1)
+        # |x - c|^2 less |x|^2 (the same for every centroid of a point): one batched product, [B, k, n]
+        # (on the CPU this layout's product is ~1.7x faster than [B, n, k])
+        part = torch.baddbmm(cents.square().sum(-1)[:, :, None], cents, x.transpose(1, 2), alpha=-2.0)
+        near, new = part.min(1)
         new = _fill_empty(new, near + xx, k)
         if assign is not None and torch.equal(new, assign):
             break
@@ -211,17 +212,28 @@ def _fill_empty(assign: torch.Tensor, dist: torch.Tensor, k: int) -> torch.Tenso
 
 
 def _cluster_means(x: torch.Tensor, assign: torch.Tensor, k: int) -> torch.Tensor:
-    """Mean of each cluster's points, [B, k, d] fp32 (0 for an empty one). Sums by sorting the points by
-    cluster and differencing a float64 running sum: no atomics, so deterministic on CUDA too (index_add_
-    there adds in no fixed order), and float64 keeps the differences exact to fp32 precision."""
+    """Mean of each cluster's points, [B, k, d] fp32 (0 for an empty one)."""
     b, n, d = x.shape
+    counts = _cluster_counts(assign, k)
+    if x.device.type == "cpu":  # index_add_ adds in index order here: deterministic, and the fastest
+        flat = (assign + torch.arange(b)[:, None] * k).view(-1)
+        sums = torch.zeros(b * k, d).index_add_(0, flat, x.reshape(b * n, d)).view(b, k, d)
+    else:
+        sums = _sorted_sums(x, assign, counts).float()
+    return sums / counts.clamp(min=1)[..., None]
+
+
+def _sorted_sums(x: torch.Tensor, assign: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Each cluster's sum of points [B, k, d] float64, by sorting the points by cluster and differencing
+    a float64 running sum: no atomics (index_add_ on CUDA adds in no fixed order, so results would vary
+    run to run), and float64 keeps the differences exact to fp32 precision."""
+    b, n, d = x.shape
+    k = counts.shape[1]
     order = assign.argsort(dim=1, stable=True)
     run = x.gather(1, order[..., None].expand(b, n, d)).double().cumsum(1)
     run = torch.cat([run.new_zeros(b, 1, d), run], 1)  # [B, n + 1, d]
-    counts = _cluster_counts(assign, k)
     end = counts.cumsum(1)[..., None].expand(b, k, d)
-    sums = run.gather(1, end) - run.gather(1, end - counts[..., None])
-    return (sums / counts.clamp(min=1)[..., None]).float()
+    return run.gather(1, end) - run.gather(1, end - counts[..., None])
 
 
 def _kmeans(x: torch.Tensor, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
