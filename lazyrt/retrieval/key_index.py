@@ -23,10 +23,11 @@ groups of 16 lists; each group and each list gets a probe vector and bias fit by
 that q . probe + bias predicts its best score q . k (centred per query). A query scores the group
 probes, then the list probes of its best groups only (those holding 5x the keys it will scan), and
 scans lists in that order. On two texts (6 layers, 2,048-token chunk), at 4.9% of the keys scanned:
-0.94-0.95 of the exact top-10 (plain build 0.86-0.87 at 4.7%), top-32 0.83-0.87 (0.73-0.77), with
+0.94-0.95 of the exact top-10 (plain build 0.87-0.88 at 4.7%), top-32 0.83-0.87 (0.74-0.78), with
 8% of the keys' count in probe products (plain: 12.5%, one per centroid); one level with lists of 8:
-0.92; whitening alone: 0.90 (`benchmarks/experiments/retrieval_recall_aware.py`). Build: ~0.8 s per
-chunk-layer (3 KV heads, one CPU thread) vs 0.07 s.
+0.92; whitening alone: 0.90 (`benchmarks/experiments/retrieval_recall_aware.py`). Build (torch
+k-means, one CPU thread, 3 KV heads): ~0.9-1.0 s per chunk-layer vs 0.12-0.14 s (faiss: 1.1-1.25 s
+vs 0.06-0.09 s).
 """
 
 from __future__ import annotations
