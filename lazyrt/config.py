@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 
 from lazyrt.cache.eviction import EVICTION_POLICIES
@@ -222,10 +221,6 @@ def check_retrieval_options(cfg: EngineConfig) -> None:
         raise ValueError(
             "retrieval_attention cannot be combined with doc_attention_temperature / "
             "doc_attention_scale other than 1 (the retrieved keys are attended plainly)"
-        )
-    if importlib.util.find_spec("faiss") is None:
-        raise ValueError(
-            "retrieval_attention: needs faiss for its key indexes (pip install 'lazyrt[retrieval]')"
         )
 
 

@@ -71,7 +71,6 @@ def test_engine_reuses_documents_from_the_host(overlap):
 def test_retrieval_attention_exact_on_cuda(overlap):
     """Retrieval attention through the Triton shared-chunk kernel and merge: documents pushed to the
     host tier and attended there with top-k covering every key give a roomy engine's tokens."""
-    pytest.importorskip("faiss")
     rng = random.Random()
     kw = dict(load_format="dummy", device="cuda", dtype="float32", overlap_schedule=overlap)
     roomy = Engine("smollm2-135m", kv_cache_tokens=8192, **kw)

@@ -32,7 +32,6 @@ from lazyrt.retrieval.host_attention import (
 )
 
 VOCAB = 49152
-pytest.importorskip("faiss")
 
 
 def ids(rng: random.Random, n: int) -> list[int]:

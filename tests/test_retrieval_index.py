@@ -15,8 +15,6 @@ import torch
 from lazyrt.kernels.rope import RopeCache, apply_rope_ref
 from lazyrt.retrieval import build_key_index, retrieval_attention_ref, search_key_index
 
-pytest.importorskip("faiss")  # a test dependency (pip install -e ".[test]")
-
 
 class _Cfg:
     rope_theta, rope_scaling = 10000.0, None

@@ -17,8 +17,6 @@ import pytest
 
 from lazyrt import Engine, SamplingParams
 
-pytest.importorskip("faiss")
-
 # full attention's top-2 log-probabilities closer than this: a near-tie, either token is its answer (at the
 # tie above, retrieval moved the two by +0.30 / -0.39: its top-k keeps the needle, drops the filler's tail)
 TIE_NATS = 0.5

@@ -14,7 +14,6 @@ from lazyrt import Engine, RagPrompt, SamplingParams
 from lazyrt.runtime.scheduler.scheduler import RequestTooLarge
 
 VOCAB = 49152
-pytest.importorskip("faiss")
 
 
 def ids(rng: random.Random, n: int) -> list[int]:

@@ -6,12 +6,11 @@ a query at position p of a request where the chunk starts at pos_base b scores R
 So one index per (chunk, layer, KV head) is built once. Here: the first `--chunk` tokens of a text
 are the chunk (pos_base 0, so the in-context keys are the chunk's own); the next tokens' queries are
 the test queries. The first `--sink` keys (attention sinks) are left out of the index (always
-attended exactly). Keys are clustered with faiss k-means (C lists); a query probes lists in order of
-its inner product with their centroids until the scanned keys reach a target share; recall@k =
-share of the exact top-k among the top-k of the scanned keys. Scan counts keys only; the C centroid
-products are reported beside it.
+attended exactly). Keys are clustered by lazyrt.retrieval.key_index.kmeans (the index's k-means) into
+C lists; a query probes lists in order of its inner product with their centroids until the scanned
+keys reach a target share; recall@k = share of the exact top-k among the top-k of the scanned keys.
+Scan counts keys only; the C centroid products are reported beside it.
 
-    pip install faiss-cpu   # not a lazyrt dependency yet
     python benchmarks/experiments/retrieval_recall.py --text /usr/share/common-licenses/GPL-3
 """
 
@@ -21,8 +20,9 @@ import argparse
 import glob
 import os
 
-import numpy as np
 import torch
+
+from lazyrt.retrieval.key_index import kmeans
 
 
 def capture(model_dir: str, text: str, tokens: int) -> dict:
@@ -61,8 +61,6 @@ def rotate(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
 
 
 def main(argv=None) -> None:
-    import faiss
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model-dir", default=None, help="HF dir (default: the converted default model)")
     ap.add_argument("--text", default="/usr/share/common-licenses/GPL-3")
@@ -93,10 +91,8 @@ def main(argv=None) -> None:
             scores = q @ keys.T
             exact = {k: scores.topk(k, -1).indices for k in args.top_k}
             for C in args.lists:
-                km = faiss.Kmeans(d, C, niter=25, seed=1, verbose=False, min_points_per_centroid=1)
-                km.train(np.ascontiguousarray(keys.numpy()))
-                cent = torch.from_numpy(km.centroids)
-                assign = torch.cdist(keys, cent).argmin(1)
+                assign, cent = kmeans(keys[None], C, seed=1, niter=25)
+                assign, cent = assign[0], cent[0]
                 sizes = torch.bincount(assign, minlength=C).float()
                 order = (q @ cent.T).argsort(-1, descending=True)
                 for frac in args.scan:

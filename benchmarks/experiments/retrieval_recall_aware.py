@@ -102,7 +102,7 @@ def main(argv=None) -> None:
     ap.add_argument("--sink", type=int, default=4)
     ap.add_argument("--scan", type=float, nargs="+", default=[0.05, 0.10])
     ap.add_argument("--layer-step", type=int, default=5, help="every Nth layer")
-    ap.add_argument("--threads", type=int, default=1, help="torch/faiss threads (build times)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (build times)")
     ap.add_argument(
         "--aware-configs",
         nargs="*",
@@ -110,10 +110,7 @@ def main(argv=None) -> None:
         help="more 2-level aware builds, each KEYS_PER_LIST/LISTS_PER_GROUP/GROUP_SCAN (e.g. 2/8/3)",
     )
     args = ap.parse_args(argv)
-    import faiss
-
     torch.set_num_threads(args.threads)
-    faiss.omp_set_num_threads(args.threads)
     cache = os.environ.get("LAZYRT_CACHE_DIR", os.path.expanduser("~/.cache/lazyrt"))
     model_dir = args.model_dir or sorted(glob.glob(f"{cache}/gguf/SmolLM2*"))[-1]
     L, top_ks = args.chunk, [10, 32]

@@ -1,7 +1,7 @@
 """Retrieval attention over position-free chunks (issue 15; RetrievalAttention, arXiv 2409.10516).
 
 - key_index.py: KeyIndex: one chunk's keys (one layer, every KV head), rotated at chunk-local
-  positions, in inverted lists (faiss k-means); search for each query's top-k keys. Attention-aware
+  positions, in inverted lists (k-means in torch); search for each query's top-k keys. Attention-aware
   build from the chunk's own prefill queries: whitened two-level lists with least-squares probes.
 - attention.py: attention of queries over a chunk's sink keys and retrieved keys, with the lse for
   merging with the exact parts of a step (torch reference).

@@ -5,12 +5,13 @@ the chunk: a query at position p, where the chunk starts at pos_base b, scores R
 So one index per (chunk, layer) serves every request; the caller turns the query into the chunk's
 frame (by p - b) before searching.
 
-Each KV head's keys are clustered by k-means (faiss) into lists. A query scans the lists in order of
-its inner product with their centroids until it has scanned `scan` of the keys, and keeps the exact
-top-k of what it scanned. On the default model's real keys (2,048-token chunk, 8 keys a list) that
-finds 86% of the exact top-10 scanning 5% of the keys and 94% at 10%
-(`benchmarks/experiments/retrieval_recall.py`). The first `sink` keys (the chunk's first tokens draw
-a large share of attention) are not indexed: the caller attends to them exactly.
+Each KV head's keys are clustered by k-means (`kmeans`: torch, every KV head at once, on the keys'
+device) into lists. A query scans the lists in order of its inner product with their centroids until
+it has scanned `scan` of the keys, and keeps the exact top-k of what it scanned. On the default
+model's real keys (2,048-token chunk, 8 keys a list) that finds 86% of the exact top-10 scanning 5%
+of the keys and 94% at 10% (`benchmarks/experiments/retrieval_recall.py`). The first `sink` keys
+(the chunk's first tokens draw a large share of attention) are not indexed: the caller attends to
+them exactly.
 
 Attention-aware build (`queries=`, the chunk's own prefill queries R(i) q_i with the RoPE cache):
 queries and keys are differently distributed, and the centroid order is the weak part (probing lists
@@ -22,10 +23,11 @@ groups of 16 lists; each group and each list gets a probe vector and bias fit by
 that q . probe + bias predicts its best score q . k (centred per query). A query scores the group
 probes, then the list probes of its best groups only (those holding 5x the keys it will scan), and
 scans lists in that order. On two texts (6 layers, 2,048-token chunk), at 4.9% of the keys scanned:
-0.94-0.95 of the exact top-10 (plain build 0.86-0.87 at 4.7%), top-32 0.83-0.87 (0.73-0.77), with
+0.94-0.95 of the exact top-10 (plain build 0.87-0.88 at 4.7%), top-32 0.83-0.87 (0.74-0.78), with
 8% of the keys' count in probe products (plain: 12.5%, one per centroid); one level with lists of 8:
-0.92; whitening alone: 0.90 (`benchmarks/experiments/retrieval_recall_aware.py`). Build: ~0.8 s per
-chunk-layer (3 KV heads, one CPU thread) vs 0.07 s.
+0.92; whitening alone: 0.90 (`benchmarks/experiments/retrieval_recall_aware.py`). Build (torch
+k-means, one CPU thread, 3 KV heads): ~0.9-1.0 s per chunk-layer vs 0.12-0.14 s (faiss: 1.1-1.25 s
+vs 0.06-0.09 s).
 """
 
 from __future__ import annotations
@@ -33,7 +35,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from lazyrt.kernels.rope import RopeCache, apply_rope_ref
@@ -97,29 +98,36 @@ def build_key_index(
     m = n - sink
     lists = max(1, m // keys_per_list)
     groups = lists // lists_per_group if queries is not None else 0  # two levels: 2+ groups
-    train = None
-    if queries is not None:
-        train = _training_queries(queries, rope, n, kv_heads, d, seed)  # [kv_heads, N, d]
+    if queries is None:  # every KV head clustered at once, on the keys' device
+        a, c = kmeans(keys[sink:].transpose(0, 1), lists, seed)
+        a, c = a.cpu(), c.cpu()
+        counts = _cluster_counts(a, lists)
+        return KeyIndex(
+            c,
+            a.argsort(dim=1, stable=True) + sink,
+            torch.cat([torch.zeros(kv_heads, 1, dtype=torch.int64), counts.cumsum(1)], 1),
+            a,
+            sink,
+            n,
+        )
+    train = _training_queries(queries, rope, n, kv_heads, d, seed)  # [kv_heads, N, d]
+    kh = keys[sink:].float().cpu().transpose(0, 1)  # [kv_heads, m, d]
+    # whiten by the queries' second moment: E_q (q . (k - c))^2 = |W^T (k - c)|^2
+    e, v = torch.linalg.eigh(train.transpose(1, 2) @ train / train.shape[1])
+    x = kh @ (v * e.clamp(min=1e-6 * e.amax(-1, keepdim=True)).sqrt()[:, None, :])  # per head
     cents, slots, offsets, list_of, probes, group_probes, group_of = [], [], [], [], [], [], []
+    flat = kmeans(x, lists, seed)[0] if groups < 2 else None  # one level: every KV head at once
     for h in range(kv_heads):
-        kh = keys[sink:, h].float().cpu()
-        w = torch.eye(d)
-        if train is not None:  # whiten by the queries' second moment: E_q (q . (k - c))^2 = |W^T (k - c)|^2
-            e, v = torch.linalg.eigh(train[h].T @ train[h] / train.shape[1])
-            w = v * e.clamp(min=1e-6 * float(e.max())).sqrt()
-        x = np.ascontiguousarray((kh @ w).numpy())
-        if groups >= 2:
-            ga, a, go = _two_level_kmeans(x, groups, lists, seed)
-            group_probes.append(_fit_probes(train[h], kh, ga, torch.bincount(ga, minlength=groups), ridge))
-            group_of.append(go)
-            c = None
+        if flat is not None:
+            a = flat[h]
         else:
-            a, c = _kmeans(x, lists, seed)
+            ga, a, go = _two_level_kmeans(x[h], groups, lists, seed)
+            group_probes.append(_fit_probes(train[h], kh[h], ga, torch.bincount(ga, minlength=groups), ridge))
+            group_of.append(go)
         counts = torch.bincount(a, minlength=lists)
-        if train is not None or c is None:  # the lists' means in the keys' space
-            c = torch.zeros(lists, d).index_add_(0, a, kh) / counts.clamp(min=1)[:, None]
-        if train is not None:
-            probes.append(_fit_probes(train[h], kh, a, counts, ridge))
+        # the lists' means in the keys' space (the clusters were made in the whitened one)
+        c = torch.zeros(lists, d).index_add_(0, a, kh[h]) / counts.clamp(min=1)[:, None]
+        probes.append(_fit_probes(train[h], kh[h], a, counts, ridge))
         order = torch.argsort(a, stable=True)
         cents.append(c)
         slots.append(order + sink)
@@ -133,26 +141,109 @@ def build_key_index(
         stack(list_of),
         sink,
         n,
-        stack(probes) if probes else None,
+        stack(probes),
         stack(group_probes) if group_probes else None,
         stack(group_of) if group_of else None,
         group_scan,
     )
 
 
-def _kmeans(x: np.ndarray, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """faiss k-means of x [n, d] into k <= n clusters: (assignment [n] int64, centroids [k, d])."""
-    import faiss  # optional dependency: pip install lazyrt[retrieval]
+def kmeans(x: torch.Tensor, k: int, seed: int = 0, niter: int = 20) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lloyd's k-means of B independent problems at once, in fp32 on x's device.
 
-    if k <= 1:
-        return torch.zeros(x.shape[0], dtype=torch.int64), torch.from_numpy(x.mean(0, keepdims=True))
-    km = faiss.Kmeans(x.shape[1], k, niter=20, seed=seed, verbose=False, min_points_per_centroid=1)
-    km.train(x)
-    _, assign = km.index.search(x, 1)
-    return torch.from_numpy(assign[:, 0].astype(np.int64)), torch.from_numpy(km.centroids.copy())
+    x [B, n, d] (B problems, e.g. KV heads, or layers x KV heads; any float dtype), 1 <= k <= n.
+    Returns (assign [B, n] int64, centroids [B, k, d] fp32): every cluster holds at least one point and
+    each centroid is the mean of its points. Starts from k distinct points drawn by a CPU generator
+    seeded with `seed`: the same draw for every problem, so a problem gets the same clusters batched
+    as alone. Runs at most `niter` rounds (assign each point to its nearest centroid, then move each
+    centroid to its points' mean), fewer once no point changes cluster: then each point's cluster is
+    also its nearest centroid. Deterministic for a given seed on a given device."""
+    if x.dim() != 3:
+        raise ValueError(f"x must be [B, n, d], got shape {tuple(x.shape)}")
+    if not x.is_floating_point():
+        raise ValueError(f"x must be a float tensor, got {x.dtype}")
+    b, n, _ = x.shape
+    if not 1 <= k <= n:
+        raise ValueError(f"k={k}: must be in [1, n={n}]")
+    if niter < 1:
+        raise ValueError(f"niter={niter}: must be >= 1")
+    x = x.float()
+    first = torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:k].to(x.device)
+    cents = x[:, first]
+    xx = x.square().sum(-1)  # [B, n]
+    assign = None
+    for _ in range(niter):
+        # |x - c|^2 less |x|^2 (the same for every centroid of a point): one batched product, [B, k, n]
+        # (on the CPU this layout's product is ~1.7x faster than [B, n, k])
+        part = torch.baddbmm(cents.square().sum(-1)[:, :, None], cents, x.transpose(1, 2), alpha=-2.0)
+        near, new = part.min(1)
+        new = _fill_empty(new, near + xx, k)
+        if assign is not None and torch.equal(new, assign):
+            break
+        assign = new
+        cents = _cluster_means(x, assign, k)
+    return assign, cents
 
 
-def _two_level_kmeans(x: np.ndarray, groups: int, lists: int, seed: int):
+def _cluster_counts(assign: torch.Tensor, k: int) -> torch.Tensor:
+    return torch.zeros(assign.shape[0], k, dtype=torch.int64, device=assign.device).scatter_add_(
+        1, assign, torch.ones_like(assign)
+    )
+
+
+def _fill_empty(assign: torch.Tensor, dist: torch.Tensor, k: int) -> torch.Tensor:
+    """assign [B, n] with each empty cluster given one point: the points farthest from their centroid
+    (dist [B, n]) move, farthest first, to the empty clusters in order. Each non-empty cluster keeps
+    its lowest-numbered point, so a move never empties another cluster and, with k <= n, there are
+    always enough points to move."""
+    b, n = assign.shape
+    empty = _cluster_counts(assign, k) == 0
+    need = empty.sum(1, keepdim=True)  # [B, 1]
+    most = int(need.max())
+    if most == 0:
+        return assign
+    idx = torch.arange(n, device=assign.device)
+    keep = torch.full((b, k), n, dtype=torch.int64, device=assign.device)
+    keep.scatter_reduce_(1, assign, idx.expand(b, n), "amin")
+    kept = keep.gather(1, assign) == idx
+    far = dist.masked_fill(kept, float("-inf")).topk(most, 1).indices  # [B, most], farthest first
+    targets = torch.sort((~empty).to(torch.int8), dim=1, stable=True).indices[:, :most]  # empty ones first
+    use = torch.arange(most, device=assign.device) < need
+    return assign.scatter(1, far, torch.where(use, targets, assign.gather(1, far)))
+
+
+def _cluster_means(x: torch.Tensor, assign: torch.Tensor, k: int) -> torch.Tensor:
+    """Mean of each cluster's points, [B, k, d] fp32 (0 for an empty one)."""
+    b, n, d = x.shape
+    counts = _cluster_counts(assign, k)
+    if x.device.type == "cpu":  # index_add_ adds in index order here: deterministic, and the fastest
+        flat = (assign + torch.arange(b)[:, None] * k).view(-1)
+        sums = torch.zeros(b * k, d).index_add_(0, flat, x.reshape(b * n, d)).view(b, k, d)
+    else:
+        sums = _sorted_sums(x, assign, counts).float()
+    return sums / counts.clamp(min=1)[..., None]
+
+
+def _sorted_sums(x: torch.Tensor, assign: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Each cluster's sum of points [B, k, d] float64, by sorting the points by cluster and differencing
+    a float64 running sum: no atomics (index_add_ on CUDA adds in no fixed order, so results would vary
+    run to run), and float64 keeps the differences exact to fp32 precision."""
+    b, n, d = x.shape
+    k = counts.shape[1]
+    order = assign.argsort(dim=1, stable=True)
+    run = x.gather(1, order[..., None].expand(b, n, d)).double().cumsum(1)
+    run = torch.cat([run.new_zeros(b, 1, d), run], 1)  # [B, n + 1, d]
+    end = counts.cumsum(1)[..., None].expand(b, k, d)
+    return run.gather(1, end) - run.gather(1, end - counts[..., None])
+
+
+def _kmeans(x: torch.Tensor, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """kmeans of one problem x [n, d] into k <= n clusters: (assignment [n] int64, centroids [k, d])."""
+    assign, cents = kmeans(x[None], k, seed)
+    return assign[0], cents[0]
+
+
+def _two_level_kmeans(x: torch.Tensor, groups: int, lists: int, seed: int):
     """k-means into `groups`, then each group into lists (their number in proportion to its size, in
     all `lists`). Returns (group of each point, list of each point, group of each list)."""
     ga, _ = _kmeans(x, groups, seed)
@@ -171,7 +262,7 @@ def _two_level_kmeans(x: np.ndarray, groups: int, lists: int, seed: int):
     for g in range(groups):
         idx = (ga == g).nonzero()[:, 0]
         if len(idx):
-            sub, _ = _kmeans(np.ascontiguousarray(x[idx.numpy()]), int(alloc[g]), seed)
+            sub, _ = _kmeans(x[idx], int(alloc[g]), seed)
             a[idx] = sub + first[g]
     return ga, a, torch.repeat_interleave(torch.arange(groups), alloc)
 
