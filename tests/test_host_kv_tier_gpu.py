@@ -86,3 +86,31 @@ def test_retrieval_attention_exact_on_cuda(overlap):
         assert tight.generate(p, sp)[0]["token_ids"] == roomy.generate(p, sp)[0]["token_ids"]
     s = tight.cache_stats()
     assert s["chunk_host_attended"] >= 2 and s["held_pages"] == 0 and tight.runner.retrieval_steps > 0
+
+
+def test_retrieval_index_builds_cluster_on_cuda(monkeypatch):
+    """A CUDA engine's host-chunk index builds run their k-means on the GPU (RetrievalOptions.build_device)
+    and the search path then answers (approximate: top-k below the chunk's keys)."""
+    import lazyrt.retrieval.key_index as key_index
+
+    devices, kmeans = [], key_index.kmeans
+
+    def spy(x, *a, **kw):
+        devices.append(x.device.type)
+        return kmeans(x, *a, **kw)
+
+    monkeypatch.setattr(key_index, "kmeans", spy)
+    rng = random.Random()
+    tight = Engine("smollm2-135m", load_format="dummy", device="cuda", dtype="float32",
+                   kv_cache_tokens=16 * 14, host_kv_cache_tokens=16 * 64, retrieval_attention=True,
+                   retrieval_top_k=8, retrieval_sink=4, retrieval_build_threads=0,
+                   max_running_requests=1)  # fmt: skip
+    vocab = tight.model_config.vocab_size
+    ids = lambda n: [rng.randrange(100, vocab) for _ in range(n)]  # noqa: E731
+    prefix, docs = ids(20), [ids(rng.randint(60, 90)) for _ in range(6)]
+    sp = SamplingParams(max_tokens=4, ignore_eos=True)
+    prompts = [RagPrompt(prefix, docs[:3], ids(4)), RagPrompt(prefix, docs[3:], ids(4))]
+    for p in prompts + [RagPrompt(prefix, docs, ids(5))]:
+        assert len(tight.generate(p, sp)[0]["token_ids"]) == 4
+    assert tight.runner.host_indexes.builds > 0 and devices and set(devices) == {"cuda"}
+    assert tight.cache_stats()["held_pages"] == 0
