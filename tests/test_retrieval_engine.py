@@ -181,8 +181,34 @@ def test_background_index_builds_serve_every_request(tiny_model_dir):
     outs = _run(eng, warm + big, SamplingParams(max_tokens=3, ignore_eos=True))
     assert all(len(o["token_ids"]) == 3 for o in outs)
     assert eng.runner.host_indexes.wait(60)
-    assert 0 < eng.runner.host_indexes.builds <= 3 * eng.model_config.num_layers
-    assert eng.cache_stats()["held_pages"] == 0
+    # each chunk that went to the host is indexed once per layer: as it left (or at first use)
+    s = eng.cache_stats()
+    assert 0 < eng.runner.host_indexes.builds <= s["chunk_offloads"] * eng.model_config.num_layers
+    assert s["held_pages"] == 0
+
+
+def test_chunks_are_indexed_as_they_leave_the_device(tiny_model_dir):
+    """With builder threads, a chunk offloaded to the host tier is indexed right away from its device
+    pages (every layer, one k-means over several layers' heads): the indexes exist before any request
+    attends the chunk on the host, and the requests that then search them get the tokens of an engine
+    that builds each index in the step from the host copy."""
+    path = tiny_model_dir("llama")
+    rng = random.Random()
+    warm, big = _workload(rng)
+    sp = SamplingParams(max_tokens=4, ignore_eos=True)
+    eng, in_step = _tight(path, 8, retrieval_build_threads=2), _tight(path, 8, retrieval_build_threads=0)
+    layers = eng.model_config.num_layers
+    got = _run(eng, warm, sp)
+    indexes = eng.runner.host_indexes
+    assert indexes.wait(60)
+    s = eng.cache_stats()
+    assert s["chunk_offloads"] >= 1 and s["chunk_host_attended"] == 0  # no request has searched yet
+    assert indexes.builds == s["chunk_offloads"] * layers  # (every warm document has > 8 + 4 keys)
+    for p in big:
+        got += _run(eng, [p], sp)
+        assert indexes.wait(60)
+    assert eng.cache_stats()["chunk_host_attended"] >= 2
+    assert [o["token_ids"] for o in got] == [o["token_ids"] for o in _run(in_step, warm + big, sp)]
 
 
 @pytest.mark.parametrize(
@@ -227,7 +253,11 @@ def test_per_request_top_k(tiny_model_dir):
     eng = _tight(path, 2)
     got = _run(eng, warm + big, exact)
     assert [o["token_ids"] for o in got] == want
-    assert eng.runner.host_indexes.builds == 0 and eng.cache_stats()["chunk_host_attended"] >= 2
+    s = eng.cache_stats()
+    assert s["chunk_host_attended"] >= 2 and eng.runner.host_indexes.wait(60)
+    # the only indexes are those built as chunks left the device (for the engine's top-k): the
+    # exact requests never asked for one
+    assert eng.runner.host_indexes.builds == s["chunk_offloads"] * eng.model_config.num_layers
     with pytest.raises(ValueError, match="retrieval_top_k"):
         SamplingParams(retrieval_top_k=0)
     from lazyrt.runtime.scheduler.scheduler import RequestRejected

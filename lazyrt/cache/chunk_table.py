@@ -54,6 +54,7 @@ class Transfer:
     chunk: Chunk | None
     src: list[int]
     dst: list[int]
+    num_tokens: int = 0  # the chunk's tokens (offloads: the worker may index its keys on the way out)
 
 
 class ChunkTable:
@@ -294,7 +295,7 @@ class ChunkTable:
             chunk.host_pages = host.alloc(n)
         except OutOfPages:
             return False
-        self._offloads.append(Transfer(chunk, chunk.pages, chunk.host_pages))
+        self._offloads.append(Transfer(chunk, chunk.pages, chunk.host_pages, len(chunk.tokens)))
         self.stats.offloads += 1
         self.stats.offload_pages += n
         return True

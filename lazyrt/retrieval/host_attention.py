@@ -24,6 +24,7 @@ per-part torch reference (retrieval_attention_ref part by part) it equals.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import queue
 import threading
@@ -183,17 +184,36 @@ class HostIndexCache:
             if key in self._failed:
                 raise self._failed.pop(key)
             if key not in self._queued:
-                if self._queue is None:
-                    self._queue = queue.SimpleQueue()
-                    weakref.finalize(self, _stop_builders, self._queue, self.build_threads)
-                    for i in range(self.build_threads):
-                        threading.Thread(
-                            target=_build_loop, args=(weakref.ref(self), self._queue),
-                            name=f"retrieval-index-{i}", daemon=True,
-                        ).start()  # fmt: skip
+                self._start_builders()
                 token = self._queued[key] = object()
                 self._queue.put((key, build, token))
         return None
+
+    def prebuild(self, keys: list[tuple], build) -> None:
+        """Queues one build of several indexes (build() -> [(KeyIndex, local keys)] in keys' order):
+        a chunk's layers indexed together as it moves to the host. Needs build_threads > 0; keys
+        already built or queued are left alone (the whole job is skipped when none is missing)."""
+        if not self.build_threads:
+            raise ValueError("prebuild needs build_threads > 0")
+        with self._lock:
+            if all(k in self._indexes or k in self._queued for k in keys):
+                return
+            self._start_builders()
+            token = object()
+            for k in keys:
+                if k not in self._indexes:
+                    self._queued[k] = token
+            self._queue.put((tuple(keys), build, token, True))
+
+    def _start_builders(self) -> None:
+        if self._queue is None:  # (under self._lock)
+            self._queue = queue.SimpleQueue()
+            weakref.finalize(self, _stop_builders, self._queue, self.build_threads)
+            for i in range(self.build_threads):
+                threading.Thread(
+                    target=_build_loop, args=(weakref.ref(self), self._queue),
+                    name=f"retrieval-index-{i}", daemon=True,
+                ).start()  # fmt: skip
 
     def _built(self, key: tuple, token: object, entry: IndexEntry | None, error: Exception | None) -> None:
         with self._lock:
@@ -250,6 +270,53 @@ class HostIndexCache:
             self._idle.notify_all()
 
 
+LAYERS_PER_BUILD = 4  # layers clustered in one k-means call (its buffers grow with layers x KV heads)
+
+
+def offload_index_build(kv_all: torch.Tensor, pages: list[int], num_tokens: int, sink: int, rope: RopeCache):
+    """A build() for HostIndexCache.prebuild: every layer's index of a chunk leaving the device, from
+    its device pages `pages` of kv_all [layers, pages, 2, page_size, kv_heads, D]. The keys are copied
+    now, in stream order (the pages may be refilled once the offload is queued); the build, on a
+    builder thread, rotates them to local positions and clusters LAYERS_PER_BUILD layers' KV heads in
+    one k-means on their device (rope: a RopeCache there). Returns [(KeyIndex, local keys on the CPU
+    in the pages' dtype)] per layer."""
+    dev = kv_all.device
+    keys = kv_all[:, torch.tensor(pages, device=dev), 0]  # a copy: [layers, pages, page_size, kv_heads, D]
+    cuda = dev.type == "cuda"
+    ready = torch.cuda.Event() if cuda else None
+    if ready is not None:
+        ready.record()
+
+    def build() -> list[tuple[KeyIndex, torch.Tensor]]:
+        layers, _, _, kv_heads, d = keys.shape
+        n = num_tokens
+        out: list[tuple[KeyIndex, torch.Tensor]] = []
+        stream = torch.cuda.Stream(dev) if cuda else None
+        on_stream = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+        with torch.inference_mode(), on_stream:
+            if ready is not None:
+                stream.wait_event(ready)
+            k = keys.view(layers, -1, kv_heads, d)[:, :n].permute(1, 0, 2, 3)  # [n, layers, kv_heads, D]
+            for lo in range(0, layers, LAYERS_PER_BUILD):
+                kl = k[:, lo : lo + LAYERS_PER_BUILD]
+                m = kl.shape[1]
+                pos = torch.arange(n, device=dev)
+                local = apply_rope_ref(kl.reshape(n, m * kv_heads, d).float(), pos, rope)
+                index = build_key_index(local, sink=sink)  # the layers' heads as one batch; on the CPU after
+                local = local.to(keys.dtype).cpu().view(n, m, kv_heads, d)
+                out += [(_layer_of(index, i, kv_heads), local[:, i]) for i in range(m)]
+        return out
+
+    return build
+
+
+def _layer_of(index: KeyIndex, i: int, kv_heads: int) -> KeyIndex:
+    """Layer i's KV heads of an index built over several layers' heads at once (plain build)."""
+    h = slice(i * kv_heads, (i + 1) * kv_heads)
+    return KeyIndex(index.centroids[h], index.slots[h], index.offsets[h], index.list_of[h], index.sink,
+                    index.num_keys)  # fmt: skip
+
+
 def _build_loop(cache_ref: weakref.ref, jobs: queue.SimpleQueue) -> None:
     """A builder thread: builds queued indexes until its cache is collected (it holds the cache only
     while handing a result over). A job whose key was invalidated while queued is skipped."""
@@ -260,20 +327,26 @@ def _build_loop(cache_ref: weakref.ref, jobs: queue.SimpleQueue) -> None:
         del job  # (its build closure holds the cache: not while waiting for the next)
 
 
-def _run_build(cache_ref: weakref.ref, key: tuple, build, token: object) -> bool:
-    """Builds one queued index unless it went stale; False when the cache is gone."""
+def _run_build(cache_ref: weakref.ref, key: tuple, build, token: object, many: bool = False) -> bool:
+    """Builds one queued job unless it went stale; False when the cache is gone. A job is one key, or
+    (many, from prebuild) a tuple of keys that one build() answers in order."""
     cache = cache_ref()
     if cache is None:
         return False
+    keys = key if many else (key,)
     with cache._lock:
-        stale = cache._queued.get(key) is not token
-    if not stale:
-        entry = error = None
+        live = [cache._queued.get(k) is token for k in keys]
+    if any(live):
+        entries: list = [None] * len(keys)
+        error = None
         try:
-            entry = IndexEntry(*build())
+            built = build() if many else [build()]
+            entries = [IndexEntry(*b) if ok else None for b, ok in zip(built, live)]
         except Exception as e:  # raised in the step that next asks for it
             error = e
-        cache._built(key, token, entry, error)
+        for k, e, ok in zip(keys, entries, live):
+            if ok:
+                cache._built(k, token, e, error)
     return True
 
 

@@ -148,8 +148,8 @@ class StepMsg:
     # (an empty message without defer collects the last one). A token id of plan.PENDING_TOKEN =
     # the token the previous step samples for that item's request, filled in on the device.
     defer: bool = False
-    # Host KV tier, run before `copies` and the kernels: [device pages, host pages] offloads, then
-    # [host pages, device pages] loads.
+    # Host KV tier, run before `copies` and the kernels: [device pages, host pages, chunk tokens]
+    # offloads, then [host pages, device pages] loads.
     offloads: list[list] = field(default_factory=list)
     loads: list[list] = field(default_factory=list)
 

@@ -27,7 +27,7 @@ class StepEncoder:
         items = [self._item(it) for it in plan.items]
         copies = [[list(c.src), list(c.dst), c.delta] for c in plan.copies]
         probes = [self._item(it) for it in plan.probes]  # no request: segments always sent
-        offloads = [[list(t.src), list(t.dst)] for t in plan.offloads]
+        offloads = [[list(t.src), list(t.dst), t.num_tokens] for t in plan.offloads]
         loads = [[list(t.src), list(t.dst)] for t in plan.loads]
         return StepMsg(items, copies, list(release), probes, defer, offloads, loads)
 
@@ -112,7 +112,7 @@ class StepDecoder:
                 )
             )
         plan.copies = [PageCopy(list(s), list(d), delta) for s, d, delta in msg.copies]
-        plan.offloads = [Transfer(None, list(s), list(d)) for s, d in msg.offloads]
+        plan.offloads = [Transfer(None, list(s), list(d), n) for s, d, n in msg.offloads]
         plan.loads = [Transfer(None, list(s), list(d)) for s, d in msg.loads]
         return plan
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from lazyrt.cache.chunk_table import Transfer
 from lazyrt.cache.host_pool import HostKVPool
 from lazyrt.cache.page_pool import PagePool
 from lazyrt.kernels.attention_ref import copy_rerotate_pages_ref
@@ -20,6 +21,7 @@ from lazyrt.retrieval.host_attention import (
     RetrievalOptions,
     add_host_pairs,
     host_rows,
+    offload_index_build,
 )
 from lazyrt.runtime.scheduler.plan import PENDING_TOKEN, ForwardItem, PageCopy, StepPlan
 from lazyrt.runtime.scheduler.recompute import PROBE_LAYER
@@ -211,11 +213,26 @@ class ModelRunner:
             raise RuntimeError("a step moves pages to or from the host tier, but this worker has none")
         for t in plan.offloads:
             self.host_indexes.invalidate(t.dst)  # those host pages now hold another chunk
+            self._index_on_offload(t)
             self.host_kv.offload(t.src, t.dst)
         for t in plan.loads:
             self.host_kv.load(t.src, t.dst)
         if plan.copies:
             self.copy_pages(plan.copies)
+
+    def _index_on_offload(self, t: Transfer) -> None:
+        """Retrieval attention with builder threads: a chunk leaving for the host tier is indexed now,
+        from its device pages (every layer, off the step), so its first step there searches instead
+        of attending every key while the indexes build."""
+        opts = self.retrieval
+        if opts is None or not opts.build_threads or t.num_tokens < 2:
+            return
+        n = t.num_tokens
+        sink = min(opts.sink, n - 1)  # as HostAttention's parts
+        if opts.top_k >= n - sink:
+            return  # attended exactly: no index
+        keys = [(tuple(t.dst), n, layer, sink) for layer in range(self.pool.kv_all.shape[0])]
+        self.host_indexes.prebuild(keys, offload_index_build(self.pool.kv_all, t.src, n, sink, self.rope))
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> torch.Tensor | None:
