@@ -28,6 +28,12 @@ scans lists in that order. On two texts (6 layers, 2,048-token chunk), at 4.9% o
 0.92; whitening alone: 0.90 (`benchmarks/experiments/retrieval_recall_aware.py`). Build (torch
 k-means, one CPU thread, 3 KV heads): ~0.9-1.0 s per chunk-layer vs 0.12-0.14 s (faiss: 1.1-1.25 s
 vs 0.06-0.09 s).
+
+Why not faiss's k-means (used before): faiss-cpu runs on the CPU only and one problem a call, while
+a 128K context needs ~1,800 chunk-layer builds of 8 KV heads each; the keys are on the GPU when a
+chunk leaves it, where one batched k-means over several layers' heads takes milliseconds. faiss-gpu
+has no wheel on PyPI. Lloyd's iterations are a few torch ops; the search itself is ours either way
+(queries are turned per chunk, lists scanned by a share of keys, batched over chunks).
 """
 
 from __future__ import annotations
