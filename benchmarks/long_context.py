@@ -26,9 +26,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
 import torch
+
+
+def say(msg: str) -> None:
+    """Progress on stderr (a 128K run's phases take minutes)."""
+    print(f"[long_context] {msg}", file=sys.stderr, flush=True)
 
 
 def main() -> None:
@@ -88,15 +94,21 @@ def main() -> None:
             eng.generate(RagPrompt(prefix, docs[i : i + args.warm_docs], rand(4)), one)
         sync()
         warm_s = time.perf_counter() - t
+        indexes = eng.runner.host_indexes
+        say(f"{mode}: documents computed in {warm_s:.1f} s; indexes {indexes.builds} built, "
+            f"{indexes.pending} queued")
         # First use, untimed: CUDA graphs and kernels warm up, and under retrieval attention the
         # request attends its host documents exactly while their indexes are queued for building.
         t = time.perf_counter()
         eng.generate(RagPrompt(prefix, docs, rand(16)), one)
         sync()
         first_use_s = time.perf_counter() - t
+        say(f"{mode}: first use {first_use_s:.1f} s; waiting for {indexes.pending} queued index builds")
         t = time.perf_counter()
-        eng.runner.host_indexes.wait()
+        indexes.wait()
         first_builds_s = time.perf_counter() - t
+        say(f"{mode}: builds done in {first_builds_s:.1f} s ({indexes.builds} indexes); "
+            f"timing batches 1 and {args.batch}")
         for b in (1, args.batch):
             prompts = [RagPrompt(prefix, docs, rand(16)) for _ in range(b)]
             sync()
