@@ -273,37 +273,41 @@ class HostIndexCache:
 LAYERS_PER_BUILD = 4  # layers clustered in one k-means call (its buffers grow with layers x KV heads)
 
 
-def offload_index_build(kv_all: torch.Tensor, pages: list[int], num_tokens: int, sink: int, rope: RopeCache):
-    """A build() for HostIndexCache.prebuild: every layer's index of a chunk leaving the device, from
-    its device pages `pages` of kv_all [layers, pages, 2, page_size, kv_heads, D]. The keys are copied
-    now, in stream order (the pages may be refilled once the offload is queued); the build, on a
-    builder thread, rotates them to local positions and clusters LAYERS_PER_BUILD layers' KV heads in
-    one k-means on their device (rope: a RopeCache there). Returns [(KeyIndex, local keys on the CPU
-    in the pages' dtype)] per layer."""
-    dev = kv_all.device
-    keys = kv_all[:, torch.tensor(pages, device=dev), 0]  # a copy: [layers, pages, page_size, kv_heads, D]
-    cuda = dev.type == "cuda"
-    ready = torch.cuda.Event() if cuda else None
-    if ready is not None:
-        ready.record()
+def offload_index_build(
+    host_kv: torch.Tensor, pages: list[int], num_tokens: int, sink: int, rope: RopeCache, device: str | None
+):
+    """A build() for HostIndexCache.prebuild: every layer's index of a chunk just offloaded to host
+    pages `pages` of host_kv [pages, layers, 2, page_size, kv_heads, D]. On a builder thread it waits
+    for the offload (a CUDA event recorded now, after the copy was queued), copies the keys to
+    `device` (None: stays on the CPU) on a stream of its own, rotates them to local positions and
+    clusters LAYERS_PER_BUILD layers' KV heads in one k-means (rope: a RopeCache on that device).
+    Returns [(KeyIndex, local keys on the CPU in the pages' dtype)] per layer. Nothing is held on the
+    device while the build waits in the queue; if the host pages are reused first, the offload that
+    reuses them invalidates the queued build, so its result is dropped."""
+    cuda = device is not None and torch.device(device).type == "cuda"
+    offloaded = torch.cuda.Event() if cuda else None
+    if offloaded is not None:
+        offloaded.record()
 
     def build() -> list[tuple[KeyIndex, torch.Tensor]]:
-        layers, _, _, kv_heads, d = keys.shape
+        _, layers, _, _, kv_heads, d = host_kv.shape
         n = num_tokens
         out: list[tuple[KeyIndex, torch.Tensor]] = []
-        stream = torch.cuda.Stream(dev) if cuda else None
+        stream = torch.cuda.Stream(device) if cuda else None
         on_stream = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
         with torch.inference_mode(), on_stream:
-            if ready is not None:
-                stream.wait_event(ready)
-            k = keys.view(layers, -1, kv_heads, d)[:, :n].permute(1, 0, 2, 3)  # [n, layers, kv_heads, D]
+            if offloaded is not None:
+                offloaded.synchronize()  # the host pages are read by this thread: the copy must be done
             for lo in range(0, layers, LAYERS_PER_BUILD):
-                kl = k[:, lo : lo + LAYERS_PER_BUILD]
+                kl = host_kv[pages, lo : lo + LAYERS_PER_BUILD, 0]  # [pages, m, page_size, kv_heads, D]
                 m = kl.shape[1]
-                pos = torch.arange(n, device=dev)
-                local = apply_rope_ref(kl.reshape(n, m * kv_heads, d).float(), pos, rope)
+                if cuda:
+                    kl = kl.to(device)
+                kl = kl.transpose(0, 1).reshape(m, -1, kv_heads, d)[:, :n]  # [m, n, kv_heads, D]
+                pos = torch.arange(n, device=kl.device)
+                local = apply_rope_ref(kl.permute(1, 0, 2, 3).reshape(n, m * kv_heads, d).float(), pos, rope)
                 index = build_key_index(local, sink=sink)  # the layers' heads as one batch; on the CPU after
-                local = local.to(keys.dtype).cpu().view(n, m, kv_heads, d)
+                local = local.to(host_kv.dtype).cpu().view(n, m, kv_heads, d)
                 out += [(_layer_of(index, i, kv_heads), local[:, i]) for i in range(m)]
         return out
 

@@ -213,17 +213,17 @@ class ModelRunner:
             raise RuntimeError("a step moves pages to or from the host tier, but this worker has none")
         for t in plan.offloads:
             self.host_indexes.invalidate(t.dst)  # those host pages now hold another chunk
-            self._index_on_offload(t)
             self.host_kv.offload(t.src, t.dst)
+            self._index_on_offload(t)
         for t in plan.loads:
             self.host_kv.load(t.src, t.dst)
         if plan.copies:
             self.copy_pages(plan.copies)
 
     def _index_on_offload(self, t: Transfer) -> None:
-        """Retrieval attention with builder threads: a chunk leaving for the host tier is indexed now,
-        from its device pages (every layer, off the step), so its first step there searches instead
-        of attending every key while the indexes build."""
+        """Retrieval attention with builder threads: a chunk that just left for the host tier is indexed
+        now (every layer, off the step, on the build device), so its first step there searches
+        instead of attending every key while the indexes build."""
         opts = self.retrieval
         if opts is None or not opts.build_threads or t.num_tokens < 2:
             return
@@ -232,7 +232,9 @@ class ModelRunner:
         if opts.top_k >= n - sink:
             return  # attended exactly: no index
         keys = [(tuple(t.dst), n, layer, sink) for layer in range(self.pool.kv_all.shape[0])]
-        self.host_indexes.prebuild(keys, offload_index_build(self.pool.kv_all, t.src, n, sink, self.rope))
+        # self.rope lives on the worker's device: the build device (CUDA) or the CPU
+        build = offload_index_build(self.host_kv.kv, t.dst, n, sink, self.rope, opts.build_device)
+        self.host_indexes.prebuild(keys, build)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> torch.Tensor | None:
