@@ -293,25 +293,35 @@ def offload_index_build(
         _, layers, _, _, kv_heads, d = host_kv.shape
         n = num_tokens
         out: list[tuple[KeyIndex, torch.Tensor]] = []
-        stream = torch.cuda.Stream(device) if cuda else None
-        on_stream = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-        with torch.inference_mode(), on_stream:
+        with torch.inference_mode():
             if offloaded is not None:
                 offloaded.synchronize()  # the host pages are read by this thread: the copy must be done
             for lo in range(0, layers, LAYERS_PER_BUILD):
                 kl = host_kv[pages, lo : lo + LAYERS_PER_BUILD, 0]  # [pages, m, page_size, kv_heads, D]
                 m = kl.shape[1]
-                if cuda:
-                    kl = kl.to(device)
-                kl = kl.transpose(0, 1).reshape(m, -1, kv_heads, d)[:, :n]  # [m, n, kv_heads, D]
-                pos = torch.arange(n, device=kl.device)
-                local = apply_rope_ref(kl.permute(1, 0, 2, 3).reshape(n, m * kv_heads, d).float(), pos, rope)
-                index = build_key_index(local, sink=sink)  # the layers' heads as one batch; on the CPU after
-                local = local.to(host_kv.dtype).cpu().view(n, m, kv_heads, d)
+                kl = kl.transpose(0, 1).reshape(m, -1, kv_heads, d)[:, :n].transpose(0, 1)  # [n, m, ...]
+                # the layers' heads as one batch
+                index, local = _local_index(kl.reshape(n, m * kv_heads, d), sink, rope, device)
+                local = local.view(n, m, kv_heads, d)
                 out += [(_layer_of(index, i, kv_heads), local[:, i]) for i in range(m)]
         return out
 
     return build
+
+
+def _local_index(
+    k: torch.Tensor, sink: int, rope: RopeCache, device: str | None
+) -> tuple[KeyIndex, torch.Tensor]:
+    """(KeyIndex, the keys at local positions on the CPU in k's dtype: kept, so a step does not turn
+    every key again) from stored keys k [n, heads, D]. The keys are turned on rope's device and
+    clustered on `device` (None: the CPU), on a CUDA stream of its own: a builder thread's kernels
+    must not queue behind the model's step."""
+    cuda = device is not None and torch.device(device).type == "cuda"
+    with torch.cuda.stream(torch.cuda.Stream(device)) if cuda else contextlib.nullcontext():
+        at = rope.cos.device
+        local = apply_rope_ref(k.to(at).float(), torch.arange(k.shape[0], device=at), rope)
+        index = build_key_index(local if device is None else local.to(device), sink=sink)  # back on the CPU
+        return index, local.to(k.dtype).cpu()
 
 
 def _layer_of(index: KeyIndex, i: int, kv_heads: int) -> KeyIndex:
@@ -399,19 +409,7 @@ class HostAttention:
     def _builder(self, k: torch.Tensor, sink: int):
         """Builds (KeyIndex, the keys at local positions in k's dtype: kept, so a step does not turn
         every key again; as much memory as the chunk's keys) from keys k [n, kv_heads, D] as stored."""
-
-        dev = self.options.build_device
-
-        def build() -> tuple[KeyIndex, torch.Tensor]:
-            local = apply_rope_ref(k.float(), torch.arange(k.shape[0]), self.rope)
-            if dev is None:
-                return build_key_index(local, sink=sink), local.to(k.dtype)
-            # a stream of its own: a builder thread's kernels must not queue behind the model's step
-            with torch.cuda.stream(torch.cuda.Stream(dev)):
-                index = build_key_index(local.to(dev), sink=sink)  # the index comes back on the CPU
-            return index, local.to(k.dtype)
-
-        return build
+        return lambda: _local_index(k, sink, self.rope, self.options.build_device)
 
     def _part_kv(self, part: HostPart, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         pages = part.pages  # a run of consecutive host pages (the usual case) is a view, not a copy
