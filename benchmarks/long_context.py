@@ -13,6 +13,8 @@ starts once they are built):
              scheduler, in its time to first token), then the request attends the host-resident
              ones through retrieval attention (sink + top-k keys per document, `--top-k`, `--sink`,
              `--scan`).
+  retrieval-shared  retrieval with retrieval_share_lists: on a GPU the query heads of a KV head share
+             one set of scanned lists per token (a 1/group of the keys read from host memory).
 Reported per engine and batch: time to first token, decode seconds per token (the steps after the
 first token, wall clock, synchronized), output tokens/s, peak device memory (torch) and how many of
 the request's documents were attended in the host tier.
@@ -37,6 +39,22 @@ def say(msg: str) -> None:
     print(f"[long_context] {msg}", file=sys.stderr, flush=True)
 
 
+def profile(eng, prompt, cuda: bool, mode: str) -> None:
+    """Where a decode step's time goes: 4 tokens of one request under torch.profiler."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from lazyrt import SamplingParams
+
+    eng.generate(prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))  # its prefill
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with torch_profile(activities=acts) as prof:
+        eng.generate(prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    for key in (["self_cuda_time_total"] if cuda else []) + ["self_cpu_time_total"]:
+        table = prof.key_averages().table(sort_by=key, row_limit=14, max_name_column_width=60)
+        say(f"{mode}: profile by {key}\n{table}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="llama-3.1-8b")
@@ -54,8 +72,14 @@ def main() -> None:
     p.add_argument("--build-threads", type=int, default=1,
                    help="retrieval_build_threads (indexes built off the step; 0: in the step). The decode "
                    "timing starts once every index is built")
-    p.add_argument("--modes", nargs="+", default=["full", "retrieval"], choices=["full", "retrieval"])
+    p.add_argument("--modes", nargs="+", default=["full", "retrieval", "retrieval-shared"],
+                   choices=["full", "retrieval", "retrieval-shared"],
+                   help="retrieval-shared: retrieval with retrieval_share_lists (the query heads of a KV "
+                   "head share one set of scanned lists per token)")
     p.add_argument("--out", default=None, help="JSON with every row")
+    p.add_argument("--profile", action="store_true",
+                   help="after the timings, profile 4 decode tokens of one request per mode (torch.profiler; "
+                   "the ops by device time and by host time, on stderr)")
     args = p.parse_args()
 
     from lazyrt import Engine, RagPrompt, SamplingParams
@@ -74,7 +98,8 @@ def main() -> None:
             dev = max(int(args.device_share * context), warm) + extra
             kw = dict(kv_cache_tokens=dev, host_kv_cache_tokens=context + 1024, retrieval_attention=True,
                       retrieval_top_k=args.top_k, retrieval_sink=args.sink, retrieval_scan=args.scan,
-                      retrieval_build_threads=args.build_threads)
+                      retrieval_build_threads=args.build_threads,
+                      retrieval_share_lists=mode == "retrieval-shared")
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         eng = Engine(args.model, device=args.device, load_format="dummy", max_running_requests=args.batch,
@@ -140,6 +165,8 @@ def main() -> None:
             }  # fmt: skip
             rows.append(row)
             print(json.dumps(row), flush=True)
+        if args.profile:
+            profile(eng, RagPrompt(prefix, docs, rand(16)), cuda, mode)
         del eng
         if cuda:
             torch.cuda.empty_cache()

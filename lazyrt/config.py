@@ -46,6 +46,10 @@ class EngineConfig:
     # chunk is attended exactly (all its keys) there. 0: the step that first needs an index builds it
     # and waits (reproducible: every step after the first searches).
     retrieval_build_threads: int = 1
+    # On CUDA (host parts computed on the GPU, reading the pinned host tier): the query heads of one
+    # KV head share one set of scanned lists per token (ranked by the best of their scores; each head
+    # keeps its own top-k): 1/group of the keys read over PCIe. The CPU path scans per query head.
+    retrieval_share_lists: bool = False
     # torch CPU threads of the model worker; None = auto (lazyrt/runtime/worker/cpu_threads.py): 4 in a
     # server's CUDA worker without retrieval attention or OMP_NUM_THREADS, torch's default otherwise
     worker_cpu_threads: int | None = None
@@ -201,8 +205,9 @@ def check_retrieval_options(cfg: EngineConfig) -> None:
     sc = cfg.retrieval_scan
     if isinstance(sc, bool) or not isinstance(sc, (int, float)) or not 0.0 < sc <= 1.0:
         raise ValueError(f"retrieval_scan={sc!r}: must be a number in (0, 1] (share of keys scanned)")
-    if not isinstance(cfg.retrieval_attention, bool):
-        raise ValueError(f"retrieval_attention={cfg.retrieval_attention!r}: must be true or false")
+    for name in ("retrieval_attention", "retrieval_share_lists"):
+        if not isinstance(getattr(cfg, name), bool):
+            raise ValueError(f"{name}={getattr(cfg, name)!r}: must be true or false")
     if not cfg.retrieval_attention:
         return
     if cfg.cache_mode != "lazy":

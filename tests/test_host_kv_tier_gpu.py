@@ -114,3 +114,53 @@ def test_retrieval_index_builds_cluster_on_cuda(monkeypatch):
         assert len(tight.generate(p, sp)[0]["token_ids"]) == 4
     assert tight.runner.host_indexes.builds > 0 and devices and set(devices) == {"cuda"}
     assert tight.cache_stats()["held_pages"] == 0
+
+
+def test_device_view_reads_pinned_host_memory_in_place():
+    """device_view: a pinned host tensor as a CUDA tensor without a copy (writes on the host are seen)."""
+    from lazyrt.retrieval.device_fill import device_view
+
+    host = torch.randn(64, 8, dtype=torch.float32).to(torch.bfloat16).pin_memory()
+    view = device_view(host, torch.device("cuda"))
+    assert view.is_cuda and view.dtype == host.dtype and view.shape == host.shape
+    idx = torch.randperm(64, device="cuda")[:20]
+    assert torch.equal(view.index_select(0, idx).cpu(), host[idx.cpu()])
+    host[3] = 7.0
+    torch.cuda.synchronize()
+    assert torch.equal(view[3].cpu(), host[3])
+    with pytest.raises(ValueError, match="pinned"):
+        device_view(torch.randn(4), torch.device("cuda"))
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_device_fill_on_cuda_equals_the_cpu_fill(exact):
+    """HostAttention.fill with q on CUDA (DeviceFill over the pinned host tier) vs the CPU fill."""
+    from lazyrt.kernels.rope import RopeCache
+    from lazyrt.retrieval.host_attention import HostAttention, HostIndexCache, HostPart, RetrievalOptions
+
+    class _Rope:
+        rope_theta, rope_scaling, rotary_dim = 500000.0, None, 64
+
+    rng = random.Random()
+    ps, layers, kvh, group, d = 16, 2, 2, 4, 64
+    rope = RopeCache.build(_Rope(), 4096)
+    host_kv = torch.randn(300, layers, 2, ps, kvh, d).pin_memory()
+    free = rng.sample(range(300), 300)
+    parts, row = [], 0
+    for _ in range(6):
+        n, m = rng.randint(300, 400), rng.choice([1, 1, 3])
+        pages = tuple(free.pop() for _ in range(-(-n // ps)))
+        parts.append(HostPart(range(row, row + m), pages, n, rng.randint(n, 3000), row))
+        row += m
+    opts = RetrievalOptions(top_k=10**6 if exact else 16, sink=4, scan=0.05)
+    q = torch.randn(row, kvh * group, d)
+    cache = HostIndexCache()
+    for layer in range(layers):
+        want_o, want_l = torch.zeros(row, kvh * group, d), torch.zeros(row, kvh * group)
+        HostAttention(parts, host_kv, rope, d**-0.5, opts, cache).fill(layer, q, want_o, want_l)
+        o, lse = torch.zeros(row, kvh * group, d, device="cuda"), torch.zeros(row, kvh * group, device="cuda")
+        ha = HostAttention(parts, host_kv, rope, d**-0.5, opts, cache, device_rope=rope.to("cuda"))
+        ha.fill(layer, q.cuda(), o, lse)
+        same = torch.isclose(o.cpu(), want_o, atol=1e-4, rtol=1e-4).all(-1)
+        same &= torch.isclose(lse.cpu(), want_l, atol=1e-4, rtol=1e-4)
+        assert int((~same).sum()) <= (0 if exact else 2), f"{int((~same).sum())} of {same.numel()} differ"

@@ -176,3 +176,106 @@ def test_a_failed_background_build_raises_in_the_step_that_asks_next():
     assert cache.wait(60)
     with pytest.raises(RuntimeError, match="the build failed"):
         cache.ready(key, broken)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("exact", [False, True])
+def test_device_fill_equals_the_cpu_fill(dtype, exact, monkeypatch):
+    """DeviceFill (the CUDA path: reads unrotated keys and values from the host pages by slot, turns
+    keys at their slots, index data stacked per group) runs the same torch ops on the CPU here: it
+    equals HostAttention's CPU fill (which reads a rotated copy of each chunk's keys)."""
+    from lazyrt.retrieval import device_fill
+
+    rng = random.Random()
+    g = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    ps, layers, kvh, group, d = 8, 2, 2, 3, 32
+    rope = RopeCache.build(_Rope(rng.choice([d, d // 2])), 1024)
+    host_kv = torch.randn(200, layers, 2, ps, kvh, d, generator=g).to(dtype)
+    big = 10**6 if exact else None
+    shapes = [(rng.randint(150, 200), rng.randint(1, 3), big) for _ in range(3)]
+    shapes += [(shapes[0][0], 2, big or 12), (rng.randint(300, 360), 1, big), (5, 2, None)]
+    parts, rows = _parts(rng, host_kv.shape[0], ps, shapes)
+    opts = RetrievalOptions(top_k=10**6 if exact else 20, sink=rng.choice([1, 4]), scan=0.05)
+    q = torch.randn(rows, kvh * group, d, generator=g)
+    cache = HostIndexCache()
+    for layer in range(layers):
+        want_o, want_l = torch.zeros(rows, kvh * group, d), torch.zeros(rows, kvh * group)
+        HostAttention(parts, host_kv, rope, d**-0.5, opts, cache).fill(layer, q, want_o, want_l)
+        ha = HostAttention(parts, host_kv, rope, d**-0.5, opts, cache, device_rope=rope)
+        o, lse = torch.full_like(want_o, float("nan")), torch.full_like(want_l, float("nan"))
+        for blocks in (False, True):  # the second call reuses the device stacks, a part or two a block
+            stacks = len(cache.device_stacks._stacks)
+            if blocks:
+                monkeypatch.setattr(device_fill, "DEVICE_WORK_ELEMENTS", 4 * kvh * group * 60 * d)
+            ha.fill_device(layer, q, o, lse)
+            if exact or dtype == torch.float32:
+                tol = 1e-5 if dtype == torch.float32 else 2e-3
+                if exact:
+                    torch.testing.assert_close(o, want_o, atol=tol, rtol=tol)
+                    torch.testing.assert_close(lse, want_l, atol=tol, rtol=tol)
+                else:
+                    _assert_nearly_all_same(o, lse, want_o, want_l)
+            else:  # the CPU fill scores keys rounded to bf16 after turning; this path turns bf16 keys
+                assert torch.isfinite(o).all() and torch.isfinite(lse).all()
+                same = torch.isclose(o, want_o, atol=2e-2, rtol=2e-2).all(-1)
+                same &= torch.isclose(lse, want_l, atol=2e-2, rtol=2e-2)
+                assert float(same.float().mean()) > 0.9, f"{int((~same).sum())} of {same.numel()} differ"
+        assert len(cache.device_stacks._stacks) == stacks  # the second call built none
+    assert (len(cache.device_stacks._stacks) > 0) != exact
+
+
+def test_device_view_of_a_cpu_tensor_is_itself():
+    from lazyrt.retrieval.device_fill import device_view
+
+    t = torch.randn(3, 4)
+    assert device_view(t, torch.device("cpu")) is t
+
+
+def test_device_fill_with_shared_lists_equals_a_brute_force_reference():
+    """share_lists: per (part, KV head, token) lists ranked by the best score of the KV head's query
+    heads, taken best first while they hold at most the scan budget (at least one); each query head
+    then keeps its own top-k of those keys, plus the sink keys. Checked against loops over the index."""
+    rng = random.Random()
+    g = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    ps, kvh, group, d = 8, 2, 3, 32
+    rope = RopeCache.build(_Rope(d), 1024)
+    host_kv = torch.randn(120, 1, 2, ps, kvh, d, generator=g)
+    n = rng.randint(150, 200)
+    parts, rows = _parts(rng, host_kv.shape[0], ps, [(n, rng.randint(1, 3), None) for _ in range(3)])
+    opts = RetrievalOptions(top_k=12, sink=4, scan=0.1, share_lists=True)
+    q = torch.randn(rows, kvh * group, d, generator=g)
+    cache = HostIndexCache()
+    ha = HostAttention(parts, host_kv, rope, d**-0.5, opts, cache, device_rope=rope)
+    o, lse = torch.full((rows, kvh * group, d), float("nan")), torch.full((rows, kvh * group), float("nan"))
+    ha.fill_device(0, q, o, lse)
+    want_o, want_l = torch.empty_like(o), torch.empty_like(lse)
+    half = d // 2
+    for part in parts:
+        entry = cache.get((part.pages, n, 0, 4), None)  # built by the fill
+        keys, slot_of = entry.local().float(), entry.slot_of  # [n, kvh, d] at local positions
+        _, kv = ha._part_kv(part, 0)
+        budget = max(0.1, 2 * 12 / (n - 4)) * (n - 4)
+        for r in part.rows:
+            c, s_ = rope.cos[part.start_pos, :half], rope.sin[part.start_pos, :half]
+            x1, x2 = q[r, :, :half], q[r, :, half:]
+            qr = torch.cat([x1 * c + x2 * s_, x2 * c - x1 * s_], -1)  # the chunk's frame
+            for h in range(kvh):
+                heads = qr[h * group : (h + 1) * group]
+                best = (heads @ entry.index.centroids[h].T).amax(0)
+                taken, size = [], 0
+                for lst in best.argsort(descending=True).tolist():
+                    k = int(entry.sizes[h, lst])
+                    if taken and size + k > budget:
+                        break
+                    taken.append(lst)
+                    size += k
+                runs = [(4 + int(entry.starts[h, lst]), int(entry.sizes[h, lst])) for lst in taken]
+                cand = torch.cat([slot_of[h, a : a + k] for a, k in runs])
+                for j, qh in enumerate(heads):
+                    sc = keys[cand, h] @ qh
+                    top = cand[sc.topk(min(12, len(cand))).indices]
+                    sel = torch.cat([torch.arange(4), top])
+                    s = (keys[sel, h] @ qh) * d**-0.5
+                    want_o[r, h * group + j] = torch.softmax(s, 0) @ kv[sel, h].float()
+                    want_l[r, h * group + j] = torch.logsumexp(s, 0)
+    _assert_nearly_all_same(o, lse, want_o, want_l)

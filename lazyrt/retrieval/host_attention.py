@@ -36,6 +36,7 @@ import torch
 
 from lazyrt.kernels.rope import RopeCache, apply_rope_ref
 from lazyrt.retrieval.attention import retrieval_attention_ref
+from lazyrt.retrieval.device_fill import DeviceFill, DeviceStacks, kv_rows
 from lazyrt.retrieval.key_index import KeyIndex, build_key_index
 
 WORK_ELEMENTS = 1 << 22  # the batched fill's buffers hold at most this many keys' elements (4M: 16 MB fp32)
@@ -50,6 +51,9 @@ class RetrievalOptions:
     # where the k-means of an index build runs (the worker's CUDA device; None = CPU): ~10 GFLOP a
     # chunk-layer at 2K keys, minutes of CPU for a 128K context, milliseconds of GPU
     build_device: str | None = None
+    # the device fill (CUDA): the query heads of a KV head share one candidate set per token (lists
+    # ranked by the best of their scores): 1/group of the keys read over the bus
+    share_lists: bool = False
 
 
 @dataclass
@@ -152,6 +156,7 @@ class HostIndexCache:
     def __init__(self, build_threads: int = 0) -> None:
         self._indexes: dict[tuple, IndexEntry] = {}
         self._stacks: dict[tuple, _Stack] = {}
+        self.device_stacks = DeviceStacks()  # the device fill's copies of the stacks
         self._work: dict[str, torch.Tensor] = {}
         self.builds = 0
         self.build_threads = build_threads
@@ -267,6 +272,7 @@ class HostIndexCache:
                     del d[key]
             for key in [k for k in self._stacks if any(not gone.isdisjoint(e[0]) for e in k)]:
                 del self._stacks[key]
+            self.device_stacks.invalidate(gone)
             self._idle.notify_all()
 
 
@@ -401,10 +407,13 @@ class HostAttention:
         sm_scale: float,
         options: RetrievalOptions,
         indexes: HostIndexCache,
+        device_rope: RopeCache | None = None,
     ):
         self.parts, self.host_kv, self.rope = parts, host_kv, rope
         self.sm_scale, self.options, self.indexes = sm_scale, options, indexes
+        self.device_rope = device_rope  # the RoPE cache on the queries' device: fill there (DeviceFill)
         self._groups: list[_Group] | None = None
+        self._device_fill: DeviceFill | None = None
 
     def _builder(self, k: torch.Tensor, sink: int):
         """Builds (KeyIndex, the keys at local positions in k's dtype: kept, so a step does not turn
@@ -508,6 +517,8 @@ class HostAttention:
             return
         if not self.host_kv.is_contiguous():
             return self.fill_reference(layer, q, o, lse)
+        if q.is_cuda and self.device_rope is not None and self.host_kv.is_pinned():
+            return self.fill_device(layer, q, o, lse)
         if self._groups is None:
             self._groups = self._plan()
         qc = q.float().cpu()
@@ -538,6 +549,15 @@ class HostAttention:
             o.index_copy_(0, idx, torch.cat(outs).to(o.device))
             lse.index_copy_(0, idx, torch.cat(lses).to(lse.device))
 
+    def fill_device(self, layer: int, q: torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> None:
+        """`fill` on q's device (device_rope's), reading the host tier in place (DeviceFill); on the
+        CPU it runs the same ops (what tests compare with `fill`)."""
+        if self.device_rope is None:
+            raise ValueError("fill_device needs device_rope (the RoPE cache on the queries' device)")
+        if self._device_fill is None:
+            self._device_fill = DeviceFill(self, self.device_rope, q.device)
+        self._device_fill.fill(layer, q, o, lse)
+
     def _group_queries(self, g: _Group, qc: torch.Tensor) -> torch.Tensor:
         """The group's queries in each part's frame, per KV head: [G, kv_heads, m * group, d]."""
         rd, half = self.rope.rotary_dim, self.rope.rotary_dim // 2
@@ -547,15 +567,6 @@ class HostAttention:
         G, m, qh, d = qp.shape
         kvh = self.host_kv.shape[4]
         return qp.view(G, m, kvh, qh // kvh, d).transpose(1, 2).reshape(G, kvh, m * (qh // kvh), d)
-
-    def _kv_rows(self, g: _Group, layer: int, slots: torch.Tensor, which: int) -> torch.Tensor:
-        """Rows of host_kv.view(-1, d) holding (slot, KV head) of each part: slots [G, kv_heads, ...]
-        (chunk slots); which 0: keys, 1: values. Same shape as slots."""
-        _, layers, _, ps, kvh, _ = self.host_kv.shape
-        G = slots.shape[0]
-        page = g.pages.gather(1, (slots // ps).view(G, -1)).view(slots.shape)
-        head = torch.arange(kvh).view(1, kvh, *([1] * (slots.dim() - 2)))
-        return ((page * layers + layer) * 2 + which) * (ps * kvh) + (slots % ps) * kvh + head
 
     def _exact(self, g: _Group, layer: int, qg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Every key of each part: (o [G, kv_heads, Q, d], lse [G, kv_heads, Q]); parts a few at a time
@@ -635,7 +646,7 @@ class HostAttention:
         cols = torch.cat([sinks, cols[..., sink:].gather(3, found)], -1)  # [G, kvh, Q, sink + k]
         slots = st.slot_of.unsqueeze(2).expand(G, kvh, Q, n).gather(3, cols)
         w = cols.shape[-1]
-        vrows = self._kv_rows(g, layer, slots, 1).view(G, hq * w)
+        vrows = kv_rows(self.host_kv.shape, g.pages, layer, slots, 1).view(G, hq * w)
         p = torch.softmax(s, -1).view(G, hq, 1, w)
         b = max(1, min(hq, WORK_ELEMENTS // (w * d)))
         vb = cache.work("values", (b * w, d), self.host_kv.dtype)

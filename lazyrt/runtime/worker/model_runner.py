@@ -300,7 +300,9 @@ class ModelRunner:
             self._rope_cpu = self.rope.to("cpu")
         scale = self.model.config.head_dim**-0.5
         opts, indexes = self.retrieval, self.host_indexes
-        meta.host = HostAttention(host, self.host_kv.kv, self._rope_cpu, scale, opts, indexes)
+        # on CUDA the host parts are computed on the device, reading the pinned host tier in place
+        on_device = self.rope if self.device.type == "cuda" else None
+        meta.host = HostAttention(host, self.host_kv.kv, self._rope_cpu, scale, opts, indexes, on_device)
         self.retrieval_steps += 1
         hidden = self.model.forward(input_ids, meta, self.rope, self._citing(plan, s))
         if not s.sample_rows:

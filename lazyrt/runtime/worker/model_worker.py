@@ -126,7 +126,7 @@ class ModelWorker:
             host_kv=self.host_kv,
             retrieval=RetrievalOptions(
                 cfg.retrieval_top_k, cfg.retrieval_sink, cfg.retrieval_scan, cfg.retrieval_build_threads,
-                str(dev) if torch.device(dev).type == "cuda" else None,
+                str(dev) if torch.device(dev).type == "cuda" else None, cfg.retrieval_share_lists,
             )
             if cfg.retrieval_attention
             else None,

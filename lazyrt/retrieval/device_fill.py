@@ -1,0 +1,294 @@
+"""Retrieval attention's host parts computed on the worker's device, reading the host tier in place.
+
+On CUDA the host tier is pinned memory, which the GPU reads directly over PCIe (unified virtual
+addressing): `device_view` wraps it as a CUDA tensor without copying, so a step's candidate keys and
+chosen values are gathered by the device's own index_select, one key row (head_dim elements) each,
+and nothing of a step goes to the CPU: no synchronization, no per-layer round trip, no CPU scan of
+thousands of keys per layer (the CPU fill, HostAttention._approx, spends ~1 ms a chunk-layer on 16
+cores: 1.7 s a token for a 128K context).
+
+Same semantics as the CPU fill (tests compare the two): per (part, KV head, query row) the lists
+best first by centroid score while they hold at most the scan budget, their keys scored exactly
+(rotated at their chunk-local slots here: the host pages hold keys unrotated; the CPU fill reads a
+rotated copy), the top-k kept, softmax over the sink keys and the top-k. A group's index data
+(centroids, list sizes and starts, slots in list order) is stacked on the device once per group of
+chunks and layer (DeviceStacks; a decode step asks for the same groups every step).
+
+Runs on the CPU as well (the same torch ops; `device_view` returns the tensor itself): that is how
+the CPU tests check it against the CPU fill.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from lazyrt.kernels.rope import RopeCache
+
+if TYPE_CHECKING:
+    from lazyrt.retrieval.host_attention import HostAttention, IndexEntry, _Group
+
+# the fill's gathered keys / values hold at most this many elements at once (fp32: 256 MB)
+DEVICE_WORK_ELEMENTS = 1 << 26
+DEVICE_STACK_BYTES = 4 << 30  # stacked index data kept on the device (oldest dropped past this)
+
+
+class _PinnedView:
+    """__cuda_array_interface__ over a pinned host tensor's bytes: with unified addressing its host
+    address is valid on the device (torch.as_tensor wraps it without a copy; the view keeps it alive)."""
+
+    def __init__(self, t: torch.Tensor):
+        self.tensor = t
+        self.__cuda_array_interface__ = {
+            "shape": (t.numel() * t.element_size(),),
+            "typestr": "|u1",
+            "data": (t.data_ptr(), False),
+            "version": 3,
+        }
+
+
+def device_view(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """t (contiguous) as a tensor on `device` without copying: itself if already there; a pinned
+    CPU tensor as a CUDA tensor that reads host memory over the bus."""
+    if t.device == device or device.type != "cuda":
+        return t
+    if not t.is_contiguous() or not t.is_pinned():
+        raise ValueError("device_view needs a contiguous, pinned host tensor")
+    raw = torch.as_tensor(_PinnedView(t), device=device)
+    return raw.view(t.dtype).view(t.shape)
+
+
+def kv_rows(
+    shape: torch.Size, pages: torch.Tensor, layer: int, slots: torch.Tensor, which: int
+) -> torch.Tensor:
+    """Rows of host_kv.view(-1, head_dim) holding (slot, KV head) of each part: host_kv's shape
+    [pages, layers, 2, page_size, kv_heads, D]; pages [G, pages] the parts' host page ids; slots
+    [G, kv_heads, ...] chunk slots; which 0: keys, 1: values. Same shape as slots."""
+    _, layers, _, ps, kvh, _ = shape
+    G = slots.shape[0]
+    page = pages.gather(1, (slots // ps).view(G, -1)).view(slots.shape)
+    head = torch.arange(kvh, device=slots.device).view(1, kvh, *([1] * (slots.dim() - 2)))
+    return ((page * layers + layer) * 2 + which) * (ps * kvh) + (slots % ps) * kvh + head
+
+
+def rotate(x: torch.Tensor, pos: torch.Tensor, rope: RopeCache) -> torch.Tensor:
+    """x [..., D] (fp32) rotated at positions pos [...] (x's leading dims), rotate-half layout."""
+    rd, half = rope.rotary_dim, rope.rotary_dim // 2
+    cos, sin = rope.cos[pos, :half], rope.sin[pos, :half]
+    x1, x2 = x[..., :half], x[..., half:rd]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., rd:]], -1)
+
+
+@dataclass
+class DeviceStack:
+    """A group's index data of one layer on the device (the CPU _Stack's, plus the centroids)."""
+
+    entries: list
+    centroids: torch.Tensor  # [G, kv_heads, lists, D] fp32
+    sizes: torch.Tensor  # [G, kv_heads, lists] int64
+    starts: torch.Tensor  # [G, kv_heads, lists] int64
+    slot_of: torch.Tensor  # [G, kv_heads, n] int64
+    lists_in_budget: int  # the most lists any query can take (the t smallest already fill the budget)
+    max_size: int
+    nbytes: int
+
+
+class DeviceStacks:
+    """DeviceStack per (group keys, budget, device), newest kept, at most DEVICE_STACK_BYTES."""
+
+    def __init__(self) -> None:
+        self._stacks: OrderedDict[tuple, DeviceStack] = OrderedDict()
+        self._bytes = 0
+
+    def get(self, cache, keys: tuple, entries: list[IndexEntry], budget: float, device) -> DeviceStack:
+        key = (keys, budget, str(device))
+        st = self._stacks.get(key)
+        if st is not None and all(a is b for a, b in zip(st.entries, entries)):
+            self._stacks.move_to_end(key)
+            return st
+        cpu = cache.stack(keys, entries)
+        lists = entries[0].lists
+        t = max(1, min(lists, int((cpu.size_cum <= budget).sum(-1).max())))
+        cent = torch.stack([e.index.centroids for e in entries]).to(device, torch.float32)
+        st = DeviceStack(
+            list(entries), cent, cpu.sizes.to(device), cpu.starts.to(device), cpu.slot_of.to(device),
+            t, cpu.max_size, 0,
+        )  # fmt: skip
+        st.nbytes = sum(x.numel() * x.element_size() for x in (cent, st.sizes, st.starts, st.slot_of))
+        self._put(key, st)
+        return st
+
+    def _put(self, key: tuple, st: DeviceStack) -> None:
+        old = self._stacks.pop(key, None)
+        if old is not None:
+            self._bytes -= old.nbytes
+        while self._stacks and self._bytes + st.nbytes > DEVICE_STACK_BYTES:
+            self._bytes -= self._stacks.popitem(last=False)[1].nbytes
+        self._stacks[key] = st
+        self._bytes += st.nbytes
+
+    def invalidate(self, gone: set[int]) -> None:
+        for key in [k for k in self._stacks if any(not gone.isdisjoint(e[0]) for e in k[0])]:
+            self._bytes -= self._stacks.pop(key).nbytes
+
+
+@dataclass
+class _GroupOnDevice:
+    rows: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    pages: torch.Tensor
+    keep: torch.Tensor
+    pairs: torch.Tensor
+
+
+class DeviceFill:
+    """HostAttention.fill on q's device: `fill(layer, q, o, lse)` with q, o, lse on the device
+    (rope: the RoPE cache on that device)."""
+
+    def __init__(self, ha: HostAttention, rope: RopeCache, device: torch.device):
+        self.ha, self.rope, self.device = ha, rope, device
+        self.kv = device_view(ha.host_kv, device)
+        self._on_device: dict[int, tuple[_Group, _GroupOnDevice]] = {}
+
+    def _dev(self, g: _Group) -> _GroupOnDevice:
+        hit = self._on_device.get(id(g))
+        if hit is not None and hit[0] is g:
+            return hit[1]
+        to = lambda t: t.to(self.device, non_blocking=True)  # noqa: E731
+        d = _GroupOnDevice(to(g.rows), to(g.cos), to(g.sin), to(g.pages), to(g.keep), to(g.pairs))
+        self._on_device[id(g)] = (g, d)
+        return d
+
+    def fill(self, layer: int, q: torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> None:
+        ha = self.ha
+        if ha._groups is None:
+            ha._groups = ha._plan()
+        qd = q.float()
+        outs, lses, pairs = [], [], []
+        todo = [(g, None) for g in ha._groups if g.exact]
+        for g in ha._groups:
+            if not g.exact:
+                todo += ha._ready_groups(g, layer)
+        for g, entries in todo:
+            if entries is not None and not all(e.batched and e.bias is None for e in entries):
+                for p in g.parts:  # indexes this path does not read (two-level / probes): the reference
+                    type(ha)([p], ha.host_kv, ha.rope, ha.sm_scale, ha.options, ha.indexes).fill_reference(
+                        layer, q, o, lse
+                    )
+                continue
+            dev = self._dev(g)
+            qg = self._group_queries(g, dev, qd)
+            if entries is None:
+                go, gl = self._exact(g, dev, layer, qg)
+            else:
+                go, gl = self._approx(g, dev, layer, qg, entries)
+            G, H, _, d = go.shape  # [G, kv_heads, m * group, d] -> the parts' rows [rows, q_heads, d]
+            go = go.view(G, H, g.m, -1, d).permute(0, 2, 1, 3, 4).reshape(G * g.m, -1, d)
+            gl = gl.view(G, H, g.m, -1).permute(0, 2, 1, 3).reshape(G * g.m, -1)
+            outs.append(go[dev.keep])
+            lses.append(gl[dev.keep])
+            pairs.append(dev.pairs)
+        if outs:
+            idx = torch.cat(pairs)
+            o.index_copy_(0, idx, torch.cat(outs).to(o.dtype))
+            lse.index_copy_(0, idx, torch.cat(lses).to(lse.dtype))
+
+    def _group_queries(self, g: _Group, dev: _GroupOnDevice, q: torch.Tensor) -> torch.Tensor:
+        """[G, kv_heads, m * group, d]: the group's queries turned back by each part's start."""
+        rd, half = self.rope.rotary_dim, self.rope.rotary_dim // 2
+        qp = q[dev.rows]  # [G, m, q_heads, d]
+        q1, q2 = qp[..., :half], qp[..., half:rd]
+        qp = torch.cat([q1 * dev.cos + q2 * dev.sin, q2 * dev.cos - q1 * dev.sin, qp[..., rd:]], dim=-1)
+        G, m, qh, d = qp.shape
+        kvh = self.kv.shape[4]
+        return qp.view(G, m, kvh, qh // kvh, d).transpose(1, 2).reshape(G, kvh, m * (qh // kvh), d)
+
+    def _attend(
+        self, dev: _GroupOnDevice, layer: int, qg: torch.Tensor, slots: torch.Tensor,
+        valid: torch.Tensor | None, sink: int, top_k: int | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """Scores the keys at `slots` [G, kv_heads, R, w] (chunk slots, each of the R sets for Q / R
+        query rows of qg [G, kv_heads, Q, d]; the first `sink` are sink keys; of the rest, those not
+        `valid` [G, kv_heads, R, w - sink] are no candidates), keeps the sink keys and each row's top-k
+        candidates (top_k None: every slot), and attends: (o [G, kvh, Q, d], lse [G, kvh, Q])."""
+        G, kvh, Q, d = qg.shape
+        R, w = slots.shape[2], slots.shape[3]
+        flat = self.kv.view(-1, d)
+        k = flat.index_select(0, kv_rows(self.kv.shape, dev.pages, layer, slots, 0).view(-1))
+        k = rotate(k.view(G, kvh, R, w, d).float(), slots, self.rope)
+        s = torch.matmul(qg.view(G, kvh, R, Q // R, d), k.transpose(-1, -2)).view(G, kvh, Q, w)
+        del k
+        if top_k is not None:
+            def per_row(x: torch.Tensor) -> torch.Tensor:
+                return x.unsqueeze(3).expand(G, kvh, R, Q // R, x.shape[-1]).reshape(G, kvh, Q, x.shape[-1])
+
+            slots, cand = per_row(slots), s[..., sink:]
+            if valid is not None:
+                cand = cand.masked_fill(~per_row(valid), float("-inf"))
+            found = cand.topk(min(top_k, cand.shape[-1]), -1, sorted=False).indices
+            s = torch.cat([s[..., :sink], cand.gather(3, found)], -1)
+            slots = torch.cat([slots[..., :sink], slots[..., sink:].gather(3, found)], -1)
+            R = Q
+        s = s * self.ha.sm_scale
+        w = slots.shape[-1]
+        v = flat.index_select(0, kv_rows(self.kv.shape, dev.pages, layer, slots, 1).view(-1))
+        p = torch.softmax(s, -1).view(G, kvh, R, Q // R, w)
+        o = torch.matmul(p, v.view(G, kvh, R, w, d).float()).view(G, kvh, Q, d)
+        return o, torch.logsumexp(s, -1)
+
+    def _blocks(self, G: int, per_part: int):
+        step = max(1, DEVICE_WORK_ELEMENTS // max(1, per_part))
+        return [(a, min(G, a + step)) for a in range(0, G, step)]
+
+    def _exact(
+        self, g: _Group, dev: _GroupOnDevice, layer: int, qg: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        G, kvh, Q, d = qg.shape
+        slots = torch.arange(g.n, device=qg.device).expand(G, kvh, 1, g.n)  # every key, for every row
+        o, lse = torch.empty(G, kvh, Q, d, device=qg.device), torch.empty(G, kvh, Q, device=qg.device)
+        for a, b in self._blocks(G, kvh * g.n * (Q + d)):
+            sub = _GroupOnDevice(dev.rows, dev.cos, dev.sin, dev.pages[a:b], dev.keep, dev.pairs)
+            o[a:b], lse[a:b] = self._attend(sub, layer, qg[a:b], slots[a:b], None, 0, None)
+        return o, lse
+
+    def _approx(
+        self, g: _Group, dev: _GroupOnDevice, layer: int, qg: torch.Tensor, entries: list[IndexEntry]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """HostAttention._approx's lists, candidates and top-k, from the device stack; with
+        RetrievalOptions.share_lists the query heads of a KV head (one token) share one candidate set:
+        lists ranked by the best of their scores, a quarter of the key reads at GQA 4 (each head still
+        keeps its own top-k of the candidates)."""
+        G, kvh, Q, d = qg.shape
+        n, sink, budget = g.n, g.sink, g.budget
+        keys = tuple((p.pages, n, layer, sink) for p in g.parts)
+        st = self.ha.indexes.device_stacks.get(self.ha.indexes, keys, entries, budget, qg.device)
+        lists, t = st.sizes.shape[-1], st.lists_in_budget
+        scores = torch.matmul(qg, st.centroids.transpose(-1, -2))  # [G, kvh, Q, lists]
+        if self.ha.options.share_lists:  # one candidate set per (KV head, token): its query heads' best
+            scores = scores.view(G, kvh, g.m, Q // g.m, lists).amax(3)
+            Q = g.m
+        order = scores.topk(t, -1, sorted=True).indices  # best first
+        size = st.sizes.unsqueeze(2).expand(G, kvh, Q, lists).gather(3, order)
+        take = size.cumsum(-1) <= budget
+        take[..., 0] = True
+        size = size * take
+        ends = size.cumsum(-1)  # candidate c of a query is in its list j where ends[j - 1] <= c < ends[j]
+        c = max(int(budget), st.max_size, g.top_k)
+        cand = torch.arange(c, device=qg.device).expand(G, kvh, Q, c).contiguous()
+        j = torch.searchsorted(ends, cand, right=True)
+        valid = j < t
+        j.clamp_(max=t - 1)
+        first = st.starts.unsqueeze(2).expand(G, kvh, Q, lists).gather(3, order) - (ends - size)
+        pos = (first.gather(3, j) + cand).masked_fill_(~valid, 0) + sink  # table positions
+        sinks = torch.arange(sink, device=qg.device).expand(G, kvh, Q, sink)
+        slots = st.slot_of.unsqueeze(2).expand(G, kvh, Q, n).gather(3, torch.cat([sinks, pos], -1))
+        rows = qg.shape[2]
+        o, lse = torch.empty(G, kvh, rows, d, device=qg.device), torch.empty(G, kvh, rows, device=qg.device)
+        for a, b in self._blocks(G, kvh * (Q + rows) * (sink + c) * d):
+            sub = _GroupOnDevice(dev.rows, dev.cos, dev.sin, dev.pages[a:b], dev.keep, dev.pairs)
+            o[a:b], lse[a:b] = self._attend(sub, layer, qg[a:b], slots[a:b], valid[a:b], sink, g.top_k)
+        return o, lse
