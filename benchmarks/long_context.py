@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import time
 
@@ -82,6 +83,29 @@ def main() -> None:
                    "the ops by device time and by host time, on stderr)")
     args = p.parse_args()
 
+    if len(args.modes) > 1:  # one process per mode: an engine's device memory is all given back
+        rows = []
+        for mode in args.modes:
+            argv = [a for a in sys.argv[1:]]
+            i = argv.index("--modes") if "--modes" in argv else None
+            if i is not None:
+                j = i + 1
+                while j < len(argv) and not argv[j].startswith("--"):
+                    j += 1
+                argv = argv[:i] + argv[j:]
+            argv = [a for k, a in enumerate(argv) if a != "--out" and (k == 0 or argv[k - 1] != "--out")]
+            res = subprocess.run([sys.executable, __file__, *argv, "--modes", mode], stdout=subprocess.PIPE,
+                                 text=True)  # fmt: skip
+            rows += [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+            if res.returncode:
+                say(f"{mode}: failed (exit {res.returncode})")
+        report(args, rows)
+        return
+    rows = run(args, args.modes[0])
+    report(args, rows)
+
+
+def run(args: argparse.Namespace, mode: str) -> list[dict]:
     from lazyrt import Engine, RagPrompt, SamplingParams
 
     cuda = args.device.startswith("cuda")
@@ -89,87 +113,90 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     context = args.docs * (args.doc_tokens + 16) + 16
     rows = []
-    for mode in args.modes:
-        extra = 64 + args.batch * (32 + args.new_tokens)  # prefix, questions, outputs
-        if mode == "full":
-            kw = dict(kv_cache_tokens=context + extra)
-        else:
-            warm = max(args.warm_docs, 1) * (args.doc_tokens + 16)  # one round's documents at least
-            dev = max(int(args.device_share * context), warm) + extra
-            kw = dict(kv_cache_tokens=dev, host_kv_cache_tokens=context + 1024, retrieval_attention=True,
-                      retrieval_top_k=args.top_k, retrieval_sink=args.sink, retrieval_scan=args.scan,
-                      retrieval_build_threads=args.build_threads,
-                      retrieval_share_lists=mode == "retrieval-shared")
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
-        eng = Engine(args.model, device=args.device, load_format="dummy", max_running_requests=args.batch,
-                     **kw)  # fmt: skip
-        vocab = min(eng.model_config.vocab_size, 32000)
-        gen.manual_seed(0)  # the same documents and questions for every mode
+    extra = 64 + args.batch * (32 + args.new_tokens)  # prefix, questions, outputs
+    if mode == "full":
+        kw = dict(kv_cache_tokens=context + extra)
+    else:
+        warm = max(args.warm_docs, 1) * (args.doc_tokens + 16)  # one round's documents at least
+        dev = max(int(args.device_share * context), warm) + extra
+        kw = dict(kv_cache_tokens=dev, host_kv_cache_tokens=context + 1024, retrieval_attention=True,
+                  retrieval_top_k=args.top_k, retrieval_sink=args.sink, retrieval_scan=args.scan,
+                  retrieval_build_threads=args.build_threads,
+                  retrieval_share_lists=mode == "retrieval-shared")
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    eng = Engine(args.model, device=args.device, load_format="dummy", max_running_requests=args.batch,
+                 **kw)  # fmt: skip
+    vocab = min(eng.model_config.vocab_size, 32000)
+    gen.manual_seed(0)  # the same documents and questions for every mode
 
-        def rand(n: int, vocab: int = vocab) -> list[int]:
-            return torch.randint(100, vocab, (n,), generator=gen).tolist()
+    def rand(n: int, vocab: int = vocab) -> list[int]:
+        return torch.randint(100, vocab, (n,), generator=gen).tolist()
 
-        prefix = rand(16)
-        docs = [rand(args.doc_tokens) for _ in range(args.docs)]
-        one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-        t = time.perf_counter()
-        # compute the documents a few at a time (0: the scheduler does it for the first request)
-        for i in range(0, args.docs if args.warm_docs else 0, max(args.warm_docs, 1)):
-            eng.generate(RagPrompt(prefix, docs[i : i + args.warm_docs], rand(4)), one)
+    prefix = rand(16)
+    docs = [rand(args.doc_tokens) for _ in range(args.docs)]
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    t = time.perf_counter()
+    # compute the documents a few at a time (0: the scheduler does it for the first request)
+    for i in range(0, args.docs if args.warm_docs else 0, max(args.warm_docs, 1)):
+        eng.generate(RagPrompt(prefix, docs[i : i + args.warm_docs], rand(4)), one)
+    sync()
+    warm_s = time.perf_counter() - t
+    indexes = eng.runner.host_indexes
+    say(f"{mode}: documents computed in {warm_s:.1f} s; indexes {indexes.builds} built, "
+        f"{indexes.pending} queued")
+    # First use, untimed: CUDA graphs and kernels warm up, and under retrieval attention the
+    # request attends its host documents exactly while their indexes are queued for building.
+    t = time.perf_counter()
+    eng.generate(RagPrompt(prefix, docs, rand(16)), one)
+    sync()
+    first_use_s = time.perf_counter() - t
+    say(f"{mode}: first use {first_use_s:.1f} s; waiting for {indexes.pending} queued index builds")
+    t = time.perf_counter()
+    indexes.wait()
+    first_builds_s = time.perf_counter() - t
+    say(f"{mode}: builds done in {first_builds_s:.1f} s ({indexes.builds} indexes); "
+        f"timing batches 1 and {args.batch}")
+    for b in (1, args.batch):
+        prompts = [RagPrompt(prefix, docs, rand(16)) for _ in range(b)]
         sync()
-        warm_s = time.perf_counter() - t
-        indexes = eng.runner.host_indexes
-        say(f"{mode}: documents computed in {warm_s:.1f} s; indexes {indexes.builds} built, "
-            f"{indexes.pending} queued")
-        # First use, untimed: CUDA graphs and kernels warm up, and under retrieval attention the
-        # request attends its host documents exactly while their indexes are queued for building.
         t = time.perf_counter()
-        eng.generate(RagPrompt(prefix, docs, rand(16)), one)
+        first = eng.generate(prompts, one)
         sync()
-        first_use_s = time.perf_counter() - t
-        say(f"{mode}: first use {first_use_s:.1f} s; waiting for {indexes.pending} queued index builds")
+        ttft = time.perf_counter() - t  # the batch's first tokens, together
         t = time.perf_counter()
-        indexes.wait()
-        first_builds_s = time.perf_counter() - t
-        say(f"{mode}: builds done in {first_builds_s:.1f} s ({indexes.builds} indexes); "
-            f"timing batches 1 and {args.batch}")
-        for b in (1, args.batch):
-            prompts = [RagPrompt(prefix, docs, rand(16)) for _ in range(b)]
-            sync()
-            t = time.perf_counter()
-            first = eng.generate(prompts, one)
-            sync()
-            ttft = time.perf_counter() - t  # the batch's first tokens, together
-            t = time.perf_counter()
-            eng.runner.host_indexes.wait()  # (background builds: the first steps attended exactly)
-            index_wait = time.perf_counter() - t
-            sp = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
-            prompts = [RagPrompt(prefix, docs, rand(16)) for _ in range(b)]
-            sync()
-            t = time.perf_counter()
-            outs = eng.generate(prompts, sp)
-            sync()
-            total = time.perf_counter() - t
-            decode = max(total - ttft, 1e-9) / (args.new_tokens - 1)
-            row = {
-                "mode": mode, "batch": b, "context_tokens": context, "ttft_s": ttft,
-                "decode_s_per_token": decode, "out_tok_s": b * args.new_tokens / total,
-                "host_attended": outs[0]["meta"].get("host_attended_chunks", 0),
-                "first_host_attended": first[0]["meta"].get("host_attended_chunks", 0),
-                "device_kv_tokens": eng.pool.num_pages * eng.pool.page_size,
-                "peak_device_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
-                "warm_s": warm_s, "first_use_s": first_use_s, "first_builds_wait_s": first_builds_s,
-                "index_builds": eng.runner.host_indexes.builds, "index_wait_s": index_wait,
-                "retrieval_steps": eng.runner.retrieval_steps,
-            }  # fmt: skip
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-        if args.profile:
-            profile(eng, RagPrompt(prefix, docs, rand(16)), cuda, mode)
-        del eng
-        if cuda:
-            torch.cuda.empty_cache()
+        eng.runner.host_indexes.wait()  # (background builds: the first steps attended exactly)
+        index_wait = time.perf_counter() - t
+        sp = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+        prompts = [RagPrompt(prefix, docs, rand(16)) for _ in range(b)]
+        sync()
+        t = time.perf_counter()
+        outs = eng.generate(prompts, sp)
+        sync()
+        total = time.perf_counter() - t
+        # each request's own steps after its first token (a batch's TTFT varies run to run)
+        decode = max((o["meta"]["e2e_s"] - o["meta"]["ttft_s"]) / (args.new_tokens - 1) for o in outs)
+        row = {
+            "mode": mode, "batch": b, "context_tokens": context, "ttft_s": ttft,
+            "decode_s_per_token": decode, "out_tok_s": b * args.new_tokens / total,
+            "host_attended": outs[0]["meta"].get("host_attended_chunks", 0),
+            "first_host_attended": first[0]["meta"].get("host_attended_chunks", 0),
+            "device_kv_tokens": eng.pool.num_pages * eng.pool.page_size,
+            "peak_device_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+            "warm_s": warm_s, "first_use_s": first_use_s, "first_builds_wait_s": first_builds_s,
+            "index_builds": eng.runner.host_indexes.builds, "index_wait_s": index_wait,
+            "retrieval_steps": eng.runner.retrieval_steps,
+        }  # fmt: skip
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    if args.profile:
+        profile(eng, RagPrompt(prefix, docs, rand(16)), cuda, mode)
+    del eng
+    return rows
+
+
+def report(args: argparse.Namespace, rows: list[dict]) -> None:
+    context = args.docs * (args.doc_tokens + 16) + 16
     print(f"\n{args.model}, {args.docs} x {args.doc_tokens}-token documents ({context} tokens), "
           f"top-k {args.top_k}, sink {args.sink}, scan {args.scan}")
     print("| mode | batch | device KV (tokens) | documents on host | TTFT (s) | decode (s/token) | "

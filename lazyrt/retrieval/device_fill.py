@@ -226,13 +226,16 @@ class DeviceFill:
             def per_row(x: torch.Tensor) -> torch.Tensor:
                 return x.unsqueeze(3).expand(G, kvh, R, Q // R, x.shape[-1]).reshape(G, kvh, Q, x.shape[-1])
 
-            slots, cand = per_row(slots), s[..., sink:]
+            cand = s[..., sink:]
             if valid is not None:
                 cand = cand.masked_fill(~per_row(valid), float("-inf"))
             found = cand.topk(min(top_k, cand.shape[-1]), -1, sorted=False).indices
-            s = torch.cat([s[..., :sink], cand.gather(3, found)], -1)
-            slots = torch.cat([slots[..., :sink], slots[..., sink:].gather(3, found)], -1)
-            R = Q
+            if R < Q:  # rows share a set: their top-k as masks over it, the set's values read once
+                keep = torch.zeros_like(cand, dtype=torch.bool).scatter_(3, found, True)
+                s = torch.cat([s[..., :sink], cand.masked_fill(~keep, float("-inf"))], -1)
+            else:
+                s = torch.cat([s[..., :sink], cand.gather(3, found)], -1)
+                slots = torch.cat([slots[..., :sink], slots[..., sink:].gather(3, found)], -1)
         s = s * self.ha.sm_scale
         w = slots.shape[-1]
         v = flat.index_select(0, kv_rows(self.kv.shape, dev.pages, layer, slots, 1).view(-1))
