@@ -78,6 +78,8 @@ def main() -> None:
                    help="retrieval-shared: retrieval with retrieval_share_lists (the query heads of a KV "
                    "head share one set of scanned lists per token)")
     p.add_argument("--out", default=None, help="JSON with every row")
+    p.add_argument("--gather", choices=["triton", "torch"], default="triton",
+                   help="how the GPU retrieval fill reads host rows (DeviceFill.triton_gather)")
     p.add_argument("--profile", action="store_true",
                    help="after the timings, profile 4 decode tokens of one request per mode (torch.profiler; "
                    "the ops by device time and by host time, on stderr)")
@@ -94,11 +96,14 @@ def main() -> None:
                     j += 1
                 argv = argv[:i] + argv[j:]
             argv = [a for k, a in enumerate(argv) if a != "--out" and (k == 0 or argv[k - 1] != "--out")]
-            res = subprocess.run([sys.executable, __file__, *argv, "--modes", mode], stdout=subprocess.PIPE,
-                                 text=True)  # fmt: skip
-            rows += [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
-            if res.returncode:
-                say(f"{mode}: failed (exit {res.returncode})")
+            cmd = [sys.executable, __file__, *argv, "--modes", mode]
+            child = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+            for line in child.stdout:  # each row as it comes (a long run cut short keeps its rows)
+                if line.startswith("{"):
+                    rows.append(json.loads(line))
+                    print(line, end="", flush=True)
+            if child.wait():
+                say(f"{mode}: failed (exit {child.returncode})")
         report(args, rows)
         return
     rows = run(args, args.modes[0])
@@ -107,6 +112,9 @@ def main() -> None:
 
 def run(args: argparse.Namespace, mode: str) -> list[dict]:
     from lazyrt import Engine, RagPrompt, SamplingParams
+    from lazyrt.retrieval.device_fill import DeviceFill
+
+    DeviceFill.triton_gather = args.gather == "triton"
 
     cuda = args.device.startswith("cuda")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -174,10 +182,12 @@ def run(args: argparse.Namespace, mode: str) -> list[dict]:
         outs = eng.generate(prompts, sp)
         sync()
         total = time.perf_counter() - t
-        # each request's own steps after its first token (a batch's TTFT varies run to run)
-        decode = max((o["meta"]["e2e_s"] - o["meta"]["ttft_s"]) / (args.new_tokens - 1) for o in outs)
+        # the steps after the batch's last first token (earlier ones share steps with prefills)
+        last = max(outs, key=lambda o: o["meta"]["ttft_s"])["meta"]
+        decode = (last["e2e_s"] - last["ttft_s"]) / (args.new_tokens - 1)
         row = {
-            "mode": mode, "batch": b, "context_tokens": context, "ttft_s": ttft,
+            "mode": mode, "batch": b, "context_tokens": context, "top_k": args.top_k, "scan": args.scan,
+            "gather": args.gather, "ttft_s": ttft,
             "decode_s_per_token": decode, "out_tok_s": b * args.new_tokens / total,
             "host_attended": outs[0]["meta"].get("host_attended_chunks", 0),
             "first_host_attended": first[0]["meta"].get("host_attended_chunks", 0),

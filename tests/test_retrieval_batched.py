@@ -232,9 +232,12 @@ def test_device_view_of_a_cpu_tensor_is_itself():
 
 
 def test_device_fill_with_shared_lists_equals_a_brute_force_reference():
-    """share_lists: per (part, KV head, token) lists ranked by the best score of the KV head's query
-    heads, taken best first while they hold at most the scan budget (at least one); each query head
-    then keeps its own top-k of those keys, plus the sink keys. Checked against loops over the index."""
+    """share_lists: per (part, KV head, token) lists ranked by the sum of the KV head's query heads'
+    scores, taken best first while they hold at most SHARED_BUDGET x the scan budget (at least one);
+    each query head then keeps its own top-k of those keys, plus the sink keys. Checked against loops
+    over the index."""
+    from lazyrt.retrieval.device_fill import SHARED_BUDGET
+
     rng = random.Random()
     g = torch.Generator().manual_seed(rng.randrange(1 << 30))
     ps, kvh, group, d = 8, 2, 3, 32
@@ -254,14 +257,14 @@ def test_device_fill_with_shared_lists_equals_a_brute_force_reference():
         entry = cache.get((part.pages, n, 0, 4), None)  # built by the fill
         keys, slot_of = entry.local().float(), entry.slot_of  # [n, kvh, d] at local positions
         _, kv = ha._part_kv(part, 0)
-        budget = max(0.1, 2 * 12 / (n - 4)) * (n - 4)
+        budget = min(n - 4, SHARED_BUDGET * max(0.1, 2 * 12 / (n - 4)) * (n - 4))
         for r in part.rows:
             c, s_ = rope.cos[part.start_pos, :half], rope.sin[part.start_pos, :half]
             x1, x2 = q[r, :, :half], q[r, :, half:]
             qr = torch.cat([x1 * c + x2 * s_, x2 * c - x1 * s_], -1)  # the chunk's frame
             for h in range(kvh):
                 heads = qr[h * group : (h + 1) * group]
-                best = (heads @ entry.index.centroids[h].T).amax(0)
+                best = (heads @ entry.index.centroids[h].T).sum(0)
                 taken, size = [], 0
                 for lst in best.argsort(descending=True).tolist():
                     k = int(entry.sizes[h, lst])

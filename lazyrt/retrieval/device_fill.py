@@ -34,6 +34,11 @@ if TYPE_CHECKING:
 # the fill's gathered keys / values hold at most this many elements at once (fp32: 256 MB)
 DEVICE_WORK_ELEMENTS = 1 << 26
 DEVICE_STACK_BYTES = 4 << 30  # stacked index data kept on the device (oldest dropped past this)
+# share_lists: a KV head's shared set scans this many times one query head's budget. On the default
+# model's real keys (benchmarks/experiments/retrieval_recall.py --shared, 3 query heads a KV head),
+# sets ranked by the sum of the heads' scores at 2x the budget find the top-10 as well as per-head
+# search does (0.867-0.872 vs 0.866-0.875 at 5%) reading 0.68x the keys; at 1x they lose ~0.1.
+SHARED_BUDGET = 2.0
 
 
 class _PinnedView:
@@ -149,6 +154,10 @@ class DeviceFill:
     """HostAttention.fill on q's device: `fill(layer, q, o, lse)` with q, o, lse on the device
     (rope: the RoPE cache on that device)."""
 
+    # rows read from host memory on CUDA by the Triton row gather (more reads in flight than
+    # index_select: benchmarks/experiments/zero_copy_gather.py); False: index_select
+    triton_gather = True
+
     def __init__(self, ha: HostAttention, rope: RopeCache, device: torch.device):
         self.ha, self.rope, self.device = ha, rope, device
         self.kv = device_view(ha.host_kv, device)
@@ -218,7 +227,7 @@ class DeviceFill:
         G, kvh, Q, d = qg.shape
         R, w = slots.shape[2], slots.shape[3]
         flat = self.kv.view(-1, d)
-        k = flat.index_select(0, kv_rows(self.kv.shape, dev.pages, layer, slots, 0).view(-1))
+        k = self._gather(flat, kv_rows(self.kv.shape, dev.pages, layer, slots, 0).view(-1))
         k = rotate(k.view(G, kvh, R, w, d).float(), slots, self.rope)
         s = torch.matmul(qg.view(G, kvh, R, Q // R, d), k.transpose(-1, -2)).view(G, kvh, Q, w)
         del k
@@ -238,10 +247,17 @@ class DeviceFill:
                 slots = torch.cat([slots[..., :sink], slots[..., sink:].gather(3, found)], -1)
         s = s * self.ha.sm_scale
         w = slots.shape[-1]
-        v = flat.index_select(0, kv_rows(self.kv.shape, dev.pages, layer, slots, 1).view(-1))
+        v = self._gather(flat, kv_rows(self.kv.shape, dev.pages, layer, slots, 1).view(-1))
         p = torch.softmax(s, -1).view(G, kvh, R, Q // R, w)
         o = torch.matmul(p, v.view(G, kvh, R, w, d).float()).view(G, kvh, Q, d)
         return o, torch.logsumexp(s, -1)
+
+    def _gather(self, flat: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        if self.triton_gather and flat.is_cuda:
+            from lazyrt.kernels.triton_gather import gather_rows_triton
+
+            return gather_rows_triton(flat, rows)
+        return flat.index_select(0, rows)
 
     def _blocks(self, G: int, per_part: int):
         step = max(1, DEVICE_WORK_ELEMENTS // max(1, per_part))
@@ -263,17 +279,21 @@ class DeviceFill:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """HostAttention._approx's lists, candidates and top-k, from the device stack; with
         RetrievalOptions.share_lists the query heads of a KV head (one token) share one candidate set:
-        lists ranked by the best of their scores, a quarter of the key reads at GQA 4 (each head still
-        keeps its own top-k of the candidates)."""
+        lists ranked by the sum of their scores, SHARED_BUDGET x one head's budget (each head still
+        keeps its own top-k of the candidates; the set's keys and values are read once)."""
         G, kvh, Q, d = qg.shape
         n, sink, budget = g.n, g.sink, g.budget
+        shared = self.ha.options.share_lists
+        if shared:  # one set for the KV head's query heads: twice one head's budget (module docstring)
+            budget = min(float(n - sink), SHARED_BUDGET * budget)
         keys = tuple((p.pages, n, layer, sink) for p in g.parts)
         st = self.ha.indexes.device_stacks.get(self.ha.indexes, keys, entries, budget, qg.device)
         lists, t = st.sizes.shape[-1], st.lists_in_budget
-        scores = torch.matmul(qg, st.centroids.transpose(-1, -2))  # [G, kvh, Q, lists]
-        if self.ha.options.share_lists:  # one candidate set per (KV head, token): its query heads' best
-            scores = scores.view(G, kvh, g.m, Q // g.m, lists).amax(3)
+        if shared:  # lists ranked by the sum of the query heads' scores: (sum of q) . centroid
             Q = g.m
+            scores = torch.matmul(qg.view(G, kvh, Q, -1, d).sum(3), st.centroids.transpose(-1, -2))
+        else:
+            scores = torch.matmul(qg, st.centroids.transpose(-1, -2))  # [G, kvh, Q, lists]
         order = scores.topk(t, -1, sorted=True).indices  # best first
         size = st.sizes.unsqueeze(2).expand(G, kvh, Q, lists).gather(3, order)
         take = size.cumsum(-1) <= budget

@@ -1,0 +1,63 @@
+"""Reading scattered rows of pinned host memory from the GPU (the retrieval fill's key and value
+reads): torch index_select on a zero-copy CUDA view vs the Triton row gather at several block sizes,
+beside one contiguous DMA copy of the same bytes (the bus's ceiling).
+
+    python benchmarks/experiments/zero_copy_gather.py [--gib 4] [--rows 2000000] [--cols 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from lazyrt.kernels.triton_gather import gather_rows_triton
+from lazyrt.retrieval.device_fill import device_view
+
+
+def timed(fn, reps: int = 5) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps / 1e3
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gib", type=float, default=4.0, help="pinned host table size")
+    p.add_argument("--rows", type=int, default=2_000_000, help="rows gathered per call")
+    p.add_argument("--cols", type=int, default=128, help="bf16 elements a row (head_dim)")
+    args = p.parse_args()
+    total = int(args.gib * 2**30) // (2 * args.cols)
+    host = torch.empty(total, args.cols, dtype=torch.bfloat16, pin_memory=True)
+    host.view(torch.int16).random_()
+    view = device_view(host, torch.device("cuda"))
+    rows = torch.randint(0, total, (args.rows,), device="cuda")
+    nbytes = args.rows * args.cols * 2
+    ref = host[rows.cpu()]
+    assert torch.equal(view.index_select(0, rows).cpu(), ref)
+    print(f"| method | GB/s ({args.rows} rows of {args.cols * 2} B from a {args.gib} GiB pinned table) |")
+    print("|---|---|")
+    dst = torch.empty(args.rows, args.cols, dtype=torch.bfloat16, device="cuda")
+    src = host[: args.rows]
+
+    def row(name: str, fn) -> None:
+        print(f"| {name} | {nbytes / timed(fn) / 1e9:.1f} |", flush=True)
+
+    row("contiguous DMA copy (ceiling)", lambda: dst.copy_(src, non_blocking=True))
+    row("index_select on the view", lambda: view.index_select(0, rows))
+    for per in (4, 8, 16, 32, 64, 128):
+        assert torch.equal(gather_rows_triton(view, rows, per).cpu(), ref)
+        row(f"Triton gather, {per} rows a program", lambda per=per: gather_rows_triton(view, rows, per))
+    local = view[: total // 4].clone()  # device memory, for scale
+    r2 = torch.randint(0, local.shape[0], (args.rows,), device="cuda")
+    row("index_select, device memory", lambda: local.index_select(0, r2))
+
+
+if __name__ == "__main__":
+    main()
