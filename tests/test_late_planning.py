@@ -14,7 +14,9 @@ import pytest
 from conftest import cpu_engine
 from hf_reference import assert_no_leaked_pages
 
+import lazyrt.launch
 from lazyrt import SamplingParams
+from lazyrt.config import EngineConfig
 from lazyrt.runtime.ipc.messages import StepItem, StepMsg, StepResult, TokenBatch, TokenizedReq, decode
 from lazyrt.runtime.scheduler.late_planning import LatePlanner, decode_only_msg, next_step_decode_only
 from lazyrt.runtime.scheduler.plan import PENDING_TOKEN
@@ -189,6 +191,19 @@ def test_the_wait_is_capped():
     start = clock.t
     assert late.deadline() == pytest.approx(start + 30 * MS)
     assert late.wait(lambda: True, ScriptedPoll(clock, [])) == pytest.approx(30 * MS)
+
+
+@pytest.mark.parametrize(
+    "argv, want", [([], True), (["--no-late-planning"], False), (["--late-planning"], True)]
+)
+def test_cli_flag(monkeypatch, argv, want):
+    assert EngineConfig().late_planning is True
+    assert "--no-late-planning" in lazyrt.launch.build_parser().format_help()
+    seen = []
+    monkeypatch.setattr(lazyrt.launch, "serve", lambda cfg, opts: seen.append(cfg) or 0)
+    monkeypatch.setattr(lazyrt.launch, "check_devices", lambda cfg: None)
+    assert lazyrt.launch.main(["--device", "cpu", *argv]) == 0
+    assert seen[0].late_planning is want
 
 
 # ---- the scheduler loop over the CPU worker, with made-up device timing ------------------------------
