@@ -61,8 +61,15 @@ class LatePlanner:
     device_s: deque[float] = field(default_factory=deque)
     plan_s: deque[float] = field(default_factory=deque)
     launch_s: deque[float] = field(default_factory=deque)
+    # counters, and the last estimates a wait used (ms): /cache_stats shows them
     stats: dict[str, float] = field(
-        default_factory=lambda: {"late_plan_waits": 0, "late_plan_wait_ms": 0.0, "late_plan_arrivals": 0}
+        default_factory=lambda: {
+            "late_plan_waits": 0,
+            "late_plan_wait_ms": 0.0,
+            "late_plan_arrivals": 0,
+            "late_plan_step_ms": 0.0,
+            "late_plan_margin_ms": 0.0,
+        }
     )
     _began: float | None = None  # when the loop started planning the step being sent
     _result_at: float = 0.0  # when the last result came back: the in-flight step had started by then
@@ -99,12 +106,14 @@ class LatePlanner:
             return None
         if not self.plan_s or not self.launch_s:
             return None
-        margin = max(self.plan_s) + max(self.launch_s) + self.safety_s
-        return self._result_at + min(min(self.device_s) - margin, self.max_wait_s)
+        step, margin = min(self.device_s), max(self.plan_s) + max(self.launch_s) + self.safety_s
+        self.stats["late_plan_step_ms"], self.stats["late_plan_margin_ms"] = step * 1e3, margin * 1e3
+        return self._result_at + min(step - margin, self.max_wait_s)
 
     def wait(self, may_wait: Callable[[], bool], poll: Callable[[float], bool]) -> float:
         """Waits for the deadline while may_wait() holds; returns the seconds waited. poll(timeout_s)
-        waits up to timeout_s for one inbox message, handles it and says whether there was one.
+        waits up to timeout_s (never longer) for one inbox message, handles it and says whether there
+        was one.
 
         A new request ends the wait at once (may_wait() turns false once it is queued) rather than at
         the deadline: its prefill starts on the device when the in-flight step ends either way, but a
@@ -115,7 +124,7 @@ class LatePlanner:
         if deadline is None or not may_wait():
             return 0.0
         start = now = self.clock()
-        while deadline - now >= 1e-3:  # poll's granularity is 1 ms: within that, plan now
+        while now < deadline:
             if poll(deadline - now) and not may_wait():
                 self.stats["late_plan_arrivals"] += 1
                 now = self.clock()

@@ -10,6 +10,7 @@ tensors live on the "meta" device (no storage), so the KV memory exists once, in
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 import zmq
@@ -95,8 +96,12 @@ class SocketInbox:
     def __init__(self, sock: zmq.Socket):
         self.sock = sock
 
-    def poll(self, timeout_ms: int) -> bool:
-        return bool(poll([self.sock], timeout_ms))
+    def poll(self, timeout_s: float) -> bool:
+        """Waits up to timeout_s, never longer (late planning's deadline), for a message."""
+        ms = int(timeout_s * 1e3)  # zmq polls in whole milliseconds: round down, sleep a last fraction
+        if ms == 0 and timeout_s > 0:
+            time.sleep(timeout_s)
+        return bool(poll([self.sock], ms))
 
     def recv(self) -> object:
         return recv(self.sock)
@@ -144,7 +149,7 @@ class SchedulerLoop:
     def run_once(self) -> None:
         """Serves the inbox, then runs one step if there is work."""
         # Block for input only when idle; between steps just drain what has arrived.
-        timeout = 0 if self.core.has_work else PARENT_CHECK_MS
+        timeout = 0 if self.core.has_work else PARENT_CHECK_MS / 1e3
         while self.inbox.poll(timeout):
             self.handle(self.inbox.recv())
             timeout = 0
@@ -169,7 +174,7 @@ class SchedulerLoop:
 
     def _serve_one(self, timeout_s: float) -> bool:
         """Handles one inbox message if one comes within timeout_s (late planning's wait)."""
-        if not self.inbox.poll(int(timeout_s * 1e3)):
+        if not self.inbox.poll(timeout_s):
             return False
         self.handle(self.inbox.recv())
         return True
