@@ -401,6 +401,13 @@ def summarize(results: list[Result], wall: float, before: dict, after: dict, pea
         "kv_pages_used_after": after["total_pages"] - after["free_pages"] if "total_pages" in after else None,
         "prom_kv_pages_used": prom_value(prom, "lazyrt_kv_pages_used"),
         "prom_requests_aborted": prom_value(prom, "lazyrt_requests_aborted_total"),
+        "steps": delta("steps"),
+        # late planning (server, overlap on): waits before decode-only steps, their total, how many an
+        # arriving request ended, and the last step-time and margin estimates; None when it is off
+        "late_plan": {
+            **{k: delta(k) for k in ("late_plan_waits", "late_plan_wait_ms", "late_plan_arrivals")},
+            **{k: after.get(k) for k in ("late_plan_step_ms", "late_plan_margin_ms")},
+        },
     }
 
 

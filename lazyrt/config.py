@@ -88,6 +88,11 @@ class EngineConfig:
     # Overlapped scheduling: plan and build step N+1 on the host while the device runs step N
     # (scheduler/engine_core.py); same outputs, one step's compute wasted when a request hits EOS.
     overlap_schedule: bool = True
+    # Late planning (server, with overlap_schedule; scheduler/late_planning.py): when the next step
+    # would only carry running decodes, plan it shortly before the step in flight is expected to end
+    # on the device, not as it starts, so a request arriving meanwhile joins it (lower time to first
+    # token at low load). Device idle is avoided by a measured margin; the outputs are the same.
+    late_planning: bool = True
     # Tensor parallelism: the model split Megatron-style over this many ranks, one worker process per
     # rank (one GPU each on CUDA over NCCL; gloo on CPU), each holding its share of the KV heads.
     tensor_parallel_size: int = 1

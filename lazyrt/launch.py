@@ -170,6 +170,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(same outputs; --no-overlap-schedule waits for each step's tokens first)",
     )
     p.add_argument(
+        "--late-planning",
+        action=argparse.BooleanOptionalAction,
+        default=d.late_planning,
+        help="with --overlap-schedule: plan a decode-only step shortly before the one on the device ends, "
+        "so requests arriving meanwhile join it (same outputs; --no-late-planning plans it at once)",
+    )
+    p.add_argument(
         "--tensor-parallel-size",
         type=int,
         default=d.tensor_parallel_size,
@@ -234,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         doc_positions=args.doc_positions,
         shared_chunk_attention=args.shared_chunk_attention,
         overlap_schedule=args.overlap_schedule,
+        late_planning=args.late_planning,
         tensor_parallel_size=args.tensor_parallel_size,
         document_store=args.document_store,
         seed=args.seed,

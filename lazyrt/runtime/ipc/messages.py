@@ -167,6 +167,11 @@ class StepResult:
     # rid -> [top ids, top logprobs] per scored token, for scoring requests asking top logprobs
     score_top: dict | None = None
     citations: dict | None = None  # rid -> each document's share of its sampling row's attention
+    # Overlapped scheduling, for late planning (scheduler/late_planning.py): the device time of the
+    # step whose tokens these are (CUDA events; None on CPU, where a step runs before its answer), and
+    # the worker's host time to launch the step this message answers (receipt to kernels queued).
+    device_ms: float | None = None
+    launch_ms: float | None = None
 
 
 @message

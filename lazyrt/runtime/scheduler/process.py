@@ -10,6 +10,7 @@ tensors live on the "meta" device (no storage), so the KV memory exists once, in
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 import zmq
@@ -39,6 +40,7 @@ from lazyrt.runtime.ipc.sockets import (
     socket,
 )
 from lazyrt.runtime.scheduler.engine_core import EngineCore, NoProgress
+from lazyrt.runtime.scheduler.late_planning import LatePlanner, next_step_decode_only
 from lazyrt.runtime.scheduler.request import Request
 from lazyrt.runtime.scheduler.scheduler import RequestRejected, Scheduler
 
@@ -60,19 +62,49 @@ class WorkerStepError(RuntimeError):
 
 
 class ZmqWorkerLink:
-    """EngineCore's worker, over ZMQ: send the step, wait for the sampled tokens."""
+    """EngineCore's worker, over ZMQ: send the step, wait for the sampled tokens. `late` (late
+    planning) is told when each step went out and when its answer came back."""
 
-    def __init__(self, to_worker: zmq.Socket, from_worker: zmq.Socket, watch: ParentWatch):
-        self.to_worker, self.from_worker, self.watch = to_worker, from_worker, watch
+    def __init__(
+        self,
+        to_worker: zmq.Socket,
+        from_worker: zmq.Socket,
+        watch: ParentWatch,
+        late: LatePlanner | None = None,
+    ):
+        self.to_worker, self.from_worker, self.watch, self.late = to_worker, from_worker, watch, late
 
     def execute(self, msg: StepMsg) -> StepResult:
         send(self.to_worker, msg)
+        if self.late is not None:
+            self.late.sent(msg)
         while not poll([self.from_worker], PARENT_CHECK_MS):
             self.watch.check()  # a dead worker is noticed by the parent, which stops us
         result = recv(self.from_worker)
         if isinstance(result, StepFailed):
+            if self.late is not None:
+                self.late.dropped()  # the worker dropped the steps in flight
             raise WorkerStepError(result.error, result.kind)
+        if self.late is not None:
+            self.late.returned(msg, result)
         return result
+
+
+class SocketInbox:
+    """The scheduler's inbox: wait up to a timeout for a message, then take it."""
+
+    def __init__(self, sock: zmq.Socket):
+        self.sock = sock
+
+    def poll(self, timeout_s: float) -> bool:
+        """Waits up to timeout_s, never longer (late planning's deadline), for a message."""
+        ms = int(timeout_s * 1e3)  # zmq polls in whole milliseconds: round down, sleep a last fraction
+        if ms == 0 and timeout_s > 0:
+            time.sleep(timeout_s)
+        return bool(poll([self.sock], ms))
+
+    def recv(self) -> object:
+        return recv(self.sock)
 
 
 def run_scheduler_process(cfg: EngineConfig, ipc: IpcPaths, log_level: str) -> None:
@@ -87,44 +119,65 @@ def run_scheduler_process(cfg: EngineConfig, ipc: IpcPaths, log_level: str) -> N
     ready: WorkerReady = recv(from_worker)
     pool = PagePool(1, ready.num_pages, ready.page_size, 1, 1, torch.float32, "meta")
     sched = Scheduler.from_config(pool, cfg, ready.model_id, ready.host_pages, ready.page_bytes)
-    link = ZmqWorkerLink(to_worker, from_worker, watch)
+    late = LatePlanner() if cfg.overlap_schedule and cfg.late_planning else None
+    link = ZmqWorkerLink(to_worker, from_worker, watch, late)
     core = EngineCore(sched, link, set(ready.eos_ids), overlap=cfg.overlap_schedule)
     send(to_detok, ready)
-    SchedulerLoop(core, cfg.cache_mode, inbox, to_detok, watch).run()
+    SchedulerLoop(core, cfg.cache_mode, SocketInbox(inbox), to_detok, watch, late).run()
 
 
 class SchedulerLoop:
+    """inbox: SocketInbox (or any object with its poll/recv); to_detok: a socket; late: the late
+    planner its worker link reports to (None: each step is planned as soon as the last returns)."""
+
     def __init__(
-        self, core: EngineCore, cache_mode: str, inbox: zmq.Socket, to_detok: zmq.Socket, watch: ParentWatch
+        self,
+        core: EngineCore,
+        cache_mode: str,
+        inbox: SocketInbox,
+        to_detok: zmq.Socket,
+        watch: ParentWatch,
+        late: LatePlanner | None = None,
     ):
-        self.core, self.cache_mode, self.inbox, self.to_detok, self.watch = (
-            core,
-            cache_mode,
-            inbox,
-            to_detok,
-            watch,
-        )
+        self.core, self.cache_mode, self.inbox, self.to_detok = core, cache_mode, inbox, to_detok
+        self.watch, self.late = watch, late
 
     def run(self) -> None:
         while True:
-            # Block for input only when idle; between steps just drain what has arrived.
-            timeout = 0 if self.core.has_work else PARENT_CHECK_MS
-            while poll([self.inbox], timeout):
-                self.handle(recv(self.inbox))
-                timeout = 0
-            self.watch.check()
-            if not self.core.has_work:
-                continue
-            try:
-                outs = self.core.step()
-            except NoProgress as e:
-                self.fail_waiting(f"the scheduler could not make progress on this request: {e}")
-                continue
-            except WorkerStepError as e:
-                self.fail_step(e)  # EngineCore has aborted the requests; new ones are served
-                continue
-            if outs:
-                send(self.to_detok, TokenBatch(outs))
+            self.run_once()
+
+    def run_once(self) -> None:
+        """Serves the inbox, then runs one step if there is work."""
+        # Block for input only when idle; between steps just drain what has arrived.
+        timeout = 0 if self.core.has_work else PARENT_CHECK_MS / 1e3
+        while self.inbox.poll(timeout):
+            self.handle(self.inbox.recv())
+            timeout = 0
+        self.watch.check()
+        if not self.core.has_work:
+            return
+        if self.late is not None:
+            # a decode-only step in flight and only decodes to plan: plan shortly before it ends, so
+            # that a request arriving meanwhile joins the next step, not the one after
+            self.late.wait(lambda: next_step_decode_only(self.core.scheduler), self._serve_one)
+            self.late.step_began()
+        try:
+            outs = self.core.step()
+        except NoProgress as e:
+            self.fail_waiting(f"the scheduler could not make progress on this request: {e}")
+            return
+        except WorkerStepError as e:
+            self.fail_step(e)  # EngineCore has aborted the requests; new ones are served
+            return
+        if outs:
+            send(self.to_detok, TokenBatch(outs))
+
+    def _serve_one(self, timeout_s: float) -> bool:
+        """Handles one inbox message if one comes within timeout_s (late planning's wait)."""
+        if not self.inbox.poll(timeout_s):
+            return False
+        self.handle(self.inbox.recv())
+        return True
 
     def handle(self, msg: object) -> None:
         if isinstance(msg, TokenizedReq):
@@ -143,6 +196,7 @@ class SchedulerLoop:
                 data = {"freed_pages": self.core.scheduler.flush()}
             else:
                 data = self.core.cache_stats(self.cache_mode)
+                data.update(self.late.stats if self.late is not None else {})
             send(self.to_detok, ControlResp(msg.rid, data))
         else:
             logger.error("unexpected message %s", type(msg).__name__)

@@ -158,7 +158,8 @@ class ModelWorker:
         self._decoder = StepDecoder()
         self._deferred: DeferredTokens | None = None  # the launched step whose tokens are not sent yet
         # a launched step with constrained rows, sampled at the start of the next call (its masks are
-        # computed on the grammar thread meanwhile): (rows, logits, processed logits, prepared masks)
+        # computed on the grammar thread meanwhile): (rows, logits, processed logits, prepared masks,
+        # the timing event where it began on the device)
         self._unsampled: tuple | None = None
 
     def _num_pages(self, dtype: torch.dtype, model_config: ModelConfig | None = None) -> int:
@@ -261,11 +262,12 @@ class ModelWorker:
         self.tp.abort()
 
     def _execute(self, msg: StepMsg) -> StepResult:
+        began = time.perf_counter()
         if self._unsampled is not None:  # before the releases: its rows' generators and matchers
-            rows, logits, processed, prepared = self._unsampled
+            rows, logits, processed, prepared, start = self._unsampled
             self._unsampled = None
             processed = self._grammar.finish(processed, prepared)
-            self._deferred = self._in_flight(rows, *self._sample(rows, logits, processed))
+            self._deferred = self._in_flight(rows, *self._sample(rows, logits, processed), start)
         for rid in msg.release:
             self._generators.pop(rid, None)
             self._logits.release(rid)
@@ -278,6 +280,7 @@ class ModelWorker:
             prev, self._deferred = self._deferred, None  # a collect: the deferred step's tokens
             return self._answer(prev.result())
         scores = tops = None
+        start = self._device_mark() if msg.defer else None
         if any(it.request is not None and it.request.score_len > 0 for it in plan.items):
             logits, scores, tops = self._execute_scoring(plan)
         else:
@@ -299,8 +302,8 @@ class ModelWorker:
             if prepared is not None and msg.defer and self.tp is None:
                 # sampled at the start of the next call: the scheduler plans it meanwhile
                 prev, self._deferred = self._deferred, None
-                self._unsampled = (rows, logits, processed, prepared)
-                return self._answer(prev.result() if prev is not None else StepResult([]))
+                self._unsampled = (rows, logits, processed, prepared, start)
+                return self._answer_deferred(prev, began)
             if prepared is not None:
                 processed = self._grammar.finish(processed, prepared)
             tokens, logprobs = self._sample(rows, logits, processed)
@@ -312,14 +315,32 @@ class ModelWorker:
                 sampled, scores, probe_scores, logprobs=lps, score_top=tops or None, citations=citations
             )
             return self._answer(result)
-        prev, self._deferred = self._deferred, self._in_flight(rows, tokens, logprobs)
-        return self._answer(prev.result() if prev is not None else StepResult([]))
+        prev, self._deferred = self._deferred, self._in_flight(rows, tokens, logprobs, start)
+        return self._answer_deferred(prev, began)
 
-    def _in_flight(self, rows: list, tokens: torch.Tensor | None, logprobs: tuple | None) -> DeferredTokens:
+    def _answer_deferred(self, prev: DeferredTokens | None, began: float) -> StepResult:
+        """The answer to a deferred step, once it is launched: the previous one's tokens (waiting for
+        them), with the time this call took to launch it (late planning's margin)."""
+        launch_ms = (time.perf_counter() - began) * 1e3
+        result = prev.result() if prev is not None else StepResult([])
+        result.launch_ms = launch_ms
+        return self._answer(result)
+
+    def _device_mark(self) -> torch.cuda.Event | None:
+        """A timing event queued where a deferred step's work starts on the device (CUDA only)."""
+        if self.model.device.type != "cuda":
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _in_flight(
+        self, rows: list, tokens: torch.Tensor | None, logprobs: tuple | None, start: torch.cuda.Event | None
+    ) -> DeferredTokens:
         """A deferred step's sampled tokens: the next step's decode inputs on the device, and the
         host's copy on its way."""
         self.runner.prev_tokens = (tokens, {r.rid: i for i, r in enumerate(rows)}) if rows else None
-        return DeferredTokens(tokens, [r.params for r in rows], logprobs)
+        return DeferredTokens(tokens, [r.params for r in rows], logprobs, start)
 
     def _sample(self, rows: list, logits: torch.Tensor, processed: torch.Tensor) -> tuple:
         """Draws each row's token from its processed logits; logprobs (if asked) from the model's."""
@@ -370,29 +391,35 @@ class ModelWorker:
 
 class DeferredTokens:
     """A launched step's sampled tokens (and logprobs, if asked) on their way to the host (pinned
-    copies + an event on CUDA)."""
+    copies + an event on CUDA); with `start` (a timing event where the step began), its device time."""
 
     def __init__(
         self,
         tokens: torch.Tensor | None,
         params: list[SamplingParams] | None = None,
         logprobs: tuple | None = None,
+        start: torch.cuda.Event | None = None,
     ):
         self.host, self.event, self.params = tokens, None, params or []
         self.logprobs = logprobs
+        self.start = start
         if tokens is not None and tokens.is_cuda:  # pinned: the copy itself must not wait
             self.host = _pinned_copy(tokens)
             if logprobs is not None:
                 rows, *tensors = logprobs
                 self.logprobs = (rows, *(_pinned_copy(t) for t in tensors))
-            self.event = torch.cuda.Event()
+            self.event = torch.cuda.Event(enable_timing=start is not None)
             self.event.record()
 
     def result(self) -> StepResult:
+        device_ms = None
         if self.event is not None:
             self.event.synchronize()
+            if self.start is not None:  # queued before the step's work: done too
+                device_ms = self.start.elapsed_time(self.event)
         tokens = self.host.tolist() if self.host is not None else []
-        return StepResult(tokens, logprobs=logprob_entries(len(tokens), self.params, self.logprobs))
+        lps = logprob_entries(len(tokens), self.params, self.logprobs)
+        return StepResult(tokens, logprobs=lps, device_ms=device_ms)
 
 
 def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
