@@ -195,6 +195,9 @@ def test_device_fill_equals_the_cpu_fill(dtype, exact, monkeypatch):
     shapes = [(rng.randint(150, 200), rng.randint(1, 3), big) for _ in range(3)]
     shapes += [(shapes[0][0], 2, big or 12), (rng.randint(300, 360), 1, big), (5, 2, None)]
     parts, rows = _parts(rng, host_kv.shape[0], ps, shapes)
+    for src in (parts[0], parts[1]):  # chunks that two requests attend (the device stacks them once)
+        parts.append(HostPart(range(rows, rows + 2), src.pages, src.num_tokens, rng.randint(400, 900), rows))
+        rows += 2
     opts = RetrievalOptions(top_k=10**6 if exact else 20, sink=rng.choice([1, 4]), scan=0.05)
     q = torch.randn(rows, kvh * group, d, generator=g)
     cache = HostIndexCache()
@@ -222,6 +225,8 @@ def test_device_fill_equals_the_cpu_fill(dtype, exact, monkeypatch):
                 assert float(same.float().mean()) > 0.9, f"{int((~same).sum())} of {same.numel()} differ"
         assert len(cache.device_stacks._stacks) == stacks  # the second call built none
     assert (len(cache.device_stacks._stacks) > 0) != exact
+    stacks = cache.device_stacks._stacks.values()
+    assert exact or any(st.centroids.shape[0] < st.which.numel() for st in stacks)  # shared chunks once
 
 
 def test_device_view_of_a_cpu_tensor_is_itself():

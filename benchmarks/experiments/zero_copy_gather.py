@@ -35,7 +35,7 @@ def main() -> None:
     args = p.parse_args()
     total = int(args.gib * 2**30) // (2 * args.cols)
     host = torch.empty(total, args.cols, dtype=torch.bfloat16, pin_memory=True)
-    host.view(torch.int16).random_()
+    host.view(torch.int16).random_(0, 16000)  # finite bf16 values (torch.equal below)
     view = device_view(host, torch.device("cuda"))
     rows = torch.randint(0, total, (args.rows,), device="cuda")
     nbytes = args.rows * args.cols * 2

@@ -89,13 +89,15 @@ def rotate(x: torch.Tensor, pos: torch.Tensor, rope: RopeCache) -> torch.Tensor:
 
 @dataclass
 class DeviceStack:
-    """A group's index data of one layer on the device (the CPU _Stack's, plus the centroids)."""
+    """A group's index data of one layer on the device, once per distinct chunk (a batch whose
+    requests share documents has many parts per chunk): `which` [G] maps each part to its chunk."""
 
     entries: list
-    centroids: torch.Tensor  # [G, kv_heads, lists, D] fp32
-    sizes: torch.Tensor  # [G, kv_heads, lists] int64
-    starts: torch.Tensor  # [G, kv_heads, lists] int64
-    slot_of: torch.Tensor  # [G, kv_heads, n] int64
+    which: torch.Tensor  # [G] int64: the part's row in the stacked tensors
+    centroids: torch.Tensor  # [U, kv_heads, lists, D] fp32
+    sizes: torch.Tensor  # [U, kv_heads, lists] int64
+    starts: torch.Tensor  # [U, kv_heads, lists] int64
+    slot_of: torch.Tensor  # [U, kv_heads, n] int64
     lists_in_budget: int  # the most lists any query can take (the t smallest already fill the budget)
     max_size: int
     nbytes: int
@@ -114,13 +116,17 @@ class DeviceStacks:
         if st is not None and all(a is b for a, b in zip(st.entries, entries)):
             self._stacks.move_to_end(key)
             return st
-        cpu = cache.stack(keys, entries)
+        first: dict[tuple, int] = {}
+        which = [first.setdefault(k, len(first)) for k in keys]
+        ukeys = tuple(first)
+        uentries = [entries[keys.index(k)] for k in ukeys]
+        cpu = cache.stack(ukeys, uentries)
         lists = entries[0].lists
         t = max(1, min(lists, int((cpu.size_cum <= budget).sum(-1).max())))
-        cent = torch.stack([e.index.centroids for e in entries]).to(device, torch.float32)
+        cent = torch.stack([e.index.centroids for e in uentries]).to(device, torch.float32)
         st = DeviceStack(
-            list(entries), cent, cpu.sizes.to(device), cpu.starts.to(device), cpu.slot_of.to(device),
-            t, cpu.max_size, 0,
+            list(entries), torch.tensor(which, device=device), cent, cpu.sizes.to(device),
+            cpu.starts.to(device), cpu.slot_of.to(device), t, cpu.max_size, 0,
         )  # fmt: skip
         st.nbytes = sum(x.numel() * x.element_size() for x in (cent, st.sizes, st.starts, st.slot_of))
         self._put(key, st)
@@ -289,13 +295,17 @@ class DeviceFill:
         keys = tuple((p.pages, n, layer, sink) for p in g.parts)
         st = self.ha.indexes.device_stacks.get(self.ha.indexes, keys, entries, budget, qg.device)
         lists, t = st.sizes.shape[-1], st.lists_in_budget
+        # the parts' chunks' data ([U, ...] -> [G, ...]: index_select on the device, not per part)
+        sizes, starts = st.sizes.index_select(0, st.which), st.starts.index_select(0, st.which)
+        cent = st.centroids.index_select(0, st.which).transpose(-1, -2)
         if shared:  # lists ranked by the sum of the query heads' scores: (sum of q) . centroid
             Q = g.m
-            scores = torch.matmul(qg.view(G, kvh, Q, -1, d).sum(3), st.centroids.transpose(-1, -2))
+            scores = torch.matmul(qg.view(G, kvh, Q, -1, d).sum(3), cent)
         else:
-            scores = torch.matmul(qg, st.centroids.transpose(-1, -2))  # [G, kvh, Q, lists]
+            scores = torch.matmul(qg, cent)  # [G, kvh, Q, lists]
+        del cent
         order = scores.topk(t, -1, sorted=True).indices  # best first
-        size = st.sizes.unsqueeze(2).expand(G, kvh, Q, lists).gather(3, order)
+        size = sizes.unsqueeze(2).expand(G, kvh, Q, lists).gather(3, order)
         take = size.cumsum(-1) <= budget
         take[..., 0] = True
         size = size * take
@@ -305,10 +315,11 @@ class DeviceFill:
         j = torch.searchsorted(ends, cand, right=True)
         valid = j < t
         j.clamp_(max=t - 1)
-        first = st.starts.unsqueeze(2).expand(G, kvh, Q, lists).gather(3, order) - (ends - size)
+        first = starts.unsqueeze(2).expand(G, kvh, Q, lists).gather(3, order) - (ends - size)
         pos = (first.gather(3, j) + cand).masked_fill_(~valid, 0) + sink  # table positions
         sinks = torch.arange(sink, device=qg.device).expand(G, kvh, Q, sink)
-        slots = st.slot_of.unsqueeze(2).expand(G, kvh, Q, n).gather(3, torch.cat([sinks, pos], -1))
+        table = torch.cat([sinks, pos], -1)  # [G, kvh, Q, w]: positions in the chunk's table
+        slots = st.slot_of.index_select(0, st.which).unsqueeze(2).expand(G, kvh, Q, n).gather(3, table)
         rows = qg.shape[2]
         o, lse = torch.empty(G, kvh, rows, d, device=qg.device), torch.empty(G, kvh, rows, device=qg.device)
         for a, b in self._blocks(G, kvh * (Q + rows) * (sink + c) * d):
