@@ -78,8 +78,6 @@ def main() -> None:
                    help="retrieval-shared: retrieval with retrieval_share_lists (the query heads of a KV "
                    "head share one set of scanned lists per token)")
     p.add_argument("--out", default=None, help="JSON with every row")
-    p.add_argument("--gather", choices=["triton", "torch"], default="triton",
-                   help="how the GPU retrieval fill reads host rows (DeviceFill.triton_gather)")
     p.add_argument("--profile", action="store_true",
                    help="after the timings, profile 4 decode tokens of one request per mode (torch.profiler; "
                    "the ops by device time and by host time, on stderr)")
@@ -112,9 +110,6 @@ def main() -> None:
 
 def run(args: argparse.Namespace, mode: str) -> list[dict]:
     from lazyrt import Engine, RagPrompt, SamplingParams
-    from lazyrt.retrieval.device_fill import DeviceFill
-
-    DeviceFill.triton_gather = args.gather == "triton"
 
     cuda = args.device.startswith("cuda")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -187,7 +182,7 @@ def run(args: argparse.Namespace, mode: str) -> list[dict]:
         decode = (last["e2e_s"] - last["ttft_s"]) / (args.new_tokens - 1)
         row = {
             "mode": mode, "batch": b, "context_tokens": context, "top_k": args.top_k, "scan": args.scan,
-            "gather": args.gather, "ttft_s": ttft,
+            "ttft_s": ttft,
             "decode_s_per_token": decode, "out_tok_s": b * args.new_tokens / total,
             "host_attended": outs[0]["meta"].get("host_attended_chunks", 0),
             "first_host_attended": first[0]["meta"].get("host_attended_chunks", 0),

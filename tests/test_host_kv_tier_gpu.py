@@ -165,12 +165,3 @@ def test_device_fill_on_cuda_equals_the_cpu_fill(exact):
         same &= torch.isclose(lse.cpu(), want_l, atol=1e-4, rtol=1e-4)
         assert int((~same).sum()) <= (0 if exact else 2), f"{int((~same).sum())} of {same.numel()} differ"
 
-
-def test_triton_gather_reads_pinned_host_memory():
-    from lazyrt.kernels.triton_gather import gather_rows_triton
-    from lazyrt.retrieval.device_fill import device_view
-
-    host = torch.randn(5000, 128).to(torch.bfloat16).pin_memory()
-    rows = torch.randint(0, 5000, (3001,), device="cuda")
-    out = gather_rows_triton(device_view(host, torch.device("cuda")), rows)
-    assert out.is_cuda and torch.equal(out.cpu(), host[rows.cpu()])

@@ -440,16 +440,3 @@ def test_apply_rope(dtype, heads, head_dim, rotary_dim):
     out = apply_rope_triton(x, pos, rope)
     assert out.dtype == x.dtype and rel_err(out, ref) < TOL[dtype] / 10
 
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gather_rows_equals_index_select(dtype):
-    """The Triton row gather (the retrieval fill's reads of host rows) vs torch.index_select: random
-    rows with repeats, a ragged last block, several rows a program."""
-    from lazyrt.kernels.triton_gather import gather_rows_triton
-
-    rng = random.Random()
-    src = torch.randn(rng.randint(50, 90), rng.choice([24, 64]), dtype=dtype)
-    rows = torch.randint(0, src.shape[0], (rng.randint(1, 70),))
-    assert torch.equal(gather_rows_triton(src, rows, rng.choice([4, 8, 32])), src.index_select(0, rows))
-    with pytest.raises(ValueError, match="2-D"):
-        gather_rows_triton(src[:, ::2], rows)

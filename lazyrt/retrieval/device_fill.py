@@ -4,8 +4,10 @@ On CUDA the host tier is pinned memory, which the GPU reads directly over PCIe (
 addressing): `device_view` wraps it as a CUDA tensor without copying, so a step's candidate keys and
 chosen values are gathered by the device's own index_select, one key row (head_dim elements) each,
 and nothing of a step goes to the CPU: no synchronization, no per-layer round trip, no CPU scan of
-thousands of keys per layer (the CPU fill, HostAttention._approx, spends ~1 ms a chunk-layer on 16
-cores: 1.7 s a token for a 128K context).
+thousands of keys per layer (the CPU fill, HostAttention._approx, spent ~0.9 ms a chunk-layer on an
+H100 host's 16 cores: 0.36 s a token for 12 host documents). The reads are the cost: scattered
+256-byte rows come over the bus at ~11 GB/s on an H100, a fifth of a contiguous copy
+(benchmarks/experiments/zero_copy_gather.py).
 
 Same semantics as the CPU fill (tests compare the two): per (part, KV head, query row) the lists
 best first by centroid score while they hold at most the scan budget, their keys scored exactly
@@ -160,10 +162,6 @@ class DeviceFill:
     """HostAttention.fill on q's device: `fill(layer, q, o, lse)` with q, o, lse on the device
     (rope: the RoPE cache on that device)."""
 
-    # rows read from host memory on CUDA by the Triton row gather (more reads in flight than
-    # index_select: benchmarks/experiments/zero_copy_gather.py); False: index_select
-    triton_gather = True
-
     def __init__(self, ha: HostAttention, rope: RopeCache, device: torch.device):
         self.ha, self.rope, self.device = ha, rope, device
         self.kv = device_view(ha.host_kv, device)
@@ -233,7 +231,7 @@ class DeviceFill:
         G, kvh, Q, d = qg.shape
         R, w = slots.shape[2], slots.shape[3]
         flat = self.kv.view(-1, d)
-        k = self._gather(flat, kv_rows(self.kv.shape, dev.pages, layer, slots, 0).view(-1))
+        k = flat.index_select(0, kv_rows(self.kv.shape, dev.pages, layer, slots, 0).view(-1))
         k = rotate(k.view(G, kvh, R, w, d).float(), slots, self.rope)
         s = torch.matmul(qg.view(G, kvh, R, Q // R, d), k.transpose(-1, -2)).view(G, kvh, Q, w)
         del k
@@ -253,17 +251,10 @@ class DeviceFill:
                 slots = torch.cat([slots[..., :sink], slots[..., sink:].gather(3, found)], -1)
         s = s * self.ha.sm_scale
         w = slots.shape[-1]
-        v = self._gather(flat, kv_rows(self.kv.shape, dev.pages, layer, slots, 1).view(-1))
+        v = flat.index_select(0, kv_rows(self.kv.shape, dev.pages, layer, slots, 1).view(-1))
         p = torch.softmax(s, -1).view(G, kvh, R, Q // R, w)
         o = torch.matmul(p, v.view(G, kvh, R, w, d).float()).view(G, kvh, Q, d)
         return o, torch.logsumexp(s, -1)
-
-    def _gather(self, flat: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        if self.triton_gather and flat.is_cuda:
-            from lazyrt.kernels.triton_gather import gather_rows_triton
-
-            return gather_rows_triton(flat, rows)
-        return flat.index_select(0, rows)
 
     def _blocks(self, G: int, per_part: int):
         step = max(1, DEVICE_WORK_ELEMENTS // max(1, per_part))
