@@ -5,8 +5,10 @@
   build from the chunk's own prefill queries: whitened two-level lists with least-squares probes.
 - attention.py: attention of queries over a chunk's sink keys and retrieved keys, with the lse for
   merging with the exact parts of a step (torch reference).
-- host_attention.py: the engine's use: a step's host-tier segments attended on the CPU layer by
-  layer (HostAttention, filled into the shared-chunk parts before the merge), indexes cached.
+- host_attention.py: the engine's use: a step's host-tier segments attended layer by layer
+  (HostAttention, filled into the shared-chunk parts before the merge), indexes cached; on the CPU.
+- device_fill.py: the same fill on the worker's GPU (DeviceFill), reading the pinned host tier in
+  place through a zero-copy CUDA view; index data stacked on the device per group of chunks.
 
 May import: lazyrt.kernels (RoPE).
 """

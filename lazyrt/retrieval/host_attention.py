@@ -1,4 +1,5 @@
-"""Worker side of retrieval attention: a step's host segments, attended on the CPU layer by layer.
+"""Worker side of retrieval attention: a step's host segments, attended layer by layer (on the CPU
+here; with the queries on a GPU, DeviceFill in device_fill.py does the same on the device).
 
 The scheduler gives a request a *host segment* for a document chunk found only in the host tier
 when the device pool cannot load it (Segment.host: its pages are host page ids). The step then runs
