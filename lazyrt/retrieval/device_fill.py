@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from lazyrt.kernels.rope import RopeCache
+from lazyrt.retrieval.part_layout import part_queries, part_rows
 
 if TYPE_CHECKING:
     from lazyrt.retrieval.host_attention import HostAttention, IndexEntry, _Group
@@ -178,47 +179,26 @@ class DeviceFill:
 
     def fill(self, layer: int, q: torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> None:
         ha = self.ha
-        if ha._groups is None:
-            ha._groups = ha._plan()
         qd = q.float()
         outs, lses, pairs = [], [], []
-        todo = [(g, None) for g in ha._groups if g.exact]
-        for g in ha._groups:
-            if not g.exact:
-                todo += ha._ready_groups(g, layer)
-        for g, entries in todo:
+        for g, entries in ha._todo(layer):
             if entries is not None and not all(e.batched and e.bias is None for e in entries):
-                for p in g.parts:  # indexes this path does not read (two-level / probes): the reference
-                    type(ha)([p], ha.host_kv, ha.rope, ha.sm_scale, ha.options, ha.indexes).fill_reference(
-                        layer, q, o, lse
-                    )
+                ha._fill_parts_reference(g, layer, q, o, lse)  # indexes this path does not read
                 continue
             dev = self._dev(g)
-            qg = self._group_queries(g, dev, qd)
+            qg = part_queries(qd[dev.rows], dev.cos, dev.sin, self.rope, self.kv.shape[4])
             if entries is None:
                 go, gl = self._exact(g, dev, layer, qg)
             else:
                 go, gl = self._approx(g, dev, layer, qg, entries)
-            G, H, _, d = go.shape  # [G, kv_heads, m * group, d] -> the parts' rows [rows, q_heads, d]
-            go = go.view(G, H, g.m, -1, d).permute(0, 2, 1, 3, 4).reshape(G * g.m, -1, d)
-            gl = gl.view(G, H, g.m, -1).permute(0, 2, 1, 3).reshape(G * g.m, -1)
-            outs.append(go[dev.keep])
-            lses.append(gl[dev.keep])
+            go, gl = part_rows(go, gl, g.m, dev.keep)
+            outs.append(go)
+            lses.append(gl)
             pairs.append(dev.pairs)
         if outs:
             idx = torch.cat(pairs)
             o.index_copy_(0, idx, torch.cat(outs).to(o.dtype))
             lse.index_copy_(0, idx, torch.cat(lses).to(lse.dtype))
-
-    def _group_queries(self, g: _Group, dev: _GroupOnDevice, q: torch.Tensor) -> torch.Tensor:
-        """[G, kv_heads, m * group, d]: the group's queries turned back by each part's start."""
-        rd, half = self.rope.rotary_dim, self.rope.rotary_dim // 2
-        qp = q[dev.rows]  # [G, m, q_heads, d]
-        q1, q2 = qp[..., :half], qp[..., half:rd]
-        qp = torch.cat([q1 * dev.cos + q2 * dev.sin, q2 * dev.cos - q1 * dev.sin, qp[..., rd:]], dim=-1)
-        G, m, qh, d = qp.shape
-        kvh = self.kv.shape[4]
-        return qp.view(G, m, kvh, qh // kvh, d).transpose(1, 2).reshape(G, kvh, m * (qh // kvh), d)
 
     def _attend(
         self, dev: _GroupOnDevice, layer: int, qg: torch.Tensor, slots: torch.Tensor,

@@ -39,6 +39,7 @@ from lazyrt.kernels.rope import RopeCache, apply_rope_ref
 from lazyrt.retrieval.attention import retrieval_attention_ref
 from lazyrt.retrieval.device_fill import DeviceFill, DeviceStacks, kv_rows
 from lazyrt.retrieval.key_index import KeyIndex, build_key_index
+from lazyrt.retrieval.part_layout import part_queries, part_rows
 
 WORK_ELEMENTS = 1 << 22  # the batched fill's buffers hold at most this many keys' elements (4M: 16 MB fp32)
 
@@ -520,35 +521,42 @@ class HostAttention:
             return self.fill_reference(layer, q, o, lse)
         if q.is_cuda and self.device_rope is not None and self.host_kv.is_pinned():
             return self.fill_device(layer, q, o, lse)
-        if self._groups is None:
-            self._groups = self._plan()
         qc = q.float().cpu()
         outs, lses, pairs = [], [], []
-        todo = [(g, None) for g in self._groups if g.exact]
-        for g in self._groups:
-            if not g.exact:
-                todo += self._ready_groups(g, layer)
-        for g, entries in todo:
-            qg = self._group_queries(g, qc)
+        for g, entries in self._todo(layer):
+            qg = part_queries(qc[g.rows], g.cos, g.sin, self.rope, self.host_kv.shape[4])
             if entries is None:
                 go, gl = self._exact(g, layer, qg)
             else:
                 if not all(e.batched for e in entries):
-                    for p in g.parts:  # two-level indexes (not built here): the reference
-                        HostAttention([p], self.host_kv, self.rope, self.sm_scale, self.options,
-                                      self.indexes).fill_reference(layer, q, o, lse)  # fmt: skip
+                    self._fill_parts_reference(g, layer, q, o, lse)
                     continue
                 go, gl = self._approx(g, layer, qg, entries)
-            G, H, _, d = go.shape  # [G, kv_heads, m * group, d] -> the parts' rows [rows, q_heads, d]
-            go = go.view(G, H, g.m, -1, d).permute(0, 2, 1, 3, 4).reshape(G * g.m, -1, d)
-            gl = gl.view(G, H, g.m, -1).permute(0, 2, 1, 3).reshape(G * g.m, -1)
-            outs.append(go[g.keep])
-            lses.append(gl[g.keep])
+            go, gl = part_rows(go, gl, g.m, g.keep)
+            outs.append(go)
+            lses.append(gl)
             pairs.append(g.pairs)
         if outs:
             idx = torch.cat(pairs).to(o.device)
             o.index_copy_(0, idx, torch.cat(outs).to(o.device))
             lse.index_copy_(0, idx, torch.cat(lses).to(lse.device))
+
+    def _todo(self, layer: int) -> list[tuple[_Group, list[IndexEntry] | None]]:
+        """The step's groups for one layer: exact ones (entries None), and approximate ones with their
+        parts' index entries (parts whose index is still being built: an exact group beside them)."""
+        if self._groups is None:
+            self._groups = self._plan()
+        todo: list[tuple[_Group, list[IndexEntry] | None]] = [(g, None) for g in self._groups if g.exact]
+        for g in self._groups:
+            if not g.exact:
+                todo += self._ready_groups(g, layer)
+        return todo
+
+    def _fill_parts_reference(self, g: _Group, layer: int, q, o, lse) -> None:
+        """A group whose indexes the batched fills do not read (two-level probes): part by part."""
+        for p in g.parts:
+            one = HostAttention([p], self.host_kv, self.rope, self.sm_scale, self.options, self.indexes)
+            one.fill_reference(layer, q, o, lse)
 
     def fill_device(self, layer: int, q: torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> None:
         """`fill` on q's device (device_rope's), reading the host tier in place (DeviceFill); on the
@@ -558,16 +566,6 @@ class HostAttention:
         if self._device_fill is None:
             self._device_fill = DeviceFill(self, self.device_rope, q.device)
         self._device_fill.fill(layer, q, o, lse)
-
-    def _group_queries(self, g: _Group, qc: torch.Tensor) -> torch.Tensor:
-        """The group's queries in each part's frame, per KV head: [G, kv_heads, m * group, d]."""
-        rd, half = self.rope.rotary_dim, self.rope.rotary_dim // 2
-        qp = qc[g.rows]  # [G, m, q_heads, d]
-        q1, q2 = qp[..., :half], qp[..., half:rd]
-        qp = torch.cat([q1 * g.cos + q2 * g.sin, q2 * g.cos - q1 * g.sin, qp[..., rd:]], dim=-1)
-        G, m, qh, d = qp.shape
-        kvh = self.host_kv.shape[4]
-        return qp.view(G, m, kvh, qh // kvh, d).transpose(1, 2).reshape(G, kvh, m * (qh // kvh), d)
 
     def _exact(self, g: _Group, layer: int, qg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Every key of each part: (o [G, kv_heads, Q, d], lse [G, kv_heads, Q]); parts a few at a time
