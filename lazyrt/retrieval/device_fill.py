@@ -24,15 +24,15 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
 from lazyrt.kernels.rope import RopeCache
 from lazyrt.retrieval.part_layout import part_queries, part_rows
 
-if TYPE_CHECKING:
-    from lazyrt.retrieval.host_attention import HostAttention, IndexEntry, _Group
+# host_attention.py imports this module: its HostAttention, _Group and IndexEntry are typed Any here
+HostAttention = _Group = IndexEntry = Any
 
 # the fill's gathered keys / values hold at most this many elements at once (fp32: 256 MB)
 DEVICE_WORK_ELEMENTS = 1 << 26
