@@ -2,8 +2,8 @@
 
 One request over `--docs` documents of `--doc-tokens` tokens (default 64 x 2,040 = 130,560 tokens: with
 the prefix and a 16-token question it fills Llama-3.1-8B's 131,072-token context; 2,048 would not
-fit), batch 1 and `--batch` (the same documents, different questions), on two engines run one after
-the other in this process (dummy weights in the model's real shapes), each after one untimed first
+fit), batch 1 and `--batch` (the same documents, different questions), on one engine per mode, each
+in a process of its own (dummy weights in the model's real shapes), each after one untimed first
 use (warm-up; under retrieval attention it queues the host documents' index builds, and the timing
 starts once they are built):
   full       every document's KV resident on the device (a pool that holds the whole context);
@@ -14,12 +14,12 @@ starts once they are built):
              ones through retrieval attention (sink + top-k keys per document, `--top-k`, `--sink`,
              `--scan`).
   retrieval-shared  retrieval with retrieval_share_lists: on a GPU the query heads of a KV head share
-             one set of scanned lists per token (a 1/group of the keys read from host memory).
+             one scanned set per token (2x one head's budget, fewer rows read from host memory).
 Reported per engine and batch: time to first token, decode seconds per token (the steps after the
-first token, wall clock, synchronized), output tokens/s, peak device memory (torch) and how many of
-the request's documents were attended in the host tier.
+batch's last first token, from the requests' own timings), output tokens/s, peak device memory
+(torch) and how many of the request's documents were attended in the host tier.
 
-GPU:  python benchmarks/long_context.py --out long_context.json
+GPU:  python benchmarks/long_context.py --docs 64 --batch 8 --new-tokens 8 --top-k 32 --out long_context.json
 CPU smoke:  python benchmarks/long_context.py --model tiny-llama --device cpu --docs 8 --doc-tokens 64 \\
               --batch 2 --new-tokens 4
 """
