@@ -439,4 +439,3 @@ def test_apply_rope(dtype, heads, head_dim, rotary_dim):
     ref = apply_rope_ref(x, pos, rope)
     out = apply_rope_triton(x, pos, rope)
     assert out.dtype == x.dtype and rel_err(out, ref) < TOL[dtype] / 10
-

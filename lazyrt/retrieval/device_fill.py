@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from lazyrt.kernels.rope import RopeCache
+from lazyrt.kernels.rope import RopeCache, apply_rope_ref
 from lazyrt.retrieval.part_layout import part_queries, part_rows
 
 # host_attention.py imports this module: its HostAttention, _Group and IndexEntry are typed Any here
@@ -82,21 +82,13 @@ def kv_rows(
     return ((page * layers + layer) * 2 + which) * (ps * kvh) + (slots % ps) * kvh + head
 
 
-def rotate(x: torch.Tensor, pos: torch.Tensor, rope: RopeCache) -> torch.Tensor:
-    """x [..., D] (fp32) rotated at positions pos [...] (x's leading dims), rotate-half layout."""
-    rd, half = rope.rotary_dim, rope.rotary_dim // 2
-    cos, sin = rope.cos[pos, :half], rope.sin[pos, :half]
-    x1, x2 = x[..., :half], x[..., half:rd]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., rd:]], -1)
-
-
 @dataclass
 class DeviceStack:
     """A group's index data of one layer on the device, once per distinct chunk (a batch whose
     requests share documents has many parts per chunk): `which` [G] maps each part to its chunk."""
 
     entries: list
-    which: torch.Tensor  # [G] int64: the part's row in the stacked tensors
+    which: torch.Tensor | None  # [G] int64: the part's row in the stacked tensors (None: row g)
     centroids: torch.Tensor  # [U, kv_heads, lists, D] fp32
     sizes: torch.Tensor  # [U, kv_heads, lists] int64
     starts: torch.Tensor  # [U, kv_heads, lists] int64
@@ -121,14 +113,16 @@ class DeviceStacks:
             return st
         first: dict[tuple, int] = {}
         which = [first.setdefault(k, len(first)) for k in keys]
+        by_key = dict(zip(keys, entries))
         ukeys = tuple(first)
-        uentries = [entries[keys.index(k)] for k in ukeys]
+        uentries = [by_key[k] for k in ukeys]
         cpu = cache.stack(ukeys, uentries)
         lists = entries[0].lists
         t = max(1, min(lists, int((cpu.size_cum <= budget).sum(-1).max())))
         cent = torch.stack([e.index.centroids for e in uentries]).to(device, torch.float32)
         st = DeviceStack(
-            list(entries), torch.tensor(which, device=device), cent, cpu.sizes.to(device),
+            list(entries), torch.tensor(which, device=device) if len(ukeys) < len(keys) else None, cent,
+            cpu.sizes.to(device),
             cpu.starts.to(device), cpu.slot_of.to(device), t, cpu.max_size, 0,
         )  # fmt: skip
         st.nbytes = sum(x.numel() * x.element_size() for x in (cent, st.sizes, st.starts, st.slot_of))
@@ -201,18 +195,19 @@ class DeviceFill:
             lse.index_copy_(0, idx, torch.cat(lses).to(lse.dtype))
 
     def _attend(
-        self, dev: _GroupOnDevice, layer: int, qg: torch.Tensor, slots: torch.Tensor,
+        self, pages: torch.Tensor, layer: int, qg: torch.Tensor, slots: torch.Tensor,
         valid: torch.Tensor | None, sink: int, top_k: int | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """Scores the keys at `slots` [G, kv_heads, R, w] (chunk slots, each of the R sets for Q / R
+        """Scores the keys at `slots` [G, kv_heads, R, w] (chunk slots of the parts on host pages
+        `pages` [G, pages], each of the R sets for Q / R
         query rows of qg [G, kv_heads, Q, d]; the first `sink` are sink keys; of the rest, those not
         `valid` [G, kv_heads, R, w - sink] are no candidates), keeps the sink keys and each row's top-k
         candidates (top_k None: every slot), and attends: (o [G, kvh, Q, d], lse [G, kvh, Q])."""
         G, kvh, Q, d = qg.shape
         R, w = slots.shape[2], slots.shape[3]
         flat = self.kv.view(-1, d)
-        k = flat.index_select(0, kv_rows(self.kv.shape, dev.pages, layer, slots, 0).view(-1))
-        k = rotate(k.view(G, kvh, R, w, d).float(), slots, self.rope)
+        k = flat.index_select(0, kv_rows(self.kv.shape, pages, layer, slots, 0).view(-1)).float()
+        k = apply_rope_ref(k.view(-1, 1, d), slots.reshape(-1), self.rope).view(G, kvh, R, w, d)
         s = torch.matmul(qg.view(G, kvh, R, Q // R, d), k.transpose(-1, -2)).view(G, kvh, Q, w)
         del k
         if top_k is not None:
@@ -231,7 +226,7 @@ class DeviceFill:
                 slots = torch.cat([slots[..., :sink], slots[..., sink:].gather(3, found)], -1)
         s = s * self.ha.sm_scale
         w = slots.shape[-1]
-        v = flat.index_select(0, kv_rows(self.kv.shape, dev.pages, layer, slots, 1).view(-1))
+        v = flat.index_select(0, kv_rows(self.kv.shape, pages, layer, slots, 1).view(-1))
         p = torch.softmax(s, -1).view(G, kvh, R, Q // R, w)
         o = torch.matmul(p, v.view(G, kvh, R, w, d).float()).view(G, kvh, Q, d)
         return o, torch.logsumexp(s, -1)
@@ -247,8 +242,7 @@ class DeviceFill:
         slots = torch.arange(g.n, device=qg.device).expand(G, kvh, 1, g.n)  # every key, for every row
         o, lse = torch.empty(G, kvh, Q, d, device=qg.device), torch.empty(G, kvh, Q, device=qg.device)
         for a, b in self._blocks(G, kvh * g.n * (Q + d)):
-            sub = _GroupOnDevice(dev.rows, dev.cos, dev.sin, dev.pages[a:b], dev.keep, dev.pairs)
-            o[a:b], lse[a:b] = self._attend(sub, layer, qg[a:b], slots[a:b], None, 0, None)
+            o[a:b], lse[a:b] = self._attend(dev.pages[a:b], layer, qg[a:b], slots[a:b], None, 0, None)
         return o, lse
 
     def _approx(
@@ -266,9 +260,10 @@ class DeviceFill:
         keys = tuple((p.pages, n, layer, sink) for p in g.parts)
         st = self.ha.indexes.device_stacks.get(self.ha.indexes, keys, entries, budget, qg.device)
         lists, t = st.sizes.shape[-1], st.lists_in_budget
-        # the parts' chunks' data ([U, ...] -> [G, ...]: index_select on the device, not per part)
-        sizes, starts = st.sizes.index_select(0, st.which), st.starts.index_select(0, st.which)
-        cent = st.centroids.index_select(0, st.which).transpose(-1, -2)
+        # the parts' chunks' data ([U, ...] -> [G, ...] where chunks repeat: on the device, not per part)
+        per_part = (lambda t: t) if st.which is None else (lambda t: t.index_select(0, st.which))  # noqa: E731
+        sizes, starts = per_part(st.sizes), per_part(st.starts)
+        cent = per_part(st.centroids).transpose(-1, -2)
         if shared:  # lists ranked by the sum of the query heads' scores: (sum of q) . centroid
             Q = g.m
             scores = torch.matmul(qg.view(G, kvh, Q, -1, d).sum(3), cent)
@@ -290,10 +285,10 @@ class DeviceFill:
         pos = (first.gather(3, j) + cand).masked_fill_(~valid, 0) + sink  # table positions
         sinks = torch.arange(sink, device=qg.device).expand(G, kvh, Q, sink)
         table = torch.cat([sinks, pos], -1)  # [G, kvh, Q, w]: positions in the chunk's table
-        slots = st.slot_of.index_select(0, st.which).unsqueeze(2).expand(G, kvh, Q, n).gather(3, table)
+        slots = per_part(st.slot_of).unsqueeze(2).expand(G, kvh, Q, n).gather(3, table)
         rows = qg.shape[2]
         o, lse = torch.empty(G, kvh, rows, d, device=qg.device), torch.empty(G, kvh, rows, device=qg.device)
         for a, b in self._blocks(G, kvh * (Q + rows) * (sink + c) * d):
-            sub = _GroupOnDevice(dev.rows, dev.cos, dev.sin, dev.pages[a:b], dev.keep, dev.pairs)
-            o[a:b], lse[a:b] = self._attend(sub, layer, qg[a:b], slots[a:b], valid[a:b], sink, g.top_k)
+            pages = dev.pages[a:b]
+            o[a:b], lse[a:b] = self._attend(pages, layer, qg[a:b], slots[a:b], valid[a:b], sink, g.top_k)
         return o, lse
