@@ -50,6 +50,10 @@ class EngineConfig:
     # KV head share one set of scanned lists per token (ranked by the best of their scores; each head
     # keeps its own top-k): 1/group of the keys read over PCIe. The CPU path scans per query head.
     retrieval_share_lists: bool = False
+    # A question's prefill (a step with several query rows of a request) attends every key of its
+    # host-tier chunks, their pages read whole, instead of each token searching its own top-k: faster
+    # on a GPU (contiguous reads) and exact, so the question's KV that later tokens attend is too.
+    retrieval_exact_prefill: bool = True
     # torch CPU threads of the model worker; None = auto (lazyrt/runtime/worker/cpu_threads.py): 4 in a
     # server's CUDA worker without retrieval attention or OMP_NUM_THREADS, torch's default otherwise
     worker_cpu_threads: int | None = None
@@ -210,7 +214,7 @@ def check_retrieval_options(cfg: EngineConfig) -> None:
     sc = cfg.retrieval_scan
     if isinstance(sc, bool) or not isinstance(sc, (int, float)) or not 0.0 < sc <= 1.0:
         raise ValueError(f"retrieval_scan={sc!r}: must be a number in (0, 1] (share of keys scanned)")
-    for name in ("retrieval_attention", "retrieval_share_lists"):
+    for name in ("retrieval_attention", "retrieval_share_lists", "retrieval_exact_prefill"):
         if not isinstance(getattr(cfg, name), bool):
             raise ValueError(f"{name}={getattr(cfg, name)!r}: must be true or false")
     if not cfg.retrieval_attention:

@@ -75,6 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
                    default=d.retrieval_share_lists,
                    help="on a GPU, the query heads of a KV head share one set of scanned lists per token "
                    "(fewer keys read from host memory; each head keeps its own top-k)")
+    p.add_argument("--retrieval-exact-prefill", action=argparse.BooleanOptionalAction,
+                   default=d.retrieval_exact_prefill,
+                   help="a question's prefill attends every key of its host-tier chunks (their pages read "
+                   "whole) instead of each token retrieving its own top-k")
     p.add_argument("--worker-cpu-threads", type=int, default=d.worker_cpu_threads,
                    help="torch CPU threads of the model worker (default: 4 when it drives a GPU without "
                    "--retrieval-attention and OMP_NUM_THREADS is unset, else torch's default)")
@@ -224,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         retrieval_scan=args.retrieval_scan,
         retrieval_build_threads=args.retrieval_build_threads,
         retrieval_share_lists=args.retrieval_share_lists,
+        retrieval_exact_prefill=args.retrieval_exact_prefill,
         worker_cpu_threads=args.worker_cpu_threads,
         kv_cache_memory_gb=args.kv_cache_memory_gb,
         kv_cache_memory_fraction=args.kv_cache_memory_fraction,

@@ -152,7 +152,7 @@ def test_device_fill_on_cuda_equals_the_cpu_fill(exact):
         pages = tuple(free.pop() for _ in range(-(-n // ps)))
         parts.append(HostPart(range(row, row + m), pages, n, rng.randint(n, 3000), row))
         row += m
-    opts = RetrievalOptions(top_k=10**6 if exact else 16, sink=4, scan=0.05)
+    opts = RetrievalOptions(top_k=10**6 if exact else 16, sink=4, scan=0.05, exact_prefill=False)
     q = torch.randn(row, kvh * group, d)
     cache = HostIndexCache()
     for layer in range(layers):

@@ -47,7 +47,8 @@ def test_batched_fill_equals_the_per_part_reference(dtype, exact, monkeypatch):
     shapes += [(shapes[0][0], 2, big or 12), (rng.randint(300, 360), 1, big), (5, 2, None)]
     shapes += [(shapes[0][0], 1, big)]
     parts, rows = _parts(rng, host_kv.shape[0], ps, shapes)
-    opts = RetrievalOptions(top_k=10**6 if exact else 20, sink=rng.choice([1, 4]), scan=0.05)
+    top_k = 10**6 if exact else 20
+    opts = RetrievalOptions(top_k, sink=rng.choice([1, 4]), scan=0.05, exact_prefill=False)
     q = torch.randn(rows, kvh * group, d, generator=g)
     cache = HostIndexCache()
     for layer in range(layers):
@@ -114,7 +115,8 @@ def test_background_builds_attend_exactly_until_the_index_is_ready():
     rng = random.Random()
     host_kv, rope, parts, rows, q, d = _setup(rng)
     heads = q.shape[1]
-    approx, exact = RetrievalOptions(20, 4, 0.05, build_threads=1), RetrievalOptions(10**6, 4, 0.05)
+    approx = RetrievalOptions(20, 4, 0.05, build_threads=1, exact_prefill=False)
+    exact = RetrievalOptions(10**6, 4, 0.05)
     cache = HostIndexCache(build_threads=1)
     hold = threading.Event()
     assert cache.ready(((), 0, 0, 0), lambda: hold.wait(30) and None) is None  # occupies the builder
@@ -144,7 +146,7 @@ def test_an_index_whose_pages_are_rewritten_while_it_builds_is_dropped():
 
     rng = random.Random()
     host_kv, rope, parts, _, _, d = _setup(rng)
-    opts = RetrievalOptions(20, 4, 0.05, build_threads=1)
+    opts = RetrievalOptions(20, 4, 0.05, build_threads=1, exact_prefill=False)
     cache = HostIndexCache(build_threads=1)
     ha = HostAttention(parts, host_kv, rope, d**-0.5, opts, cache)
     part = parts[0]
@@ -198,7 +200,8 @@ def test_device_fill_equals_the_cpu_fill(dtype, exact, monkeypatch):
     for src in (parts[0], parts[1]):  # chunks that two requests attend (the device stacks them once)
         parts.append(HostPart(range(rows, rows + 2), src.pages, src.num_tokens, rng.randint(400, 900), rows))
         rows += 2
-    opts = RetrievalOptions(top_k=10**6 if exact else 20, sink=rng.choice([1, 4]), scan=0.05)
+    top_k = 10**6 if exact else 20
+    opts = RetrievalOptions(top_k, sink=rng.choice([1, 4]), scan=0.05, exact_prefill=False)
     q = torch.randn(rows, kvh * group, d, generator=g)
     cache = HostIndexCache()
     for layer in range(layers):
@@ -250,7 +253,7 @@ def test_device_fill_with_shared_lists_equals_a_brute_force_reference():
     host_kv = torch.randn(120, 1, 2, ps, kvh, d, generator=g)
     n = rng.randint(150, 200)
     parts, rows = _parts(rng, host_kv.shape[0], ps, [(n, rng.randint(1, 3), None) for _ in range(3)])
-    opts = RetrievalOptions(top_k=12, sink=4, scan=0.1, share_lists=True)
+    opts = RetrievalOptions(top_k=12, sink=4, scan=0.1, share_lists=True, exact_prefill=False)
     q = torch.randn(rows, kvh * group, d, generator=g)
     cache = HostIndexCache()
     ha = HostAttention(parts, host_kv, rope, d**-0.5, opts, cache, device_rope=rope)
@@ -287,3 +290,41 @@ def test_device_fill_with_shared_lists_equals_a_brute_force_reference():
                     want_o[r, h * group + j] = torch.softmax(s, 0) @ kv[sel, h].float()
                     want_l[r, h * group + j] = torch.logsumexp(s, 0)
     _assert_nearly_all_same(o, lse, want_o, want_l)
+
+
+@pytest.mark.parametrize("device_fill", [False, True])
+@pytest.mark.parametrize("share_lists", [False, True])
+def test_parts_of_several_rows_attend_every_key(device_fill, share_lists):
+    """exact_prefill (the default): a part with more than one query row (a question's prefill) equals
+    attention to all of its chunk's keys; a part of one row (decode) still searches: it equals the
+    fill with exact_prefill off. The CPU and the device fill (its torch ops on the CPU)."""
+    rng = random.Random()
+    g = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    ps, kvh, group, d = 8, 2, 3, 32
+    rope = RopeCache.build(_Rope(d), 1024)
+    host_kv = torch.randn(200, 1, 2, ps, kvh, d, generator=g)
+    shapes = [(rng.randint(150, 200), m, None) for m in (1, 4, 1, 2, 3)]
+    parts, rows = _parts(rng, host_kv.shape[0], ps, shapes)
+    q = torch.randn(rows, kvh * group, d, generator=g)
+    opts = RetrievalOptions(top_k=12, sink=4, scan=0.05, share_lists=share_lists)
+    assert opts.exact_prefill
+    cache = HostIndexCache()
+
+    def fill(options, ref=False):
+        o, lse = torch.full((rows, kvh * group, d), float("nan")), torch.full((rows, kvh * group), 0.0)
+        ha = HostAttention(parts, host_kv, rope, d**-0.5, options, cache, device_rope=rope)
+        if ref:
+            ha.fill_reference(0, q, o, lse)
+        else:
+            (ha.fill_device if device_fill else ha.fill)(0, q, o, lse)
+        return o, lse
+
+    o, lse = fill(opts)
+    every_o, every_l = fill(RetrievalOptions(top_k=10**6, sink=4, scan=0.05), ref=True)
+    search_o, search_l = fill(RetrievalOptions(12, 4, 0.05, share_lists=share_lists, exact_prefill=False))
+    several = [r for p in parts if len(p.rows) > 1 for r in p.rows]
+    single = [p.rows.start for p in parts if len(p.rows) == 1]
+    torch.testing.assert_close(o[several], every_o[several], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse[several], every_l[several], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(o[single], search_o[single], atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(o[single], every_o[single], atol=1e-3)  # the single rows did search

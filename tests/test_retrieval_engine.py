@@ -223,6 +223,7 @@ def test_chunks_are_indexed_as_they_leave_the_device(tiny_model_dir):
         (dict(retrieval_build_threads=-1), "retrieval_build_threads"),
         (dict(retrieval_build_threads=1.5), "retrieval_build_threads"),
         (dict(retrieval_share_lists="yes"), "retrieval_share_lists"),
+        (dict(retrieval_exact_prefill=1), "retrieval_exact_prefill"),
         (dict(retrieval_attention=True, host_kv_cache_tokens=64, doc_attention_temperature=2.0),
          "doc_attention"),  # fmt: skip
     ],
@@ -237,25 +238,30 @@ def test_retrieval_flags_reach_the_config(capsys):
 
     args = build_parser().parse_args(
         ["--retrieval-attention", "--retrieval-top-k", "64", "--retrieval-sink", "8",
-         "--retrieval-scan", "0.1", "--retrieval-build-threads", "0", "--retrieval-share-lists"]  # fmt: skip
+         "--retrieval-scan", "0.1", "--retrieval-build-threads", "0", "--retrieval-share-lists",
+         "--no-retrieval-exact-prefill"]  # fmt: skip
     )
     got = (args.retrieval_attention, args.retrieval_top_k, args.retrieval_sink, args.retrieval_scan,
-           args.retrieval_build_threads, args.retrieval_share_lists)  # fmt: skip
-    assert got == (True, 64, 8, 0.1, 0, True)
-    assert build_parser().parse_args([]).retrieval_share_lists is False
+           args.retrieval_build_threads, args.retrieval_share_lists,
+           args.retrieval_exact_prefill)  # fmt: skip
+    assert got == (True, 64, 8, 0.1, 0, True, False)
+    defaults = build_parser().parse_args([])
+    assert defaults.retrieval_share_lists is False and defaults.retrieval_exact_prefill is True
 
 
-def test_share_lists_reaches_the_worker(monkeypatch, tiny_model_dir):
-    """--retrieval-share-lists reaches EngineConfig (launch) and the worker's RetrievalOptions."""
+def test_share_lists_and_exact_prefill_reach_the_worker(monkeypatch, tiny_model_dir):
+    """--retrieval-share-lists / --no-retrieval-exact-prefill reach EngineConfig (launch) and the worker's
+    RetrievalOptions."""
     import lazyrt.launch
 
     seen = []
     monkeypatch.setattr(lazyrt.launch, "serve", lambda cfg, opts: seen.append(cfg) or 0)
     monkeypatch.setattr(lazyrt.launch, "check_devices", lambda cfg: None)
-    assert lazyrt.launch.main(["--device", "cpu", "--retrieval-share-lists"]) == 0
-    assert seen[0].retrieval_share_lists is True
-    eng = _tight(tiny_model_dir("llama"), 8, retrieval_share_lists=True)
-    assert eng.runner.retrieval.share_lists is True
+    argv = ["--device", "cpu", "--retrieval-share-lists", "--no-retrieval-exact-prefill"]
+    assert lazyrt.launch.main(argv) == 0
+    assert seen[0].retrieval_share_lists is True and seen[0].retrieval_exact_prefill is False
+    eng = _tight(tiny_model_dir("llama"), 8, retrieval_share_lists=True, retrieval_exact_prefill=False)
+    assert eng.runner.retrieval.share_lists is True and eng.runner.retrieval.exact_prefill is False
 
 
 def test_per_request_top_k(tiny_model_dir):

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from lazyrt.kernels.rope import RopeCache, apply_rope_ref
-from lazyrt.retrieval.part_layout import part_queries, part_rows
+from lazyrt.retrieval.part_layout import attend_every_key, part_queries, part_rows
 
 # host_attention.py imports this module: its HostAttention, _Group and IndexEntry are typed Any here
 HostAttention = _Group = IndexEntry = Any
@@ -96,6 +96,11 @@ class DeviceStack:
     lists_in_budget: int  # the most lists any query can take (the t smallest already fill the budget)
     max_size: int
     nbytes: int
+    first: torch.Tensor  # [U] int64: a part of each chunk (its pages give the chunk's)
+    # the chunks' sink keys (fp32, turned) and values [U, kv_heads, sink, d]: read from the host the
+    # first time the stack is used (the fill's _sinks; counted in nbytes as if present)
+    sink_k: torch.Tensor | None = None
+    sink_v: torch.Tensor | None = None
 
 
 class DeviceStacks:
@@ -122,10 +127,12 @@ class DeviceStacks:
         cent = torch.stack([e.index.centroids for e in uentries]).to(device, torch.float32)
         st = DeviceStack(
             list(entries), torch.tensor(which, device=device) if len(ukeys) < len(keys) else None, cent,
-            cpu.sizes.to(device),
-            cpu.starts.to(device), cpu.slot_of.to(device), t, cpu.max_size, 0,
+            cpu.sizes.to(device), cpu.starts.to(device), cpu.slot_of.to(device), t, cpu.max_size, 0,
+            torch.tensor([keys.index(k) for k in ukeys], device=device),  # (first occurrences)
         )  # fmt: skip
         st.nbytes = sum(x.numel() * x.element_size() for x in (cent, st.sizes, st.starts, st.slot_of))
+        U, kvh, _, d = cent.shape  # + the sink keys (fp32) and values (at most 4 bytes) it will hold
+        st.nbytes += U * kvh * entries[0].sink * d * 8
         self._put(key, st)
         return st
 
@@ -195,55 +202,65 @@ class DeviceFill:
             lse.index_copy_(0, idx, torch.cat(lses).to(lse.dtype))
 
     def _attend(
-        self, pages: torch.Tensor, layer: int, qg: torch.Tensor, slots: torch.Tensor,
-        valid: torch.Tensor | None, sink: int, top_k: int | None,
+        self, pages: torch.Tensor, layer: int, qg: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor,
+        top_k: int, sink_k: torch.Tensor | None, sink_v: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """Scores the keys at `slots` [G, kv_heads, R, w] (chunk slots of the parts on host pages
-        `pages` [G, pages], each of the R sets for Q / R
-        query rows of qg [G, kv_heads, Q, d]; the first `sink` are sink keys; of the rest, those not
-        `valid` [G, kv_heads, R, w - sink] are no candidates), keeps the sink keys and each row's top-k
-        candidates (top_k None: every slot), and attends: (o [G, kvh, Q, d], lse [G, kvh, Q])."""
+        """Scores the candidate keys at chunk slots `slots` [G, kv_heads, R, w] of the parts (on host
+        pages `pages` [G, pages]), each of the R sets for Q / R query rows of qg [G, kv_heads, Q, d]
+        (those not `valid` [G, kv_heads, R, w] are no candidates), keeps each row's top-k, and attends
+        to them and to the sink keys (sink_k [G, kv_heads, sink, d] fp32 at local positions, sink_v
+        the values; None: no sink): (o [G, kvh, Q, d], lse [G, kvh, Q])."""
         G, kvh, Q, d = qg.shape
         R, w = slots.shape[2], slots.shape[3]
+        heads = Q // R
         flat = self.kv.view(-1, d)
         k = flat.index_select(0, kv_rows(self.kv.shape, pages, layer, slots, 0).view(-1)).float()
         k = apply_rope_ref(k.view(-1, 1, d), slots.reshape(-1), self.rope).view(G, kvh, R, w, d)
-        s = torch.matmul(qg.view(G, kvh, R, Q // R, d), k.transpose(-1, -2)).view(G, kvh, Q, w)
+        s = torch.matmul(qg.view(G, kvh, R, heads, d), k.transpose(-1, -2))  # [G, kvh, R, heads, w]
         del k
-        if top_k is not None:
-            def per_row(x: torch.Tensor) -> torch.Tensor:
-                return x.unsqueeze(3).expand(G, kvh, R, Q // R, x.shape[-1]).reshape(G, kvh, Q, x.shape[-1])
-
-            cand = s[..., sink:]
-            if valid is not None:
-                cand = cand.masked_fill(~per_row(valid), float("-inf"))
-            found = cand.topk(min(top_k, cand.shape[-1]), -1, sorted=False).indices
-            if R < Q:  # rows share a set: their top-k as masks over it, the set's values read once
-                keep = torch.zeros_like(cand, dtype=torch.bool).scatter_(3, found, True)
-                s = torch.cat([s[..., :sink], cand.masked_fill(~keep, float("-inf"))], -1)
-            else:
-                s = torch.cat([s[..., :sink], cand.gather(3, found)], -1)
-                slots = torch.cat([slots[..., :sink], slots[..., sink:].gather(3, found)], -1)
+        s = s.masked_fill_(~valid.unsqueeze(3), float("-inf")).view(G, kvh, Q, w)
+        found = s.topk(min(top_k, w), -1, sorted=False).indices
+        if heads > 1:  # rows share a set: their top-k as masks over it, the union's values read once
+            keep = torch.zeros_like(s, dtype=torch.bool).scatter_(3, found, True)
+            s = s.masked_fill_(~keep, float("-inf"))
+            u = heads * found.shape[-1]
+            if u < w:  # the union of the heads' top-k (padded with keys none of them kept: -inf)
+                union = keep.view(G, kvh, R, heads, w).any(3).float().topk(u, -1, sorted=False).indices
+                s = s.view(G, kvh, R, heads, w).gather(4, union.unsqueeze(3).expand(G, kvh, R, heads, u))
+                s, slots = s.view(G, kvh, Q, u), slots.gather(3, union)
+        else:
+            s, slots = s.gather(3, found), slots.gather(3, found)
+        sink = 0 if sink_k is None else sink_k.shape[2]
+        if sink:
+            s = torch.cat([torch.matmul(qg, sink_k.transpose(-1, -2)), s], -1)
         s = s * self.ha.sm_scale
+        p = torch.softmax(s, -1)
         w = slots.shape[-1]
         v = flat.index_select(0, kv_rows(self.kv.shape, pages, layer, slots, 1).view(-1))
-        p = torch.softmax(s, -1).view(G, kvh, R, Q // R, w)
-        o = torch.matmul(p, v.view(G, kvh, R, w, d).float()).view(G, kvh, Q, d)
+        o = torch.matmul(p[..., sink:].view(G, kvh, R, heads, w), v.view(G, kvh, R, w, d).float())
+        o = o.view(G, kvh, Q, d)
+        if sink:
+            o += torch.matmul(p[..., :sink], sink_v.float())
         return o, torch.logsumexp(s, -1)
 
-    def _blocks(self, G: int, per_part: int):
-        step = max(1, DEVICE_WORK_ELEMENTS // max(1, per_part))
-        return [(a, min(G, a + step)) for a in range(0, G, step)]
+    def _sinks(self, pages: torch.Tensor, layer: int, sink: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first `sink` keys (fp32, turned at their slots) and values of chunks on host pages
+        `pages` [U, pages]: ([U, kv_heads, sink, d], [U, kv_heads, sink, d] as stored)."""
+        U, kvh, d = pages.shape[0], self.kv.shape[4], self.kv.shape[5]
+        slots = torch.arange(sink, device=pages.device).expand(U, kvh, sink)
+        flat = self.kv.view(-1, d)
+        k = flat.index_select(0, kv_rows(self.kv.shape, pages, layer, slots, 0).view(-1)).float()
+        k = apply_rope_ref(k.view(-1, 1, d), slots.reshape(-1), self.rope).view(U, kvh, sink, d)
+        v = flat.index_select(0, kv_rows(self.kv.shape, pages, layer, slots, 1).view(-1))
+        return k, v.view(U, kvh, sink, d)
 
     def _exact(
         self, g: _Group, dev: _GroupOnDevice, layer: int, qg: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        G, kvh, Q, d = qg.shape
-        slots = torch.arange(g.n, device=qg.device).expand(G, kvh, 1, g.n)  # every key, for every row
-        o, lse = torch.empty(G, kvh, Q, d, device=qg.device), torch.empty(G, kvh, Q, device=qg.device)
-        for a, b in self._blocks(G, kvh * g.n * (Q + d)):
-            o[a:b], lse[a:b] = self._attend(dev.pages[a:b], layer, qg[a:b], slots[a:b], None, 0, None)
-        return o, lse
+        """Every key of each part, its pages read whole (a contiguous block each)."""
+        _, kvh, Q, d = qg.shape
+        per_block = max(1, DEVICE_WORK_ELEMENTS // max(1, kvh * g.n * (Q + 2 * d)))
+        return attend_every_key(self.kv[:, layer], dev.pages, g.n, qg, self.rope, self.ha.sm_scale, per_block)
 
     def _approx(
         self, g: _Group, dev: _GroupOnDevice, layer: int, qg: torch.Tensor, entries: list[IndexEntry]
@@ -283,12 +300,18 @@ class DeviceFill:
         j.clamp_(max=t - 1)
         first = starts.unsqueeze(2).expand(G, kvh, Q, lists).gather(3, order) - (ends - size)
         pos = (first.gather(3, j) + cand).masked_fill_(~valid, 0) + sink  # table positions
-        sinks = torch.arange(sink, device=qg.device).expand(G, kvh, Q, sink)
-        table = torch.cat([sinks, pos], -1)  # [G, kvh, Q, w]: positions in the chunk's table
-        slots = per_part(st.slot_of).unsqueeze(2).expand(G, kvh, Q, n).gather(3, table)
+        slots = per_part(st.slot_of).unsqueeze(2).expand(G, kvh, Q, n).gather(3, pos)  # [G, kvh, Q, c]
+        sink_k = sink_v = None
+        if sink:  # the sink keys / values, the same every step: kept on the device with the stack
+            if st.sink_k is None:
+                st.sink_k, st.sink_v = self._sinks(dev.pages[st.first], layer, sink)
+            sink_k, sink_v = per_part(st.sink_k), per_part(st.sink_v)
         rows = qg.shape[2]
         o, lse = torch.empty(G, kvh, rows, d, device=qg.device), torch.empty(G, kvh, rows, device=qg.device)
-        for a, b in self._blocks(G, kvh * (Q + rows) * (sink + c) * d):
-            pages = dev.pages[a:b]
-            o[a:b], lse[a:b] = self._attend(pages, layer, qg[a:b], slots[a:b], valid[a:b], sink, g.top_k)
+        step = max(1, DEVICE_WORK_ELEMENTS // max(1, kvh * (Q + rows) * (sink + c) * d))
+        for a in range(0, G, step):
+            b = min(G, a + step)
+            sk, sv = (None, None) if sink_k is None else (sink_k[a:b], sink_v[a:b])
+            part = (dev.pages[a:b], layer, qg[a:b], slots[a:b], valid[a:b])
+            o[a:b], lse[a:b] = self._attend(*part, g.top_k, sk, sv)
         return o, lse

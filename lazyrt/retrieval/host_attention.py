@@ -39,7 +39,7 @@ from lazyrt.kernels.rope import RopeCache, apply_rope_ref
 from lazyrt.retrieval.attention import retrieval_attention_ref
 from lazyrt.retrieval.device_fill import DeviceFill, DeviceStacks, kv_rows
 from lazyrt.retrieval.key_index import KeyIndex, build_key_index
-from lazyrt.retrieval.part_layout import part_queries, part_rows
+from lazyrt.retrieval.part_layout import attend_every_key, part_queries, part_rows
 
 WORK_ELEMENTS = 1 << 22  # the batched fill's buffers hold at most this many keys' elements (4M: 16 MB fp32)
 
@@ -56,6 +56,11 @@ class RetrievalOptions:
     # the device fill (CUDA): the query heads of a KV head share one candidate set per token (lists
     # ranked by the best of their scores): 1/group of the keys read over the bus
     share_lists: bool = False
+    # a part with more than one query row (a question's prefill) attends every key of the chunk: its
+    # pages are read whole (contiguous blocks, the bus's fast case), where each of its rows searching
+    # its own keys would read that many scattered sets; and the question's KV, which every later token
+    # attends, is then exact
+    exact_prefill: bool = True
 
 
 @dataclass
@@ -438,7 +443,8 @@ class HostAttention:
         top_k = part.top_k or self.options.top_k
         # scan at least 2 x top_k keys: top-k out of fewer candidates would be no choice at all
         scan = min(1.0, max(self.options.scan, 2 * top_k / max(1, n - sink)))
-        return sink, top_k, top_k >= n - sink, scan
+        exact = top_k >= n - sink or (self.options.exact_prefill and len(part.rows) > 1)
+        return sink, top_k, exact, scan
 
     def _builder_of(self, part: HostPart, layer: int, sink: int):
         return lambda: self._builder(self._part_kv(part, layer)[0], sink)()
@@ -568,26 +574,10 @@ class HostAttention:
         self._device_fill.fill(layer, q, o, lse)
 
     def _exact(self, g: _Group, layer: int, qg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every key of each part: (o [G, kv_heads, Q, d], lse [G, kv_heads, Q]); parts a few at a time
-        (fp32 copies of every key of many long documents at once would be large)."""
-        G, kvh, Q, d = qg.shape
-        n = g.n
-        pos = torch.arange(n)
-        o, lse = torch.empty(G, kvh, Q, d), torch.empty(G, kvh, Q)
-        layer_kv = self.host_kv[:, layer]  # [pages, 2, page_size, kv_heads, d]
-        step = max(1, WORK_ELEMENTS // (kvh * n * d))
-        for a in range(0, G, step):
-            b = min(G, a + step)
-            # whole pages (each a contiguous block), then the parts' first n slots
-            kv = layer_kv.index_select(0, g.pages[a:b].reshape(-1)).view(b - a, -1, 2, *layer_kv.shape[2:])
-            kv = kv.transpose(1, 2).reshape(b - a, 2, -1, kvh, d)[:, :, :n].float()  # [parts, 2, n, kvh, d]
-            k = apply_rope_ref(kv[:, 0].transpose(0, 1).reshape(n, -1, d), pos, self.rope)  # [n, parts*kvh,d]
-            k = k.view(n, b - a, kvh, d).permute(1, 2, 3, 0)  # [parts, kvh, d, n]
-            v = kv[:, 1].transpose(1, 2)  # [parts, kvh, n, d]
-            s = torch.matmul(qg[a:b], k) * self.sm_scale  # [parts, kvh, Q, n]
-            torch.matmul(torch.softmax(s, -1), v, out=o[a:b])
-            torch.logsumexp(s, -1, out=lse[a:b])
-        return o, lse
+        """Every key of each part: (o [G, kv_heads, Q, d], lse [G, kv_heads, Q])."""
+        _, kvh, _, d = qg.shape
+        per_block = max(1, WORK_ELEMENTS // (kvh * g.n * d))
+        return attend_every_key(self.host_kv[:, layer], g.pages, g.n, qg, self.rope, self.sm_scale, per_block)
 
     def _approx(
         self, g: _Group, layer: int, qg: torch.Tensor, entries: list[IndexEntry]

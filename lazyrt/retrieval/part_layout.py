@@ -1,12 +1,12 @@
 """How a group of host parts' query rows are laid out for the batched fill, shared by the CPU fill
 (host_attention.py) and the device fill (device_fill.py): the queries turned into each part's frame,
-per KV head, and the outputs back to the parts' rows."""
+per KV head, the outputs back to the parts' rows, and exact attention over whole chunks."""
 
 from __future__ import annotations
 
 import torch
 
-from lazyrt.kernels.rope import RopeCache
+from lazyrt.kernels.rope import RopeCache, apply_rope_ref
 
 
 def part_queries(
@@ -31,3 +31,29 @@ def part_rows(
     o = o.view(G, H, m, -1, d).permute(0, 2, 1, 3, 4).reshape(G * m, -1, d)
     lse = lse.view(G, H, m, -1).permute(0, 2, 1, 3).reshape(G * m, -1)
     return o[keep], lse[keep]
+
+
+def attend_every_key(
+    layer_kv: torch.Tensor, pages: torch.Tensor, n: int, qg: torch.Tensor, rope: RopeCache,
+    sm_scale: float, parts_per_block: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Exact attention of each part's queries qg [G, kv_heads, Q, d] (in the part's frame) to all n
+    keys of its chunk: (o [G, kv_heads, Q, d], lse [G, kv_heads, Q]) fp32. layer_kv [pages, 2,
+    page_size, kv_heads, d] is one layer of the host tier (or a device view of it), pages [G, pages]
+    the parts' page ids: whole pages are read (each a contiguous block), keys turned at their slots,
+    parts_per_block parts at a time (fp32 copies of every key of many long chunks would be large)."""
+    G, kvh, Q, d = qg.shape
+    pos = torch.arange(n, device=qg.device)
+    o = torch.empty(G, kvh, Q, d, device=qg.device)
+    lse = torch.empty(G, kvh, Q, device=qg.device)
+    for a in range(0, G, parts_per_block):
+        b = min(G, a + parts_per_block)
+        kv = layer_kv.index_select(0, pages[a:b].reshape(-1)).view(b - a, -1, 2, *layer_kv.shape[2:])
+        kv = kv.transpose(1, 2).reshape(b - a, 2, -1, kvh, d)[:, :, :n].float()  # [parts, 2, n, kvh, d]
+        k = apply_rope_ref(kv[:, 0].transpose(0, 1).reshape(n, -1, d), pos, rope)  # [n, parts * kvh, d]
+        k = k.view(n, b - a, kvh, d).permute(1, 2, 3, 0)  # [parts, kvh, d, n]
+        s = torch.matmul(qg[a:b], k) * sm_scale  # [parts, kvh, Q, n]
+        del k
+        torch.matmul(torch.softmax(s, -1), kv[:, 1].transpose(1, 2), out=o[a:b])
+        torch.logsumexp(s, -1, out=lse[a:b])
+    return o, lse

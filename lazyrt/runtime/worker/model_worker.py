@@ -127,6 +127,7 @@ class ModelWorker:
             retrieval=RetrievalOptions(
                 cfg.retrieval_top_k, cfg.retrieval_sink, cfg.retrieval_scan, cfg.retrieval_build_threads,
                 str(dev) if torch.device(dev).type == "cuda" else None, cfg.retrieval_share_lists,
+                cfg.retrieval_exact_prefill,
             )
             if cfg.retrieval_attention
             else None,
