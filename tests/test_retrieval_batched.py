@@ -297,7 +297,8 @@ def test_device_fill_with_shared_lists_equals_a_brute_force_reference():
 def test_parts_of_several_rows_attend_every_key(device_fill, share_lists):
     """exact_prefill (the default): a part with more than one query row (a question's prefill) equals
     attention to all of its chunk's keys; a part of one row (decode) still searches: it equals the
-    fill with exact_prefill off. The CPU and the device fill (its torch ops on the CPU)."""
+    fill with exact_prefill off. Chunks that several parts attend are read once for them all (checked
+    against the per-part reference). The CPU and the device fill (its torch ops on the CPU)."""
     rng = random.Random()
     g = torch.Generator().manual_seed(rng.randrange(1 << 30))
     ps, kvh, group, d = 8, 2, 3, 32
@@ -305,6 +306,9 @@ def test_parts_of_several_rows_attend_every_key(device_fill, share_lists):
     host_kv = torch.randn(200, 1, 2, ps, kvh, d, generator=g)
     shapes = [(rng.randint(150, 200), m, None) for m in (1, 4, 1, 2, 3)]
     parts, rows = _parts(rng, host_kv.shape[0], ps, shapes)
+    for src, m in ((parts[1], 3), (parts[1], 2), (parts[0], 1)):  # other requests over the same chunks
+        parts.append(HostPart(range(rows, rows + m), src.pages, src.num_tokens, rng.randint(400, 900), rows))
+        rows += m
     q = torch.randn(rows, kvh * group, d, generator=g)
     opts = RetrievalOptions(top_k=12, sink=4, scan=0.05, share_lists=share_lists)
     assert opts.exact_prefill
@@ -328,3 +332,5 @@ def test_parts_of_several_rows_attend_every_key(device_fill, share_lists):
     torch.testing.assert_close(lse[several], every_l[several], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(o[single], search_o[single], atol=1e-5, rtol=1e-5)
     assert not torch.allclose(o[single], every_o[single], atol=1e-3)  # the single rows did search
+    groups = HostAttention(parts, host_kv, rope, d**-0.5, opts, cache)._plan()
+    assert sum(gr.same_chunk is not None for gr in groups) == 1  # the repeated chunk read once

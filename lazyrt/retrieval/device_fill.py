@@ -158,6 +158,7 @@ class _GroupOnDevice:
     pages: torch.Tensor
     keep: torch.Tensor
     pairs: torch.Tensor
+    same_chunk: tuple[torch.Tensor, torch.Tensor] | None
 
 
 class DeviceFill:
@@ -174,7 +175,8 @@ class DeviceFill:
         if hit is not None and hit[0] is g:
             return hit[1]
         to = lambda t: t.to(self.device, non_blocking=True)  # noqa: E731
-        d = _GroupOnDevice(to(g.rows), to(g.cos), to(g.sin), to(g.pages), to(g.keep), to(g.pairs))
+        same = None if g.same_chunk is None else (to(g.same_chunk[0]), to(g.same_chunk[1]))
+        d = _GroupOnDevice(to(g.rows), to(g.cos), to(g.sin), to(g.pages), to(g.keep), to(g.pairs), same)
         self._on_device[id(g)] = (g, d)
         return d
 
@@ -257,10 +259,10 @@ class DeviceFill:
     def _exact(
         self, g: _Group, dev: _GroupOnDevice, layer: int, qg: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every key of each part, its pages read whole (a contiguous block each)."""
-        _, kvh, Q, d = qg.shape
-        per_block = max(1, DEVICE_WORK_ELEMENTS // max(1, kvh * g.n * (Q + 2 * d)))
-        return attend_every_key(self.kv[:, layer], dev.pages, g.n, qg, self.rope, self.ha.sm_scale, per_block)
+        """Every key of each part, its pages read whole (a contiguous block each), once for all the
+        parts over the same chunk."""
+        kv, work = self.kv[:, layer], DEVICE_WORK_ELEMENTS
+        return attend_every_key(kv, dev.pages, g.n, qg, self.rope, self.ha.sm_scale, work, dev.same_chunk)
 
     def _approx(
         self, g: _Group, dev: _GroupOnDevice, layer: int, qg: torch.Tensor, entries: list[IndexEntry]

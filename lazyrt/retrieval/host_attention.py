@@ -39,7 +39,7 @@ from lazyrt.kernels.rope import RopeCache, apply_rope_ref
 from lazyrt.retrieval.attention import retrieval_attention_ref
 from lazyrt.retrieval.device_fill import DeviceFill, DeviceStacks, kv_rows
 from lazyrt.retrieval.key_index import KeyIndex, build_key_index
-from lazyrt.retrieval.part_layout import attend_every_key, part_queries, part_rows
+from lazyrt.retrieval.part_layout import attend_every_key, part_queries, part_rows, same_chunk_parts
 
 WORK_ELEMENTS = 1 << 22  # the batched fill's buffers hold at most this many keys' elements (4M: 16 MB fp32)
 
@@ -400,6 +400,8 @@ class _Group:
     pages: torch.Tensor  # [G, pages] host page ids of each part (padded)
     keep: torch.Tensor  # [rows] the real rows among the G * m
     pairs: torch.Tensor  # [rows] their pair ids (o / lse rows)
+    # exact groups: parts over the same chunk (attend_every_key reads it once for all); None: no repeats
+    same_chunk: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class HostAttention:
@@ -498,7 +500,8 @@ class HostAttention:
         pairs = torch.tensor([p.pair0 + i for p in parts for i in range(len(p.rows))])
         cos = self.rope.cos[starts, :half].view(len(parts), 1, 1, half)
         sin = self.rope.sin[starts, :half].view(len(parts), 1, 1, half)
-        return _Group(parts, n, sink, top_k, exact, budget, m, rows, cos, sin, pages, keep, pairs)
+        same = same_chunk_parts([p.pages for p in parts]) if exact else None
+        return _Group(parts, n, sink, top_k, exact, budget, m, rows, cos, sin, pages, keep, pairs, same)
 
     def _ready_groups(self, g: _Group, layer: int) -> list[tuple[_Group, list[IndexEntry] | None]]:
         """An approximate group as (group, its parts' index entries), or, while some parts' indexes
@@ -575,9 +578,8 @@ class HostAttention:
 
     def _exact(self, g: _Group, layer: int, qg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Every key of each part: (o [G, kv_heads, Q, d], lse [G, kv_heads, Q])."""
-        _, kvh, _, d = qg.shape
-        per_block = max(1, WORK_ELEMENTS // (kvh * g.n * d))
-        return attend_every_key(self.host_kv[:, layer], g.pages, g.n, qg, self.rope, self.sm_scale, per_block)
+        kv = self.host_kv[:, layer]
+        return attend_every_key(kv, g.pages, g.n, qg, self.rope, self.sm_scale, WORK_ELEMENTS, g.same_chunk)
 
     def _approx(
         self, g: _Group, layer: int, qg: torch.Tensor, entries: list[IndexEntry]
