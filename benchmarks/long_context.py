@@ -41,19 +41,21 @@ def say(msg: str) -> None:
 
 
 def profile(eng, prompt, cuda: bool, mode: str) -> None:
-    """Where a decode step's time goes: 4 tokens of one request under torch.profiler."""
+    """Where the time goes: one request's prefill alone (1 token), then the same with 8 more tokens
+    (the difference is 8 decode steps), each under torch.profiler."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     from lazyrt import SamplingParams
 
-    eng.generate(prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))  # its prefill
+    eng.generate(prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))  # warm
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with torch_profile(activities=acts) as prof:
-        eng.generate(prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
-    for key in (["self_cuda_time_total"] if cuda else []) + ["self_cpu_time_total"]:
-        table = prof.key_averages().table(sort_by=key, row_limit=14, max_name_column_width=60)
-        say(f"{mode}: profile by {key}\n{table}")
+    for tokens in (1, 9):
+        with torch_profile(activities=acts) as prof:
+            eng.generate(prompt, SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True))
+        for key in (["self_cuda_time_total"] if cuda else []) + ["self_cpu_time_total"]:
+            table = prof.key_averages().table(sort_by=key, row_limit=14, max_name_column_width=60)
+            say(f"{mode}: {tokens} token(s), profile by {key}\n{table}")
 
 
 def main() -> None:
@@ -79,8 +81,8 @@ def main() -> None:
                    "head share one set of scanned lists per token)")
     p.add_argument("--out", default=None, help="JSON with every row")
     p.add_argument("--profile", action="store_true",
-                   help="after the timings, profile 4 decode tokens of one request per mode (torch.profiler; "
-                   "the ops by device time and by host time, on stderr)")
+                   help="after the timings, profile one request's prefill, then its prefill and 8 decode "
+                   "tokens, per mode (torch.profiler; the ops by device time and by host time, on stderr)")
     args = p.parse_args()
 
     if len(args.modes) > 1:  # one process per mode: an engine's device memory is all given back

@@ -7,7 +7,7 @@ the view 11.1 GB/s, device memory 413 GB/s. A Triton gather that loads 4-128 who
 (more reads in flight) measured the same 11.1 GB/s at every size, so it was not kept: scattered
 reads of this size are bounded by the bus's read requests, not by the kernel.
 
-    python benchmarks/experiments/zero_copy_gather.py [--gib 4] [--rows 2000000] [--cols 128]
+    python benchmarks/experiments/zero_copy_gather.py [--gib 4] [--rows 2000000] [--runs 2 4 16 64]
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ def main() -> None:
     p.add_argument("--gib", type=float, default=4.0, help="pinned host table size")
     p.add_argument("--rows", type=int, default=2_000_000, help="rows gathered per call")
     p.add_argument("--cols", type=int, default=128, help="bf16 elements a row (head_dim)")
+    p.add_argument("--runs", type=int, nargs="*", default=[2, 4, 16, 64],
+                   help="also gather runs of this many consecutive rows")
     args = p.parse_args()
     total = int(args.gib * 2**30) // (2 * args.cols)
     host = torch.empty(total, args.cols, dtype=torch.bfloat16, pin_memory=True)
@@ -54,7 +56,12 @@ def main() -> None:
         print(f"| {name} | {nbytes / timed(fn) / 1e9:.1f} |", flush=True)
 
     row("contiguous DMA copy (ceiling)", lambda: dst.copy_(src, non_blocking=True))
+    row("contiguous read by the device (a copy kernel over the view)", lambda: dst.copy_(view[: args.rows]))
     row("index_select on the view", lambda: view.index_select(0, rows))
+    for run in args.runs:  # rows in runs of `run` consecutive rows (an index list's keys stored together)
+        starts = torch.randint(0, total // run, (args.rows // run, 1), device="cuda") * run
+        runs = (starts + torch.arange(run, device="cuda")).view(-1)
+        row(f"index_select on the view, runs of {run} rows", lambda r=runs: view.index_select(0, r))
     local = view[: total // 4].clone()  # device memory, for scale
     r2 = torch.randint(0, local.shape[0], (args.rows,), device="cuda")
     row("index_select, device memory", lambda: local.index_select(0, r2))

@@ -2,19 +2,23 @@
 
 On CUDA the host tier is pinned memory, which the GPU reads directly over PCIe (unified virtual
 addressing): `device_view` wraps it as a CUDA tensor without copying, so a step's candidate keys and
-chosen values are gathered by the device's own index_select, one key row (head_dim elements) each,
-and nothing of a step goes to the CPU: no synchronization, no per-layer round trip, no CPU scan of
-thousands of keys per layer (the CPU fill, HostAttention._approx, spent ~0.9 ms a chunk-layer on an
-H100 host's 16 cores: 0.36 s a token for 12 host documents). The reads are the cost: scattered
-256-byte rows come over the bus at ~11 GB/s on an H100, a fifth of a contiguous copy
-(benchmarks/experiments/zero_copy_gather.py).
+chosen values are gathered by the device's own index_select, and nothing of a step goes to the CPU:
+no synchronization, no per-layer round trip, no CPU scan of thousands of keys per layer (the CPU
+fill, HostAttention._approx, spent ~0.9 ms a chunk-layer on an H100 host's 16 cores: 0.36 s a token
+for 12 host documents). The reads are the cost, and their shape sets it: on an H100, single
+scattered 256-byte rows come over the bus at ~11 GB/s, runs of 4 consecutive rows at ~35, runs of
+16 at ~51, the rate of a contiguous copy (benchmarks/experiments/zero_copy_gather.py). So the
+candidate keys are read from the index tables (HostIndexCache.key_tables_for: each chunk's keys
+already turned to local positions, list by list, over its host pages), where a scanned list is a
+run of rows; the chosen values (the top-k, scattered) from the host pages; the sink keys and
+values, the same every step, are kept on the device with the group's index data.
 
 Same semantics as the CPU fill (tests compare the two): per (part, KV head, query row) the lists
-best first by centroid score while they hold at most the scan budget, their keys scored exactly
-(rotated at their chunk-local slots here: the host pages hold keys unrotated; the CPU fill reads a
-rotated copy), the top-k kept, softmax over the sink keys and the top-k. A group's index data
-(centroids, list sizes and starts, slots in list order) is stacked on the device once per group of
-chunks and layer (DeviceStacks; a decode step asks for the same groups every step).
+best first by centroid score while they hold at most the scan budget, their keys scored exactly,
+the top-k kept, softmax over the sink keys and the top-k. A group's index data (centroids, list
+sizes and starts, slots in list order) is stacked on the device once per distinct chunk and layer
+(DeviceStacks; a decode step asks for the same groups every step). Parts of several query rows (a
+question's prefill, RetrievalOptions.exact_prefill) attend every key: their pages read whole.
 
 Runs on the CPU as well (the same torch ops; `device_view` returns the tensor itself): that is how
 the CPU tests check it against the CPU fill.
@@ -28,7 +32,7 @@ from typing import Any
 
 import torch
 
-from lazyrt.kernels.rope import RopeCache, apply_rope_ref
+from lazyrt.kernels.rope import RopeCache
 from lazyrt.retrieval.part_layout import attend_every_key, part_queries, part_rows
 
 # host_attention.py imports this module: its HostAttention, _Group and IndexEntry are typed Any here
@@ -80,6 +84,17 @@ def kv_rows(
     page = pages.gather(1, (slots // ps).view(G, -1)).view(slots.shape)
     head = torch.arange(kvh, device=slots.device).view(1, kvh, *([1] * (slots.dim() - 2)))
     return ((page * layers + layer) * 2 + which) * (ps * kvh) + (slots % ps) * kvh + head
+
+
+def table_rows(shape: torch.Size, pages: torch.Tensor, layer: int, pos: torch.Tensor) -> torch.Tensor:
+    """Rows of key_tables.view(-1, head_dim) holding table position `pos` [G, kv_heads, ...] of each
+    part's (KV head's) index table: key_tables' shape [pages, layers, kv_heads, page_size, D] (a
+    table's positions in order over its chunk's host pages `pages` [G, pages])."""
+    _, layers, kvh, ps, _ = shape
+    G = pos.shape[0]
+    page = pages.gather(1, (pos // ps).view(G, -1)).view(pos.shape)
+    head = torch.arange(kvh, device=pos.device).view(1, kvh, *([1] * (pos.dim() - 2)))
+    return ((page * layers + layer) * kvh + head) * ps + pos % ps
 
 
 @dataclass
@@ -168,6 +183,7 @@ class DeviceFill:
     def __init__(self, ha: HostAttention, rope: RopeCache, device: torch.device):
         self.ha, self.rope, self.device = ha, rope, device
         self.kv = device_view(ha.host_kv, device)
+        self.tables = device_view(ha.indexes.key_tables_for(ha.host_kv), device)
         self._on_device: dict[int, tuple[_Group, _GroupOnDevice]] = {}
 
     def _dev(self, g: _Group) -> _GroupOnDevice:
@@ -204,20 +220,20 @@ class DeviceFill:
             lse.index_copy_(0, idx, torch.cat(lses).to(lse.dtype))
 
     def _attend(
-        self, pages: torch.Tensor, layer: int, qg: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor,
-        top_k: int, sink_k: torch.Tensor | None, sink_v: torch.Tensor | None,
+        self, pages: torch.Tensor, layer: int, qg: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor,
+        slot_of: torch.Tensor, top_k: int, sink_k: torch.Tensor | None, sink_v: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """Scores the candidate keys at chunk slots `slots` [G, kv_heads, R, w] of the parts (on host
-        pages `pages` [G, pages]), each of the R sets for Q / R query rows of qg [G, kv_heads, Q, d]
-        (those not `valid` [G, kv_heads, R, w] are no candidates), keeps each row's top-k, and attends
-        to them and to the sink keys (sink_k [G, kv_heads, sink, d] fp32 at local positions, sink_v
-        the values; None: no sink): (o [G, kvh, Q, d], lse [G, kvh, Q])."""
+        """Scores the candidate keys at index table positions `pos` [G, kv_heads, R, w] of the parts
+        (their chunks on host pages `pages` [G, pages]; slot_of [G, kv_heads, n] each table position's
+        chunk slot), each of the R sets for Q / R query rows of qg [G, kv_heads, Q, d] (those not
+        `valid` [G, kv_heads, R, w] are no candidates), keeps each row's top-k, and attends to them and
+        to the sink keys (sink_k [G, kv_heads, sink, d] fp32 at local positions, sink_v the values;
+        None: no sink): (o [G, kvh, Q, d], lse [G, kvh, Q])."""
         G, kvh, Q, d = qg.shape
-        R, w = slots.shape[2], slots.shape[3]
+        R, w = pos.shape[2], pos.shape[3]
         heads = Q // R
-        flat = self.kv.view(-1, d)
-        k = flat.index_select(0, kv_rows(self.kv.shape, pages, layer, slots, 0).view(-1)).float()
-        k = apply_rope_ref(k.view(-1, 1, d), slots.reshape(-1), self.rope).view(G, kvh, R, w, d)
+        rows = table_rows(self.tables.shape, pages, layer, pos)  # keys turned already, a list's in a run
+        k = self.tables.view(-1, d).index_select(0, rows.view(-1)).view(G, kvh, R, w, d).float()
         s = torch.matmul(qg.view(G, kvh, R, heads, d), k.transpose(-1, -2))  # [G, kvh, R, heads, w]
         del k
         s = s.masked_fill_(~valid.unsqueeze(3), float("-inf")).view(G, kvh, Q, w)
@@ -229,16 +245,17 @@ class DeviceFill:
             if u < w:  # the union of the heads' top-k (padded with keys none of them kept: -inf)
                 union = keep.view(G, kvh, R, heads, w).any(3).float().topk(u, -1, sorted=False).indices
                 s = s.view(G, kvh, R, heads, w).gather(4, union.unsqueeze(3).expand(G, kvh, R, heads, u))
-                s, slots = s.view(G, kvh, Q, u), slots.gather(3, union)
+                s, pos = s.view(G, kvh, Q, u), pos.gather(3, union)
         else:
-            s, slots = s.gather(3, found), slots.gather(3, found)
+            s, pos = s.gather(3, found), pos.gather(3, found)
         sink = 0 if sink_k is None else sink_k.shape[2]
         if sink:
             s = torch.cat([torch.matmul(qg, sink_k.transpose(-1, -2)), s], -1)
         s = s * self.ha.sm_scale
         p = torch.softmax(s, -1)
-        w = slots.shape[-1]
-        v = flat.index_select(0, kv_rows(self.kv.shape, pages, layer, slots, 1).view(-1))
+        w = pos.shape[-1]
+        slots = slot_of.unsqueeze(2).expand(G, kvh, R, slot_of.shape[-1]).gather(3, pos)
+        v = self.kv.view(-1, d).index_select(0, kv_rows(self.kv.shape, pages, layer, slots, 1).view(-1))
         o = torch.matmul(p[..., sink:].view(G, kvh, R, heads, w), v.view(G, kvh, R, w, d).float())
         o = o.view(G, kvh, Q, d)
         if sink:
@@ -246,15 +263,14 @@ class DeviceFill:
         return o, torch.logsumexp(s, -1)
 
     def _sinks(self, pages: torch.Tensor, layer: int, sink: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first `sink` keys (fp32, turned at their slots) and values of chunks on host pages
-        `pages` [U, pages]: ([U, kv_heads, sink, d], [U, kv_heads, sink, d] as stored)."""
+        """The first `sink` keys (fp32, at local positions: the first `sink` of each index table) and
+        values of chunks on host pages `pages` [U, pages]: ([U, kv_heads, sink, d], as stored)."""
         U, kvh, d = pages.shape[0], self.kv.shape[4], self.kv.shape[5]
-        slots = torch.arange(sink, device=pages.device).expand(U, kvh, sink)
-        flat = self.kv.view(-1, d)
-        k = flat.index_select(0, kv_rows(self.kv.shape, pages, layer, slots, 0).view(-1)).float()
-        k = apply_rope_ref(k.view(-1, 1, d), slots.reshape(-1), self.rope).view(U, kvh, sink, d)
-        v = flat.index_select(0, kv_rows(self.kv.shape, pages, layer, slots, 1).view(-1))
-        return k, v.view(U, kvh, sink, d)
+        first = torch.arange(sink, device=pages.device).expand(U, kvh, sink)  # (sink i: slot i)
+        rows = table_rows(self.tables.shape, pages, layer, first)
+        k = self.tables.view(-1, d).index_select(0, rows.view(-1))
+        v = self.kv.view(-1, d).index_select(0, kv_rows(self.kv.shape, pages, layer, first, 1).view(-1))
+        return k.view(U, kvh, sink, d).float(), v.view(U, kvh, sink, d)
 
     def _exact(
         self, g: _Group, dev: _GroupOnDevice, layer: int, qg: torch.Tensor
@@ -302,7 +318,7 @@ class DeviceFill:
         j.clamp_(max=t - 1)
         first = starts.unsqueeze(2).expand(G, kvh, Q, lists).gather(3, order) - (ends - size)
         pos = (first.gather(3, j) + cand).masked_fill_(~valid, 0) + sink  # table positions
-        slots = per_part(st.slot_of).unsqueeze(2).expand(G, kvh, Q, n).gather(3, pos)  # [G, kvh, Q, c]
+        slot_of = per_part(st.slot_of)
         sink_k = sink_v = None
         if sink:  # the sink keys / values, the same every step: kept on the device with the stack
             if st.sink_k is None:
@@ -314,6 +330,6 @@ class DeviceFill:
         for a in range(0, G, step):
             b = min(G, a + step)
             sk, sv = (None, None) if sink_k is None else (sink_k[a:b], sink_v[a:b])
-            part = (dev.pages[a:b], layer, qg[a:b], slots[a:b], valid[a:b])
+            part = (dev.pages[a:b], layer, qg[a:b], pos[a:b], valid[a:b], slot_of[a:b])
             o[a:b], lse[a:b] = self._attend(*part, g.top_k, sk, sv)
         return o, lse

@@ -58,6 +58,8 @@ class ModelRunner:
         # retrieval attention over host segments (None = off); its indexes; steps that used it
         self.retrieval = retrieval
         self.host_indexes = HostIndexCache(retrieval.build_threads if retrieval is not None else 0)
+        if retrieval is not None and host_kv is not None and model.device.type == "cuda":
+            self.host_indexes.key_tables_for(host_kv.kv)  # read by the device fill (pinned: allocate now)
         self.retrieval_steps = 0
         self._rope_cpu: RopeCache | None = None
         # lazy only: the shared kernel rotates keys by their local index (pages hold unrotated keys)
