@@ -116,6 +116,37 @@ def test_retrieval_index_builds_cluster_on_cuda(monkeypatch):
     assert tight.cache_stats()["held_pages"] == 0
 
 
+def test_background_builds_put_index_data_on_the_device():
+    """retrieval_build_threads=1 on CUDA: a builder thread copies each new index's data to the device
+    (IndexEntry.on_device) and its turned keys into the pinned key tables, where the device fill reads
+    them: equal to the entry's own, and the engine answers through them."""
+    rng = random.Random()
+    tight = Engine("smollm2-135m", load_format="dummy", device="cuda", dtype="bfloat16",
+                   kv_cache_tokens=16 * 14, host_kv_cache_tokens=16 * 64, retrieval_attention=True,
+                   retrieval_top_k=8, retrieval_sink=4, retrieval_build_threads=1,
+                   max_running_requests=1)  # fmt: skip
+    vocab = tight.model_config.vocab_size
+    ids = lambda n: [rng.randrange(100, vocab) for _ in range(n)]  # noqa: E731
+    prefix, docs = ids(20), [ids(rng.randint(60, 90)) for _ in range(6)]
+    sp = SamplingParams(max_tokens=4, ignore_eos=True)
+    for p in [RagPrompt(prefix, docs[:3], ids(4)), RagPrompt(prefix, docs[3:], ids(4))]:
+        tight.generate(p, sp)
+    cache = tight.runner.host_indexes
+    assert cache.wait(60) and cache.builds > 0 and cache.key_tables.is_pinned()
+    for p in [RagPrompt(prefix, docs, ids(5)), RagPrompt(prefix, rng.sample(docs, 6), ids(5))]:
+        assert len(tight.generate(p, sp)[0]["token_ids"]) == 4
+    dev = str(tight.runner.device)
+    for (pages, n, layer, _), entry in cache._indexes.items():
+        cent, sizes, starts, slot_of = entry._on_device[dev]
+        assert torch.equal(cent.cpu(), entry.index.centroids.float())
+        assert torch.equal(slot_of.cpu(), entry.slot_of) and torch.equal(sizes.cpu(), entry.sizes)
+        assert torch.equal(starts.cpu(), entry.starts)
+        kvh, _, d = entry.table.shape
+        laid = cache.key_tables[list(pages), layer].transpose(0, 1).reshape(kvh, -1, d)[:, :n]
+        assert torch.equal(laid, entry.table)
+    assert tight.cache_stats()["chunk_host_attended"] > 0 and tight.cache_stats()["held_pages"] == 0
+
+
 def test_device_view_reads_pinned_host_memory_in_place():
     """device_view: a pinned host tensor as a CUDA tensor without a copy (writes on the host are seen)."""
     from lazyrt.retrieval.device_fill import device_view

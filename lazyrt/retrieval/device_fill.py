@@ -99,11 +99,10 @@ def table_rows(shape: torch.Size, pages: torch.Tensor, layer: int, pos: torch.Te
 
 @dataclass
 class DeviceStack:
-    """A group's index data of one layer on the device, once per distinct chunk (a batch whose
-    requests share documents has many parts per chunk): `which` [G] maps each part to its chunk."""
+    """One layer's index data of a group's distinct chunks, stacked on the device (a batch whose
+    requests share documents has many parts per chunk; a part reads its chunk's row)."""
 
     entries: list
-    which: torch.Tensor | None  # [G] int64: the part's row in the stacked tensors (None: row g)
     centroids: torch.Tensor  # [U, kv_heads, lists, D] fp32
     sizes: torch.Tensor  # [U, kv_heads, lists] int64
     starts: torch.Tensor  # [U, kv_heads, lists] int64
@@ -111,7 +110,6 @@ class DeviceStack:
     lists_in_budget: int  # the most lists any query can take (the t smallest already fill the budget)
     max_size: int
     nbytes: int
-    first: torch.Tensor  # [U] int64: a part of each chunk (its pages give the chunk's)
     # the chunks' sink keys (fp32, turned) and values [U, kv_heads, sink, d]: read from the host the
     # first time the stack is used (the fill's _sinks; counted in nbytes as if present)
     sink_k: torch.Tensor | None = None
@@ -119,37 +117,42 @@ class DeviceStack:
 
 
 class DeviceStacks:
-    """DeviceStack per (group keys, budget, device), newest kept, at most DEVICE_STACK_BYTES."""
+    """DeviceStack per (distinct chunks, budget, device), newest kept, at most DEVICE_STACK_BYTES:
+    stacked on the device from each index's own device copy (IndexEntry.on_device), so a batch of
+    other requests over the same documents finds it, and a new one costs no host-to-device copy."""
 
     def __init__(self) -> None:
         self._stacks: OrderedDict[tuple, DeviceStack] = OrderedDict()
         self._bytes = 0
 
-    def get(self, cache, keys: tuple, entries: list[IndexEntry], budget: float, device) -> DeviceStack:
-        key = (keys, budget, str(device))
+    def get(self, keys: tuple, entries: list[IndexEntry], budget: float, device) -> DeviceStack:
+        """The stack of the parts' distinct chunks (part keys `keys`, their index entries), in the
+        order of their first parts (chunk_rows gives each part's row)."""
+        part_of: dict[tuple, int] = {}
+        for g, k in enumerate(keys):
+            part_of.setdefault(k, g)
+        ukeys = tuple(part_of)
+        uentries = [entries[g] for g in part_of.values()]
+        key = (ukeys, budget, str(device))
         st = self._stacks.get(key)
-        if st is not None and all(a is b for a, b in zip(st.entries, entries)):
+        if st is None or any(a is not b for a, b in zip(st.entries, uentries)):
+            st = self._stack(uentries, budget, device)
+            self._put(key, st)
+        else:
             self._stacks.move_to_end(key)
-            return st
-        first: dict[tuple, int] = {}
-        which = [first.setdefault(k, len(first)) for k in keys]
-        by_key = dict(zip(keys, entries))
-        ukeys = tuple(first)
-        uentries = [by_key[k] for k in ukeys]
-        cpu = cache.stack(ukeys, uentries)
-        lists = entries[0].lists
-        t = max(1, min(lists, int((cpu.size_cum <= budget).sum(-1).max())))
-        cent = torch.stack([e.index.centroids for e in uentries]).to(device, torch.float32)
-        st = DeviceStack(
-            list(entries), torch.tensor(which, device=device) if len(ukeys) < len(keys) else None, cent,
-            cpu.sizes.to(device), cpu.starts.to(device), cpu.slot_of.to(device), t, cpu.max_size, 0,
-            torch.tensor([keys.index(k) for k in ukeys], device=device),  # (first occurrences)
-        )  # fmt: skip
-        st.nbytes = sum(x.numel() * x.element_size() for x in (cent, st.sizes, st.starts, st.slot_of))
-        U, kvh, _, d = cent.shape  # + the sink keys (fp32) and values (at most 4 bytes) it will hold
-        st.nbytes += U * kvh * entries[0].sink * d * 8
-        self._put(key, st)
         return st
+
+    @staticmethod
+    def _stack(entries: list[IndexEntry], budget: float, device) -> DeviceStack:
+        on = [e.on_device(device) for e in entries]
+        cent, sizes, starts, slot_of = (torch.stack([o[i] for o in on]) for i in range(4))
+        size_cum = torch.stack([e.size_cum for e in entries])  # (CPU: the budget's list count, here)
+        t = max(1, min(entries[0].lists, int((size_cum <= budget).sum(-1).max())))
+        max_size = max(int(e.sizes.max()) for e in entries)
+        nbytes = sum(x.numel() * x.element_size() for x in (cent, sizes, starts, slot_of))
+        U, kvh, _, d = cent.shape  # + the sink keys (fp32) and values (at most 4 bytes) it will hold
+        nbytes += U * kvh * entries[0].sink * d * 8
+        return DeviceStack(list(entries), cent, sizes, starts, slot_of, t, max_size, nbytes)
 
     def _put(self, key: tuple, st: DeviceStack) -> None:
         old = self._stacks.pop(key, None)
@@ -174,6 +177,10 @@ class _GroupOnDevice:
     keep: torch.Tensor
     pairs: torch.Tensor
     same_chunk: tuple[torch.Tensor, torch.Tensor] | None
+    # where parts share chunks (else None): each part's chunk (its row in the group's DeviceStack, in
+    # the order of the chunks' first parts) and each chunk's first part
+    chunk_rows: torch.Tensor | None
+    first_parts: torch.Tensor | None
 
 
 class DeviceFill:
@@ -192,7 +199,16 @@ class DeviceFill:
             return hit[1]
         to = lambda t: t.to(self.device, non_blocking=True)  # noqa: E731
         same = None if g.same_chunk is None else (to(g.same_chunk[0]), to(g.same_chunk[1]))
-        d = _GroupOnDevice(to(g.rows), to(g.cos), to(g.sin), to(g.pages), to(g.keep), to(g.pairs), same)
+        first: dict[tuple, int] = {}
+        rows = [first.setdefault(p.pages, len(first)) for p in g.parts]
+        firsts = {}
+        for i, u in enumerate(rows):
+            firsts.setdefault(u, i)
+        chunk_rows = first_parts = None
+        if len(first) < len(rows):
+            chunk_rows, first_parts = to(torch.tensor(rows)), to(torch.tensor(list(firsts.values())))
+        parts = (to(g.rows), to(g.cos), to(g.sin), to(g.pages), to(g.keep), to(g.pairs))
+        d = _GroupOnDevice(*parts, same, chunk_rows, first_parts)
         self._on_device[id(g)] = (g, d)
         return d
 
@@ -293,10 +309,14 @@ class DeviceFill:
         if shared:  # one set for the KV head's query heads: twice one head's budget (module docstring)
             budget = min(float(n - sink), SHARED_BUDGET * budget)
         keys = tuple((p.pages, n, layer, sink) for p in g.parts)
-        st = self.ha.indexes.device_stacks.get(self.ha.indexes, keys, entries, budget, qg.device)
+        st = self.ha.indexes.device_stacks.get(keys, entries, budget, qg.device)
         lists, t = st.sizes.shape[-1], st.lists_in_budget
         # the parts' chunks' data ([U, ...] -> [G, ...] where chunks repeat: on the device, not per part)
-        per_part = (lambda t: t) if st.which is None else (lambda t: t.index_select(0, st.which))  # noqa: E731
+        if dev.chunk_rows is None:
+            per_part, chunk_pages = (lambda t: t), dev.pages  # noqa: E731
+        else:
+            per_part = lambda t: t.index_select(0, dev.chunk_rows)  # noqa: E731
+            chunk_pages = dev.pages[dev.first_parts]  # [U, pages]
         sizes, starts = per_part(st.sizes), per_part(st.starts)
         cent = per_part(st.centroids).transpose(-1, -2)
         if shared:  # lists ranked by the sum of the query heads' scores: (sum of q) . centroid
@@ -322,7 +342,7 @@ class DeviceFill:
         sink_k = sink_v = None
         if sink:  # the sink keys / values, the same every step: kept on the device with the stack
             if st.sink_k is None:
-                st.sink_k, st.sink_v = self._sinks(dev.pages[st.first], layer, sink)
+                st.sink_k, st.sink_v = self._sinks(chunk_pages, layer, sink)
             sink_k, sink_v = per_part(st.sink_k), per_part(st.sink_v)
         rows = qg.shape[2]
         o, lse = torch.empty(G, kvh, rows, d, device=qg.device), torch.empty(G, kvh, rows, device=qg.device)

@@ -124,10 +124,22 @@ class IndexEntry:
         self.sizes = index.offsets[:, 1:] - index.offsets[:, :-1]
         self.starts = index.offsets[:, :-1].contiguous()
         self.size_cum = self.sizes.sort(-1).values.cumsum(-1)
+        self._on_device: dict[str, tuple[torch.Tensor, ...]] = {}
 
     @property
     def lists(self) -> int:
         return self.sizes.shape[1]
+
+    def on_device(self, device: torch.device | str) -> tuple[torch.Tensor, ...]:
+        """(centroids fp32, sizes, starts, slot_of) on `device`, copied once (by an index builder
+        thread as the index is built, see _run_build; else on first use) and kept with the entry."""
+        key = str(device)
+        got = self._on_device.get(key)
+        if got is None:
+            cent = self.index.centroids.float()
+            got = tuple(t.to(device) for t in (cent, self.sizes, self.starts, self.slot_of))
+            self._on_device[key] = got
+        return got
 
     def local(self) -> torch.Tensor:
         """The keys at local positions in slot order [n, kv_heads, head_dim] (the reference's layout)."""
@@ -160,7 +172,9 @@ class HostIndexCache:
 
     MAX_STACKS = 512
 
-    def __init__(self, build_threads: int = 0) -> None:
+    def __init__(self, build_threads: int = 0, device: str | None = None) -> None:
+        """device: where the device fill runs (CUDA): builder threads copy each new index's data there."""
+        self.device = device
         self._indexes: dict[tuple, IndexEntry] = {}
         self._stacks: dict[tuple, _Stack] = {}
         self.device_stacks = DeviceStacks()  # the device fill's copies of the stacks
@@ -398,6 +412,8 @@ def _run_build(cache_ref: weakref.ref, key: tuple, build, token: object, many: b
         try:
             built = build() if many else [build()]
             entries = [IndexEntry(*b) if ok else None for b, ok in zip(built, live)]
+            if cache.device is not None:
+                _copy_to_device([e for e in entries if e is not None], cache.device)
         except Exception as e:  # raised in the step that next asks for it
             error = e
         _after_device_reads(cache.key_tables)
@@ -405,6 +421,20 @@ def _run_build(cache_ref: weakref.ref, key: tuple, build, token: object, many: b
             if ok:
                 cache._built(k, token, e, error)
     return True
+
+
+def _copy_to_device(entries: list[IndexEntry], device: str) -> None:
+    """(a builder thread) the entries' index data onto the device, on a stream of this thread's, done
+    before they are published. The step reads them on the device's default stream: recorded there, so
+    their memory is not reused before the step's reads finish once an entry is dropped."""
+    if torch.device(device).type != "cuda":
+        return
+    stream, main = torch.cuda.Stream(device), torch.cuda.default_stream(device)
+    with torch.cuda.stream(stream):
+        for e in entries:
+            for t in e.on_device(device):
+                t.record_stream(main)
+    stream.synchronize()
 
 
 def _after_device_reads(key_tables: torch.Tensor | None) -> None:

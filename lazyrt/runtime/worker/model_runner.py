@@ -57,8 +57,11 @@ class ModelRunner:
         self.host_kv = host_kv  # the host KV tier's pages (None = off)
         # retrieval attention over host segments (None = off); its indexes; steps that used it
         self.retrieval = retrieval
-        self.host_indexes = HostIndexCache(retrieval.build_threads if retrieval is not None else 0)
-        if retrieval is not None and host_kv is not None and model.device.type == "cuda":
+        cuda = model.device.type == "cuda"
+        self.host_indexes = HostIndexCache(
+            retrieval.build_threads if retrieval is not None else 0, str(model.device) if cuda else None
+        )
+        if retrieval is not None and host_kv is not None and cuda:
             self.host_indexes.key_tables_for(host_kv.kv)  # read by the device fill (pinned: allocate now)
         self.retrieval_steps = 0
         self._rope_cpu: RopeCache | None = None
