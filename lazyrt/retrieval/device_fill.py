@@ -168,6 +168,92 @@ class DeviceStacks:
             self._bytes -= self._stacks.pop(key).nbytes
 
 
+def _ids(entries: list | None) -> tuple | None:
+    return None if entries is None else tuple(map(id, entries))
+
+
+@dataclass
+class _FillGraph:
+    graph: Any  # torch.cuda.CUDAGraph
+    q: torch.Tensor  # its input: the step's queries are copied here
+    idx: torch.Tensor  # its outputs: pair ids, o rows, lse rows
+    out: torch.Tensor
+    lse: torch.Tensor
+    keep: list  # what it reads (index entries, group tensors; stacks through the entries): kept alive
+
+
+class FillGraphs:
+    """CUDA graphs of the device fill, one per (layer, the step's host parts, their indexes). A
+    decode step's fill is ~60 small ops a layer whose launches cost more host time than the device
+    spends on them (an H100 at batch 1: ~2.7 ms of host a layer for ~1.3 of device work,
+    benchmarks/experiments/device_fill_cost.py), and decode repeats the same parts step after step:
+    the second time a (layer, parts) comes, its fill is captured after the eager run; from the third
+    it is replayed (its queries copied in, its outputs copied out: 4 launches). Graphs share one memory
+    pool (replayed one at a time, their outputs read at once); the oldest beyond MAX are dropped, and
+    those over pages that now hold another chunk (invalidate)."""
+
+    MAX = 256
+
+    def __init__(self) -> None:
+        self._graphs: OrderedDict[tuple, _FillGraph] = OrderedDict()
+        self._seen: OrderedDict[tuple, None] = OrderedDict()
+        self._pool = None
+        self._stream = None
+        self.captures = 0
+        self.replays = 0
+
+    def replay(self, key: tuple, q: torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> bool:
+        fg = self._graphs.get(key)
+        if fg is None:
+            return False
+        self._graphs.move_to_end(key)
+        fg.q.copy_(q)
+        fg.graph.replay()
+        DeviceFill._write(o, lse, (fg.idx, fg.out, fg.lse))
+        self.replays += 1
+        return True
+
+    def seen_before(self, key: tuple) -> bool:
+        if key in self._seen:
+            del self._seen[key]
+            return True
+        self._seen[key] = None
+        while len(self._seen) > 4 * self.MAX:
+            self._seen.popitem(last=False)
+        return False
+
+    def capture(self, key: tuple, compute, q: torch.Tensor, keep: list) -> None:
+        """Captures compute(static q) -> (idx, out, lse) on a side stream (no device sync, no gc:
+        a capture happens inside a step). Thread-local capture mode: index builder threads go on."""
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+            self._stream = torch.cuda.Stream(q.device)
+        static_q = q.clone()
+        graph = torch.cuda.CUDAGraph()
+        self._stream.wait_stream(torch.cuda.current_stream(q.device))
+        with torch.cuda.stream(self._stream):
+            if not self.captures:  # first use of this stream (library handles, workspaces): warm it
+                compute(static_q)
+            graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+            try:
+                res = compute(static_q)
+            finally:
+                graph.capture_end()
+        torch.cuda.current_stream(q.device).wait_stream(self._stream)
+        if res is None:
+            return
+        self._graphs[key] = _FillGraph(graph, static_q, *res, keep)
+        self.captures += 1
+        while len(self._graphs) > self.MAX:
+            self._graphs.popitem(last=False)
+
+    def invalidate(self, gone: set[int]) -> None:
+        """Drops the graphs over any of the host pages `gone` (they now hold another chunk)."""
+        for key in [k for k in self._graphs if any(not gone.isdisjoint(p[2]) for p in k[1])]:
+            del self._graphs[key]
+        self._seen.clear()
+
+
 @dataclass
 class _GroupOnDevice:
     rows: torch.Tensor
@@ -192,6 +278,7 @@ class DeviceFill:
         self.kv = device_view(ha.host_kv, device)
         self.tables = device_view(ha.indexes.key_tables_for(ha.host_kv), device)
         self._on_device: dict[int, tuple[_Group, _GroupOnDevice]] = {}
+        self._signature: tuple | None = None
 
     def _dev(self, g: _Group) -> _GroupOnDevice:
         hit = self._on_device.get(id(g))
@@ -214,26 +301,57 @@ class DeviceFill:
 
     def fill(self, layer: int, q: torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> None:
         ha = self.ha
+        todo = ha._todo(layer)
+        if any(e is not None and not all(x.batched and x.bias is None for x in e) for _, e in todo):
+            for g, entries in todo:  # indexes this path does not read: part by part, on the CPU
+                if entries is not None and not all(e.batched and e.bias is None for e in entries):
+                    ha._fill_parts_reference(g, layer, q, o, lse)
+            todo = [(g, e) for g, e in todo if e is None or all(x.batched and x.bias is None for x in e)]
+            return self._write(o, lse, self._compute(layer, q, todo))
+        graphs = ha.indexes.fill_graphs if q.is_cuda else None
+        if graphs is None:
+            return self._write(o, lse, self._compute(layer, q, todo))
+        if self._signature is None:  # what the step's parts are (the same every layer)
+            parts = ha.parts
+            self._signature = tuple(
+                (p.rows.start, p.rows.stop, p.pages, p.num_tokens, p.start_pos, p.pair0, p.top_k)
+                for p in parts
+            )
+        key = (layer, self._signature, q.shape, q.dtype, o.dtype, tuple(_ids(e) for _, e in todo))
+        if graphs.replay(key, q, o, lse):
+            return
+        self._write(o, lse, self._compute(layer, q, todo))
+        if graphs.seen_before(key):  # a repeated step (decode): capture it for the next ones
+            stacks: list[DeviceStack] = []
+            keep = [todo, [self._dev(g) for g, _ in todo], stacks]
+            graphs.capture(key, lambda static_q: self._compute(layer, static_q, todo, stacks), q, keep)
+
+    @staticmethod
+    def _write(o: torch.Tensor, lse: torch.Tensor, res) -> None:
+        if res is not None:
+            idx, out, lse_out = res
+            o.index_copy_(0, idx, out.to(o.dtype))
+            lse.index_copy_(0, idx, lse_out.to(lse.dtype))
+
+    def _compute(self, layer: int, q: torch.Tensor, todo: list, stacks: list | None = None):
+        """(pair ids, o rows, lse rows) of the groups in `todo` (None: no group); the device stacks
+        read are appended to `stacks` (a graph keeps them)."""
         qd = q.float()
         outs, lses, pairs = [], [], []
-        for g, entries in ha._todo(layer):
-            if entries is not None and not all(e.batched and e.bias is None for e in entries):
-                ha._fill_parts_reference(g, layer, q, o, lse)  # indexes this path does not read
-                continue
+        for g, entries in todo:
             dev = self._dev(g)
             qg = part_queries(qd[dev.rows], dev.cos, dev.sin, self.rope, self.kv.shape[4])
             if entries is None:
                 go, gl = self._exact(g, dev, layer, qg)
             else:
-                go, gl = self._approx(g, dev, layer, qg, entries)
+                go, gl = self._approx(g, dev, layer, qg, entries, stacks)
             go, gl = part_rows(go, gl, g.m, dev.keep)
             outs.append(go)
             lses.append(gl)
             pairs.append(dev.pairs)
-        if outs:
-            idx = torch.cat(pairs)
-            o.index_copy_(0, idx, torch.cat(outs).to(o.dtype))
-            lse.index_copy_(0, idx, torch.cat(lses).to(lse.dtype))
+        if not outs:
+            return None
+        return torch.cat(pairs), torch.cat(outs), torch.cat(lses)
 
     def _attend(
         self, pages: torch.Tensor, layer: int, qg: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor,
@@ -297,8 +415,9 @@ class DeviceFill:
         return attend_every_key(kv, dev.pages, g.n, qg, self.rope, self.ha.sm_scale, work, dev.same_chunk)
 
     def _approx(
-        self, g: _Group, dev: _GroupOnDevice, layer: int, qg: torch.Tensor, entries: list[IndexEntry]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, g: _Group, dev: _GroupOnDevice, layer: int, qg: torch.Tensor, entries: list[IndexEntry],
+        stacks: list | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """HostAttention._approx's lists, candidates and top-k, from the device stack; with
         RetrievalOptions.share_lists the query heads of a KV head (one token) share one candidate set:
         lists ranked by the sum of their scores, SHARED_BUDGET x one head's budget (each head still
@@ -310,6 +429,8 @@ class DeviceFill:
             budget = min(float(n - sink), SHARED_BUDGET * budget)
         keys = tuple((p.pages, n, layer, sink) for p in g.parts)
         st = self.ha.indexes.device_stacks.get(keys, entries, budget, qg.device)
+        if stacks is not None:
+            stacks.append(st)
         lists, t = st.sizes.shape[-1], st.lists_in_budget
         # the parts' chunks' data ([U, ...] -> [G, ...] where chunks repeat: on the device, not per part)
         if dev.chunk_rows is None:

@@ -37,7 +37,7 @@ import torch
 
 from lazyrt.kernels.rope import RopeCache, apply_rope_ref
 from lazyrt.retrieval.attention import retrieval_attention_ref
-from lazyrt.retrieval.device_fill import DeviceFill, DeviceStacks, kv_rows
+from lazyrt.retrieval.device_fill import DeviceFill, DeviceStacks, FillGraphs, kv_rows
 from lazyrt.retrieval.key_index import KeyIndex, build_key_index
 from lazyrt.retrieval.part_layout import attend_every_key, part_queries, part_rows, same_chunk_parts
 
@@ -178,6 +178,7 @@ class HostIndexCache:
         self._indexes: dict[tuple, IndexEntry] = {}
         self._stacks: dict[tuple, _Stack] = {}
         self.device_stacks = DeviceStacks()  # the device fill's copies of the stacks
+        self.fill_graphs = FillGraphs()  # the device fill's CUDA graphs (decode steps)
         self._work: dict[str, torch.Tensor] = {}
         self.builds = 0
         self.build_threads = build_threads
@@ -323,6 +324,7 @@ class HostIndexCache:
             for key in [k for k in self._stacks if any(not gone.isdisjoint(e[0]) for e in k)]:
                 del self._stacks[key]
             self.device_stacks.invalidate(gone)
+            self.fill_graphs.invalidate(gone)
             self._idle.notify_all()
 
 
