@@ -86,6 +86,7 @@ def test_retrieval_attention_exact_on_cuda(overlap):
         assert tight.generate(p, sp)[0]["token_ids"] == roomy.generate(p, sp)[0]["token_ids"]
     s = tight.cache_stats()
     assert s["chunk_host_attended"] >= 2 and s["held_pages"] == 0 and tight.runner.retrieval_steps > 0
+    assert tight.runner.host_indexes.fill_graphs.replays > 0  # decode steps replayed the fill's graphs
 
 
 def test_retrieval_index_builds_cluster_on_cuda(monkeypatch):
@@ -184,15 +185,21 @@ def test_device_fill_on_cuda_equals_the_cpu_fill(exact):
         parts.append(HostPart(range(row, row + m), pages, n, rng.randint(n, 3000), row))
         row += m
     opts = RetrievalOptions(top_k=10**6 if exact else 16, sink=4, scan=0.05, exact_prefill=False)
-    q = torch.randn(row, kvh * group, d)
     cache = HostIndexCache()
-    for layer in range(layers):
-        want_o, want_l = torch.zeros(row, kvh * group, d), torch.zeros(row, kvh * group)
-        HostAttention(parts, host_kv, rope, d**-0.5, opts, cache).fill(layer, q, want_o, want_l)
-        o, lse = torch.zeros(row, kvh * group, d, device="cuda"), torch.zeros(row, kvh * group, device="cuda")
-        ha = HostAttention(parts, host_kv, rope, d**-0.5, opts, cache, device_rope=rope.to("cuda"))
-        ha.fill(layer, q.cuda(), o, lse)
-        same = torch.isclose(o.cpu(), want_o, atol=1e-4, rtol=1e-4).all(-1)
-        same &= torch.isclose(lse.cpu(), want_l, atol=1e-4, rtol=1e-4)
-        assert int((~same).sum()) <= (0 if exact else 2), f"{int((~same).sum())} of {same.numel()} differ"
+    rope_cuda = rope.to("cuda")
+    for step in range(4):  # the same parts each step (decode): the third and fourth replay CUDA graphs
+        q = torch.randn(row, kvh * group, d)
+        ha = HostAttention(parts, host_kv, rope, d**-0.5, opts, cache, device_rope=rope_cuda)
+        for layer in range(layers):
+            want_o, want_l = torch.zeros(row, kvh * group, d), torch.zeros(row, kvh * group)
+            HostAttention(parts, host_kv, rope, d**-0.5, opts, cache).fill(layer, q, want_o, want_l)
+            o = torch.zeros(row, kvh * group, d, device="cuda")
+            lse = torch.zeros(row, kvh * group, device="cuda")
+            ha.fill(layer, q.cuda(), o, lse)
+            same = torch.isclose(o.cpu(), want_o, atol=1e-4, rtol=1e-4).all(-1)
+            same &= torch.isclose(lse.cpu(), want_l, atol=1e-4, rtol=1e-4)
+            bad = int((~same).sum())
+            assert bad <= (0 if exact else 2), f"step {step}: {bad} of {same.numel()} differ"
+    graphs = cache.fill_graphs
+    assert graphs.captures == layers and graphs.replays == 2 * layers
 
