@@ -12,9 +12,10 @@ starts once they are built):
              host; 0: no warm-up, the first request's documents are computed in rounds by the
              scheduler, in its time to first token), then the request attends the host-resident
              ones through retrieval attention (sink + top-k keys per document, `--top-k`, `--sink`,
-             `--scan`).
-  retrieval-shared  retrieval with retrieval_share_lists: on a GPU the query heads of a KV head share
-             one scanned set per token (2x one head's budget, fewer rows read from host memory).
+             `--scan`), each query head scanning lists of its own (retrieval_share_lists off).
+  retrieval-shared  the same with retrieval_share_lists (the engine's default): on a GPU the query
+             heads of a KV head share one scanned set per token (2x one head's budget, fewer rows
+             read from host memory).
 Reported per engine and batch: time to first token, decode seconds per token (the steps after the
 batch's last first token, from the requests' own timings), output tokens/s, peak device memory
 (torch) and how many of the request's documents were attended in the host tier.

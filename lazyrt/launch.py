@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--retrieval-share-lists", action=argparse.BooleanOptionalAction,
                    default=d.retrieval_share_lists,
                    help="on a GPU, the query heads of a KV head share one set of scanned lists per token "
-                   "(fewer keys read from host memory; each head keeps its own top-k)")
+                   "(fewer keys read from host memory; each head keeps its own top-k; default on)")
     p.add_argument("--retrieval-exact-prefill", action=argparse.BooleanOptionalAction,
                    default=d.retrieval_exact_prefill,
                    help="a question's prefill attends every key of its host-tier chunks (their pages read "

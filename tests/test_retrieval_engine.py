@@ -238,30 +238,31 @@ def test_retrieval_flags_reach_the_config(capsys):
 
     args = build_parser().parse_args(
         ["--retrieval-attention", "--retrieval-top-k", "64", "--retrieval-sink", "8",
-         "--retrieval-scan", "0.1", "--retrieval-build-threads", "0", "--retrieval-share-lists",
+         "--retrieval-scan", "0.1", "--retrieval-build-threads", "0", "--no-retrieval-share-lists",
          "--no-retrieval-exact-prefill"]  # fmt: skip
     )
     got = (args.retrieval_attention, args.retrieval_top_k, args.retrieval_sink, args.retrieval_scan,
            args.retrieval_build_threads, args.retrieval_share_lists,
            args.retrieval_exact_prefill)  # fmt: skip
-    assert got == (True, 64, 8, 0.1, 0, True, False)
+    assert got == (True, 64, 8, 0.1, 0, False, False)
     defaults = build_parser().parse_args([])
-    assert defaults.retrieval_share_lists is False and defaults.retrieval_exact_prefill is True
+    assert defaults.retrieval_share_lists is True and defaults.retrieval_exact_prefill is True
 
 
 def test_share_lists_and_exact_prefill_reach_the_worker(monkeypatch, tiny_model_dir):
-    """--retrieval-share-lists / --no-retrieval-exact-prefill reach EngineConfig (launch) and the worker's
+    """--no-retrieval-share-lists / --no-retrieval-exact-prefill reach EngineConfig (launch) and the worker's
     RetrievalOptions."""
     import lazyrt.launch
 
     seen = []
     monkeypatch.setattr(lazyrt.launch, "serve", lambda cfg, opts: seen.append(cfg) or 0)
     monkeypatch.setattr(lazyrt.launch, "check_devices", lambda cfg: None)
-    argv = ["--device", "cpu", "--retrieval-share-lists", "--no-retrieval-exact-prefill"]
+    argv = ["--device", "cpu", "--no-retrieval-share-lists", "--no-retrieval-exact-prefill"]
     assert lazyrt.launch.main(argv) == 0
-    assert seen[0].retrieval_share_lists is True and seen[0].retrieval_exact_prefill is False
-    eng = _tight(tiny_model_dir("llama"), 8, retrieval_share_lists=True, retrieval_exact_prefill=False)
-    assert eng.runner.retrieval.share_lists is True and eng.runner.retrieval.exact_prefill is False
+    assert seen[0].retrieval_share_lists is False and seen[0].retrieval_exact_prefill is False
+    eng = _tight(tiny_model_dir("llama"), 8, retrieval_share_lists=False, retrieval_exact_prefill=False)
+    assert eng.runner.retrieval.share_lists is False and eng.runner.retrieval.exact_prefill is False
+    assert _tight(tiny_model_dir("llama"), 8).runner.retrieval.share_lists is True  # the default
 
 
 def test_per_request_top_k(tiny_model_dir):
