@@ -45,19 +45,20 @@ def rag_layout(prefix: list[int], docs: list[list[int]], suffix: list[int], para
     ids += suffix
     pos += list(range(start, start + len(suffix)))
     groups += [("suffix",)] * len(suffix)
+
+    def may_attend(q: int, k: int) -> bool:
+        if k > q:
+            return False
+        gq, gk = groups[q], groups[k]
+        if gq[0] in ("prefix", "copy"):
+            return gk == gq
+        if gq[0] == "doc":
+            return gk == gq or gk == ("copy", gq[1])
+        return gk[0] != "copy"
+
+    # built as Python lists, then one tensor (setting [N, N] tensor elements one by one is slow)
     n = len(ids)
-    mask = torch.zeros(n, n, dtype=torch.bool)
-    for q in range(n):
-        gq = groups[q]
-        for k in range(q + 1):
-            gk = groups[k]
-            if gq[0] in ("prefix", "copy"):
-                ok = gk == gq
-            elif gq[0] == "doc":
-                ok = gk == gq or gk == ("copy", gq[1])
-            else:
-                ok = gk[0] != "copy"
-            mask[q, k] = ok
+    mask = torch.tensor([[may_attend(q, k) for k in range(n)] for q in range(n)], dtype=torch.bool)
     return ids, pos, mask
 
 
