@@ -98,6 +98,30 @@ def tiny_model_dir(tmp_path_factory, tokenizer):
     return make
 
 
+@pytest.fixture(scope="session")
+def tool_template_server(tiny_model_dir, tmp_path_factory, tokenizer):
+    """(server, tokenizer): a real CPU server on a tiny random llama whose chat template
+    (test_tool_calls.TEMPLATE) defines tools. One for the session: test_structured_output_server and
+    test_tool_calls both use it (one server startup, ~15 s, instead of two)."""
+    import shutil
+
+    from server_util import ServerProc
+    from test_tool_calls import TEMPLATE
+
+    d = tmp_path_factory.mktemp("tiny_tools")
+    shutil.copytree(tiny_model_dir("llama"), d, dirs_exist_ok=True)
+    tok = tokenizer.__class__.from_pretrained(str(d))
+    tok.chat_template = TEMPLATE
+    tok.save_pretrained(str(d))
+    srv = ServerProc("--model", str(d), "--device", "cpu", "--kv-cache-tokens", "8192",
+                     "--log-level", "warning")  # fmt: skip
+    try:
+        srv.wait_healthy()
+        yield srv, tok
+    finally:
+        srv.stop()
+
+
 def load_hf(path: str):
     import transformers as tf
 
