@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 from openai import OpenAI
-from server_util import DOCS, serve_cpu
+from server_util import DOCS
 
 from lazyrt import Engine, SamplingParams
 
@@ -18,8 +18,10 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def server():
-    yield from serve_cpu(32768)
+def server(default_cpu_server):
+    """conftest's default-model CPU server (shared with test_frontend), its cache flushed for this module."""
+    assert httpx.post(default_cpu_server.url + "/flush_cache", timeout=30).status_code == 200
+    return default_cpu_server
 
 
 @pytest.fixture(scope="module")
