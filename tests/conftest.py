@@ -98,6 +98,57 @@ def tiny_model_dir(tmp_path_factory, tokenizer):
     return make
 
 
+_SHARED_SERVERS: dict = {}  # fixture name -> ServerProc, while it runs
+
+
+@pytest.fixture(scope="session")
+def default_cpu_server():
+    """A real CPU server with the default model (32768 KV tokens), shared by test_frontend and
+    test_server (one startup, ~20 s, instead of two); each module takes it through its own `server`
+    fixture, which flushes its cache first. Stopped after the last test that uses it (see
+    pytest_runtest_teardown), not at the end of the session: it holds ~3 GB."""
+    from server_util import serve_cpu
+
+    for srv in serve_cpu(32768):
+        _SHARED_SERVERS["default_cpu_server"] = srv
+        yield srv
+
+
+def pytest_runtest_teardown(item, nextitem):
+    srv = _SHARED_SERVERS.get("default_cpu_server")
+    if srv is None:
+        return
+    items = item.session.items
+    rest = items[items.index(item) + 1 :] if item in items else []
+    if not any("default_cpu_server" in getattr(it, "fixturenames", ()) for it in rest):
+        del _SHARED_SERVERS["default_cpu_server"]
+        srv.stop()  # its fixture's own stop at session end is then a no-op
+
+
+@pytest.fixture(scope="session")
+def tool_template_server(tiny_model_dir, tmp_path_factory, tokenizer):
+    """(server, tokenizer): a real CPU server on a tiny random llama whose chat template
+    (test_tool_calls.TEMPLATE) defines tools. One for the session: test_structured_output_server and
+    test_tool_calls both use it (one server startup, ~15 s, instead of two)."""
+    import shutil
+
+    from server_util import ServerProc
+    from test_tool_calls import TEMPLATE
+
+    d = tmp_path_factory.mktemp("tiny_tools")
+    shutil.copytree(tiny_model_dir("llama"), d, dirs_exist_ok=True)
+    tok = tokenizer.__class__.from_pretrained(str(d))
+    tok.chat_template = TEMPLATE
+    tok.save_pretrained(str(d))
+    srv = ServerProc("--model", str(d), "--device", "cpu", "--kv-cache-tokens", "8192",
+                     "--log-level", "warning")  # fmt: skip
+    try:
+        srv.wait_healthy()
+        yield srv, tok
+    finally:
+        srv.stop()
+
+
 def load_hf(path: str):
     import transformers as tf
 

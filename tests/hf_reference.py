@@ -45,37 +45,53 @@ def rag_layout(prefix: list[int], docs: list[list[int]], suffix: list[int], para
     ids += suffix
     pos += list(range(start, start + len(suffix)))
     groups += [("suffix",)] * len(suffix)
+
+    def may_attend(q: int, k: int) -> bool:
+        if k > q:
+            return False
+        gq, gk = groups[q], groups[k]
+        if gq[0] in ("prefix", "copy"):
+            return gk == gq
+        if gq[0] == "doc":
+            return gk == gq or gk == ("copy", gq[1])
+        return gk[0] != "copy"
+
+    # built as Python lists, then one tensor (setting [N, N] tensor elements one by one is slow)
     n = len(ids)
-    mask = torch.zeros(n, n, dtype=torch.bool)
-    for q in range(n):
-        gq = groups[q]
-        for k in range(q + 1):
-            gk = groups[k]
-            if gq[0] in ("prefix", "copy"):
-                ok = gk == gq
-            elif gq[0] == "doc":
-                ok = gk == gq or gk == ("copy", gq[1])
-            else:
-                ok = gk[0] != "copy"
-            mask[q, k] = ok
+    mask = torch.tensor([[may_attend(q, k) for k in range(n)] for q in range(n)], dtype=torch.bool)
     return ids, pos, mask
 
 
 @torch.inference_mode()
 def hf_rag_greedy(model, prefix, docs, suffix, max_new: int, eos_ids: set[int]) -> list[int]:
-    """Greedy tokens under RagPrompt semantics, by full re-forward with an explicit 4-D mask."""
+    """Greedy tokens under RagPrompt semantics: one forward of the whole layout with an explicit 4-D
+    mask, then one token at a time on Hugging Face's own KV cache. A generated token is a suffix
+    token: it sees what the last suffix token sees (everything but the private prefix copies) and
+    itself, at the next position. Same tokens as re-forwarding rag_layout(prefix, docs, suffix +
+    generated) every step (test_hf_reference checks that), without re-running the whole layout."""
     model.config._attn_implementation = "sdpa"
+    if max_new <= 0:
+        return []
+    ids, pos, mask = rag_layout(prefix, docs, suffix)
+    res = model(
+        torch.tensor([ids]), attention_mask=mask[None, None], position_ids=torch.tensor([pos]), use_cache=True
+    )
+    row, next_pos = mask[-1], pos[-1] + 1
     out: list[int] = []
-    for _ in range(max_new):
-        ids, pos, mask = rag_layout(prefix, docs, suffix + out)
-        logits = model(
-            torch.tensor([ids]), attention_mask=mask[None, None], position_ids=torch.tensor([pos])
-        ).logits
-        tok = int(logits[0, -1].argmax())
+    while True:
+        tok = int(res.logits[0, -1].argmax())
         out.append(tok)
-        if tok in eos_ids:
-            break
-    return out
+        if tok in eos_ids or len(out) == max_new:
+            return out
+        row = torch.cat([row, torch.ones(1, dtype=torch.bool)])
+        res = model(
+            torch.tensor([[tok]]),
+            attention_mask=row[None, None, None],
+            position_ids=torch.tensor([[next_pos]]),
+            cache=res.cache,
+            use_cache=True,
+        )
+        next_pos += 1
 
 
 def recompute_layout(prefix, docs, suffix, recomputed: list[set[int]]):

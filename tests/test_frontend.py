@@ -16,7 +16,7 @@ from lazyrt_frontend import (
     system,
     user,
 )
-from server_util import DOCS, serve_cpu
+from server_util import DOCS
 
 from lazyrt import Engine, SamplingParams
 from lazyrt.runtime.tokenizer.rag_template import build_program_prompt
@@ -25,8 +25,10 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def server():
-    yield from serve_cpu(16384)
+def server(default_cpu_server):
+    """conftest's default-model CPU server (shared with test_server), its cache flushed for this module."""
+    assert httpx.post(default_cpu_server.url + "/flush_cache", timeout=30).status_code == 200
+    return default_cpu_server
 
 
 @pytest.fixture(scope="module")

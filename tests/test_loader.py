@@ -141,11 +141,28 @@ def _transformers_gguf_state(gguf_path):
     return m, m.state_dict()
 
 
+@pytest.fixture()
+def parse_gguf_once(monkeypatch):
+    """gguf.GGUFReader memoized per path for one test: transformers' loader parses the file once per
+    stage (config, weights) and the test once more; the default GGUF's vocabulary takes ~3 s each."""
+    import gguf
+
+    real, readers = gguf.GGUFReader, {}
+
+    def reader(path, mode="r"):
+        key = (os.path.realpath(path), mode)
+        if key not in readers:
+            readers[key] = real(path, mode)
+        return readers[key]
+
+    monkeypatch.setattr(gguf, "GGUFReader", reader)
+
+
 # ------------------------------------------------------------------------------- GGUF conversion
 
 
 @pytest.mark.slow
-def test_default_gguf_matches_transformers_gguf_loader(default_model):
+def test_default_gguf_matches_transformers_gguf_loader(default_model, parse_gguf_once):
     m = default_model
     gguf_path = default_model_path()
     hf_model, ref = _transformers_gguf_state(gguf_path)
@@ -169,7 +186,7 @@ def test_default_gguf_matches_transformers_gguf_loader(default_model):
     assert c.max_position_embeddings == 8192 and c.head_dim == 64 and c.rope_scaling is None
     assert c.bos_token_id == 1 and c.eos_token_ids == [2]
 
-    # The tokenizer's vocabulary is the GGUF's (GGUFReader takes ~3 s to parse it: slow test only).
+    # The tokenizer's vocabulary is the GGUF's (the file as transformers' loader parsed it above).
     import gguf
 
     tok = m.tokenizer

@@ -76,22 +76,21 @@ def head_layout(prefix, docs, suffix, heads):
             return j < before_doc and i >= heads[j]  # a chunk's tail (all of it without a head)
         return kind == "head" and j < before_doc
 
-    n = len(ids)
-    mask = torch.zeros(n, n, dtype=torch.bool)
-    for q in range(n):
+    def may_attend(q: int, k: int) -> bool:
         kind, j, _ = groups[q]
-        for k in range(n):
-            gk = groups[k]
-            same = gk[:2] == (kind, j) and k <= q
-            if kind in ("prefix", "copy"):
-                ok = same
-            elif kind == "doc":
-                ok = same or gk[:2] == ("copy", j)
-            elif kind == "head":
-                ok = same or seen_by_request(gk, j)
-            else:
-                ok = same or seen_by_request(gk, len(docs))
-            mask[q, k] = ok
+        gk = groups[k]
+        same = gk[:2] == (kind, j) and k <= q
+        if kind in ("prefix", "copy"):
+            return same
+        if kind == "doc":
+            return same or gk[:2] == ("copy", j)
+        if kind == "head":
+            return same or seen_by_request(gk, j)
+        return same or seen_by_request(gk, len(docs))
+
+    # built as Python lists, then one tensor (setting [N, N] tensor elements one by one is slow)
+    n = len(ids)
+    mask = torch.tensor([[may_attend(q, k) for k in range(n)] for q in range(n)], dtype=torch.bool)
     return ids, pos, mask, head_index
 
 

@@ -108,6 +108,7 @@ def test_mask_equals_the_matchers_bitmask_and_leaves_other_rows(tokenizer):
     refs = {i: LLMatcher(ll_tok, grammar_text(*p.constraint)) for i, p in enumerate(params) if p.constraint}
     outs: dict[int, list[int]] = {i: [] for i in refs}
     done: set[int] = set()
+    tok = torch.arange(VOCAB)
     for _ in range(40):
         logits = torch.randn(len(rids), VOCAB) * 4
         masked = gc.apply(logits, rids, params)
@@ -115,8 +116,9 @@ def test_mask_equals_the_matchers_bitmask_and_leaves_other_rows(tokenizer):
             if i not in refs:
                 assert torch.equal(masked[i], logits[i])
                 continue
-            bits = torch.frombuffer(bytearray(refs[i].compute_bitmask()), dtype=torch.int32)
-            want = [t for t in range(VOCAB) if (int(bits[t // 32]) >> (t % 32)) & 1]
+            bits = torch.frombuffer(bytearray(refs[i].compute_bitmask()), dtype=torch.int32).long()
+            # token t is allowed where bit t % 32 of word t // 32 is set
+            want = ((bits[tok // 32] >> (tok % 32)) & 1).nonzero()[:, 0].tolist()
             assert torch.isfinite(masked[i]).nonzero()[:, 0].tolist() == want
         tokens = masked.argmax(-1)
         gc.advance(rids, params, tokens)

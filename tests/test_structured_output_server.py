@@ -190,23 +190,10 @@ BOUNDED_TOOLS = [
 
 
 @pytest.fixture(scope="module")
-def tool_server(tiny_path, tmp_path_factory, tokenizer):
-    import shutil
-
-    from test_tool_calls import TEMPLATE
-
-    d = tmp_path_factory.mktemp("tiny_tools_so")
-    shutil.copytree(tiny_path, d, dirs_exist_ok=True)
-    tok = tokenizer.__class__.from_pretrained(str(d))
-    tok.chat_template = TEMPLATE
-    tok.save_pretrained(str(d))
-    srv = ServerProc("--model", str(d), "--device", "cpu", "--kv-cache-tokens", "8192",
-                     "--log-level", "warning")  # fmt: skip
-    try:
-        srv.wait_healthy()
-        yield openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-    finally:
-        srv.stop()
+def tool_server(tool_template_server):
+    """The client of conftest's tiny-llama server with a tools template (shared with test_tool_calls)."""
+    srv, _ = tool_template_server
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def test_tool_choice_required_and_named_force_valid_calls(tool_server):

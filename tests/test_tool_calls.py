@@ -8,12 +8,10 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import shutil
 
 import httpx
 import pytest
 from openai import AsyncOpenAI
-from server_util import ServerProc
 
 from lazyrt.runtime.ipc.messages import GenerateReq, TextOut, WorkerReady
 from lazyrt.runtime.server.app import ServerState, create_app
@@ -194,25 +192,9 @@ def test_tool_conversation_turns_and_bad_tools_are_named():
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "tools"
 
 
-@pytest.fixture(scope="module")
-def tool_model_server(tiny_model_dir, tmp_path_factory, tokenizer):
-    d = tmp_path_factory.mktemp("tiny_tools")
-    shutil.copytree(tiny_model_dir("qwen2"), d, dirs_exist_ok=True)
-    tok = tokenizer.__class__.from_pretrained(str(d))
-    tok.chat_template = TEMPLATE
-    tok.save_pretrained(str(d))
-    args = ("--model", str(d), "--device", "cpu", "--kv-cache-tokens", "4096", "--log-level", "warning")
-    srv = ServerProc(*args)
-    try:
-        srv.wait_healthy()
-        yield srv, tok
-    finally:
-        srv.stop()
-
-
 @pytest.mark.slow
-def test_real_server_renders_tools_like_hf_template(tool_model_server):
-    srv, tok = tool_model_server
+def test_real_server_renders_tools_like_hf_template(tool_template_server):
+    srv, tok = tool_template_server  # conftest: shared with test_structured_output_server
     msgs = [{"role": "user", "content": "Weather in Paris?"}]
     body = {"messages": msgs, "max_tokens": 4, "temperature": 0}
     post = lambda b: httpx.post(srv.url + "/v1/chat/completions", json=b, timeout=60).json()  # noqa: E731
