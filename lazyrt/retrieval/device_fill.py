@@ -321,7 +321,9 @@ class DeviceFill:
         if graphs.replay(key, q, o, lse):
             return
         self._write(o, lse, self._compute(layer, q, todo))
-        if graphs.seen_before(key):  # a repeated step (decode): capture it for the next ones
+        # a repeated step (decode): capture it for the next ones; not while index builds run: a builder
+        # thread's device-wide sync would break the capture (and be refused)
+        if graphs.seen_before(key) and not ha.indexes.pending:
             stacks: list[DeviceStack] = []
             keep = [todo, [self._dev(g) for g, _ in todo], stacks]
             graphs.capture(key, lambda static_q: self._compute(layer, static_q, todo, stacks), q, keep)
