@@ -298,3 +298,39 @@ def test_http_retrieval_top_k_is_parsed_and_checked():
     assert parse_completion(body, "m").req.sampling.retrieval_top_k == 32
     with pytest.raises(ApiError, match="retrieval_top_k"):
         parse_completion({**body, "retrieval_top_k": 0}, "m")
+
+
+def test_reserved_device_bytes_cover_the_index_data_the_device_fill_holds():
+    """reserved_device_bytes (what a CUDA pool sized from free memory leaves for retrieval attention)
+    counts each indexed key's share of the index data that IndexEntry.on_device copies to the device:
+    at least what a real index of a host chunk holds, and not much more."""
+    from lazyrt.retrieval.device_fill import DEVICE_STACK_BYTES, DEVICE_WORK_ELEMENTS, reserved_device_bytes
+    from lazyrt.retrieval.host_attention import IndexEntry
+    from lazyrt.retrieval.key_index import build_key_index
+
+    n, kvh, d = random.randint(600, 900), 2, 32
+    keys = torch.randn(n, kvh, d)
+    entry = IndexEntry(build_key_index(keys, sink=4), keys)
+    held = sum(t.numel() * t.element_size() for t in entry.on_device("cpu"))
+    fixed = 4 * DEVICE_WORK_ELEMENTS * 4
+    index = (reserved_device_bytes(n, 1, kvh, d) - fixed) // 2  # the index data + its stacks (a copy)
+    assert index < DEVICE_STACK_BYTES
+    assert held <= index <= 1.2 * held
+
+
+def test_retrieval_reserve_leaves_room_or_names_the_option():
+    """The worker's KV budget from free memory minus the device fill's reservation: none without
+    retrieval attention; a clear error naming host_kv_cache_tokens when it would take half the budget."""
+    from types import SimpleNamespace
+
+    from lazyrt.retrieval.device_fill import reserved_device_bytes
+    from lazyrt.runtime.worker.model_worker import ModelWorker
+
+    c = SimpleNamespace(num_layers=4, num_kv_heads=2, head_dim=64)  # a ModelConfig's fields it reads
+    off = SimpleNamespace(config=EngineConfig(host_kv_cache_tokens=4096))
+    assert ModelWorker._retrieval_reserve(off, c, 1 << 30) == 0
+    on = SimpleNamespace(config=EngineConfig(host_kv_cache_tokens=4096, retrieval_attention=True))
+    want = reserved_device_bytes(4096, 4, 2, 64)
+    assert ModelWorker._retrieval_reserve(on, c, 4 * want) == want
+    with pytest.raises(ValueError, match="host_kv_cache_tokens=4096"):
+        ModelWorker._retrieval_reserve(on, c, 2 * want - 1)

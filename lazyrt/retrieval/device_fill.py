@@ -48,6 +48,18 @@ DEVICE_STACK_BYTES = 4 << 30  # stacked index data kept on the device (oldest dr
 SHARED_BUDGET = 2.0
 
 
+def reserved_device_bytes(host_tokens: int, layers: int, kv_heads: int, head_dim: int) -> int:
+    """Device memory the device fill can hold for a host tier of host_tokens tokens (what a KV pool
+    sized from free memory must leave): every host chunk-layer's index data (IndexEntry.on_device:
+    fp32 centroids, one a KEYS_PER_LIST keys, list sizes and starts, a slot per key), the stacks of it
+    (up to DEVICE_STACK_BYTES) and one fill's work buffers (keys / scores of DEVICE_WORK_ELEMENTS)."""
+    from lazyrt.retrieval.key_index import KEYS_PER_LIST  # (a leaf module; host_attention imports this one)
+
+    per_key = 8 + (head_dim * 4 + 2 * 8) / KEYS_PER_LIST  # slot + a share of a list's centroid, size, start
+    index = int(host_tokens * layers * kv_heads * per_key)
+    return index + min(index, DEVICE_STACK_BYTES) + 4 * DEVICE_WORK_ELEMENTS * 4
+
+
 class _PinnedView:
     """__cuda_array_interface__ over a pinned host tensor's bytes: with unified addressing its host
     address is valid on the device (torch.as_tensor wraps it without a copy; the view keeps it alive)."""

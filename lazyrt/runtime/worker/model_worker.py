@@ -21,6 +21,7 @@ from lazyrt.models.config import ModelConfig
 from lazyrt.models.llama import LlamaModel
 from lazyrt.models.loader import load_model
 from lazyrt.models.tensor_parallel import kv_replicas, vocab_parallel
+from lazyrt.retrieval.device_fill import reserved_device_bytes
 from lazyrt.retrieval.host_attention import RetrievalOptions
 from lazyrt.runtime.ipc.messages import StepMsg, StepResult, WorkerReady
 from lazyrt.runtime.scheduler.plan import StepPlan
@@ -178,7 +179,24 @@ class ModelWorker:
         if torch.cuda.is_available() and self.model.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.model.device)
             budget = int(free * self.config.kv_cache_memory_fraction)
+            budget -= self._retrieval_reserve(c, budget)
         return max(1, budget // per_page)
+
+    def _retrieval_reserve(self, c: ModelConfig, budget: int) -> int:
+        """Device bytes kept out of a pool sized from free memory for retrieval attention's index data
+        (reserved_device_bytes); raises when the budget cannot hold it and a pool."""
+        cfg = self.config
+        if not cfg.retrieval_attention or not cfg.host_kv_cache_tokens:
+            return 0
+        reserve = reserved_device_bytes(cfg.host_kv_cache_tokens, c.num_layers, c.num_kv_heads, c.head_dim)
+        if reserve >= budget // 2:
+            raise ValueError(
+                f"retrieval_attention: the device fill's index data for host_kv_cache_tokens="
+                f"{cfg.host_kv_cache_tokens} needs ~{reserve / 2**30:.1f} GiB of device memory, half or more "
+                f"of the KV budget ({budget / 2**30:.1f} GiB, kv_cache_memory_fraction="
+                f"{cfg.kv_cache_memory_fraction}); lower host_kv_cache_tokens or set kv_cache_tokens"
+            )
+        return reserve
 
     def close(self) -> None:
         """Closes rank 0's links to the other tensor-parallel ranks and its communicator (nothing to
