@@ -363,3 +363,28 @@ def test_key_tables_follow_pages_that_hold_another_chunk():
     for (pages, n, layer, _), entry in cache._indexes.items():
         laid = tables[list(pages), layer].transpose(0, 1).reshape(kvh, -1, d)[:, :n]
         assert torch.equal(laid, entry.table)
+
+
+def test_a_dropped_stack_drops_the_graphs_that_read_it(monkeypatch):
+    """FillGraphs keeps what a captured graph reads alive; a stack that DeviceStacks drops (over its
+    byte budget, or pages rewritten) takes those graphs with it, so the budget bounds the memory."""
+    from lazyrt.retrieval import device_fill
+    from lazyrt.retrieval.host_attention import IndexEntry
+    from lazyrt.retrieval.key_index import build_key_index
+
+    cache = HostIndexCache()
+    graphs, stacks = cache.fill_graphs, cache.device_stacks
+    keys = [torch.randn(300, 2, 16) for _ in range(3)]
+    entries = [IndexEntry(build_key_index(k, sink=4), k) for k in keys]
+    part = [((p,), 300, 0, 4) for p in range(3)]  # (pages, tokens, layer, sink) of three chunks
+    t = torch.zeros(1)
+    held = []
+    for i in range(2):
+        st = stacks.get((part[i],), [entries[i]], 30.0, "cpu")
+        graphs._graphs[(i,)] = device_fill._FillGraph(None, t, t, t, t, [[], [], [st]])
+        held.append(st)
+    monkeypatch.setattr(device_fill, "DEVICE_STACK_BYTES", held[0].nbytes + held[1].nbytes)
+    stacks.get((part[2],), [entries[2]], 30.0, "cpu")  # over the budget: the oldest stack goes
+    assert list(graphs._graphs) == [(1,)]
+    cache.invalidate([1])  # chunk 1's page rewritten: its stack, and the graph reading it, go
+    assert not graphs._graphs

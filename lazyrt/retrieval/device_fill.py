@@ -133,9 +133,12 @@ class DeviceStacks:
     stacked on the device from each index's own device copy (IndexEntry.on_device), so a batch of
     other requests over the same documents finds it, and a new one costs no host-to-device copy."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_drop=None) -> None:
+        """on_drop(stack): called for each stack dropped (FillGraphs lets go of the graphs reading it,
+        so the memory is given back and DEVICE_STACK_BYTES bounds it)."""
         self._stacks: OrderedDict[tuple, DeviceStack] = OrderedDict()
         self._bytes = 0
+        self._on_drop = on_drop or (lambda st: None)
 
     def get(self, keys: tuple, entries: list[IndexEntry], budget: float, device) -> DeviceStack:
         """The stack of the parts' distinct chunks (part keys `keys`, their index entries), in the
@@ -169,15 +172,19 @@ class DeviceStacks:
     def _put(self, key: tuple, st: DeviceStack) -> None:
         old = self._stacks.pop(key, None)
         if old is not None:
-            self._bytes -= old.nbytes
+            self._drop(old)
         while self._stacks and self._bytes + st.nbytes > DEVICE_STACK_BYTES:
-            self._bytes -= self._stacks.popitem(last=False)[1].nbytes
+            self._drop(self._stacks.popitem(last=False)[1])
         self._stacks[key] = st
         self._bytes += st.nbytes
 
+    def _drop(self, st: DeviceStack) -> None:
+        self._bytes -= st.nbytes
+        self._on_drop(st)
+
     def invalidate(self, gone: set[int]) -> None:
         for key in [k for k in self._stacks if any(not gone.isdisjoint(e[0]) for e in k[0])]:
-            self._bytes -= self._stacks.pop(key).nbytes
+            self._drop(self._stacks.pop(key))
 
 
 def _ids(entries: list | None) -> tuple | None:
@@ -264,6 +271,11 @@ class FillGraphs:
         for key in [k for k in self._graphs if any(not gone.isdisjoint(p[2]) for p in k[1])]:
             del self._graphs[key]
         self._seen.clear()
+
+    def drop_stack(self, st: DeviceStack) -> None:
+        """Drops the graphs that read `st` (DeviceStacks dropped it: its memory goes back with them)."""
+        for key in [k for k, fg in self._graphs.items() if any(x is st for x in fg.keep[2])]:
+            del self._graphs[key]
 
 
 @dataclass

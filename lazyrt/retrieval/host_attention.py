@@ -26,6 +26,7 @@ per-part torch reference (retrieval_attention_ref part by part) it equals.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import queue
 import threading
@@ -177,8 +178,9 @@ class HostIndexCache:
         self.device = device
         self._indexes: dict[tuple, IndexEntry] = {}
         self._stacks: dict[tuple, _Stack] = {}
-        self.device_stacks = DeviceStacks()  # the device fill's copies of the stacks
         self.fill_graphs = FillGraphs()  # the device fill's CUDA graphs (decode steps)
+        # the device fill's stacks of index data (a dropped stack drops the graphs that read it)
+        self.device_stacks = DeviceStacks(on_drop=functools.partial(_drop_graphs, weakref.ref(self)))
         self._work: dict[str, torch.Tensor] = {}
         self.builds = 0
         self.build_threads = build_threads
@@ -437,6 +439,12 @@ def _copy_to_device(entries: list[IndexEntry], device: str) -> None:
             for t in e.on_device(device):
                 t.record_stream(main)
     stream.synchronize()
+
+
+def _drop_graphs(cache_ref: weakref.ref, stack) -> None:
+    cache = cache_ref()
+    if cache is not None and cache.fill_graphs is not None:
+        cache.fill_graphs.drop_stack(stack)
 
 
 def _after_device_reads(key_tables: torch.Tensor | None) -> None:
