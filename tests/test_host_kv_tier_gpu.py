@@ -203,3 +203,25 @@ def test_device_fill_on_cuda_equals_the_cpu_fill(exact):
     graphs = cache.fill_graphs
     assert graphs.captures == layers and graphs.replays == 2 * layers
 
+
+
+def test_pool_sized_from_free_memory_leaves_room_for_the_index_data(monkeypatch):
+    """No kv_cache_tokens on CUDA: with retrieval attention the KV pool is smaller than without it by
+    reserved_device_bytes (what the device fill's index data, stacks and buffers can take); the free
+    memory each engine sees is pinned to one figure, so the two pools differ by that alone."""
+    from lazyrt.cache.page_pool import PagePool
+    from lazyrt.retrieval.device_fill import reserved_device_bytes
+
+    free = 8 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 80 << 30))
+    kw = dict(load_format="dummy", device="cuda", dtype="bfloat16", host_kv_cache_tokens=16 * 4096,
+              kv_cache_memory_fraction=0.3)  # fmt: skip
+    pages = Engine("smollm2-135m", **kw).pool.num_pages
+    eng = Engine("smollm2-135m", retrieval_attention=True, **kw)
+    c = eng.model_config
+    per_page = PagePool.bytes_per_page(c.num_layers, 16, c.num_kv_heads, c.head_dim, torch.bfloat16)
+    reserve = reserved_device_bytes(16 * 4096, c.num_layers, c.num_kv_heads, c.head_dim)
+    assert pages == int(free * 0.3) // per_page
+    assert eng.pool.num_pages == (int(free * 0.3) - reserve) // per_page
+    with pytest.raises(ValueError, match="host_kv_cache_tokens"):  # an index larger than half the budget
+        Engine("smollm2-135m", retrieval_attention=True, **{**kw, "host_kv_cache_tokens": 16 * 200_000})
