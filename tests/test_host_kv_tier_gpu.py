@@ -212,7 +212,7 @@ def test_pool_sized_from_free_memory_leaves_room_for_the_index_data(monkeypatch)
     from lazyrt.cache.page_pool import PagePool
     from lazyrt.retrieval.device_fill import reserved_device_bytes
 
-    free = 8 << 30
+    free = 32 << 30
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 80 << 30))
     kw = dict(load_format="dummy", device="cuda", dtype="bfloat16", host_kv_cache_tokens=16 * 4096,
               kv_cache_memory_fraction=0.3)  # fmt: skip
