@@ -89,6 +89,19 @@ def test_retrieval_attention_exact_on_cuda(overlap):
     assert tight.runner.host_indexes.fill_graphs.replays > 0  # decode steps replayed the fill's graphs
 
 
+def _approximate_engine(dtype: str, build_threads: int):
+    """A CUDA engine whose device holds a few documents, retrieving top-8 keys from the rest; a token
+    maker, a prefix and six documents of 60-90 tokens."""
+    rng = random.Random()
+    tight = Engine("smollm2-135m", load_format="dummy", device="cuda", dtype=dtype,
+                   kv_cache_tokens=16 * 14, host_kv_cache_tokens=16 * 64, retrieval_attention=True,
+                   retrieval_top_k=8, retrieval_sink=4, retrieval_build_threads=build_threads,
+                   max_running_requests=1)  # fmt: skip
+    vocab = tight.model_config.vocab_size
+    ids = lambda n: [rng.randrange(100, vocab) for _ in range(n)]  # noqa: E731
+    return tight, ids, ids(20), [ids(rng.randint(60, 90)) for _ in range(6)]
+
+
 def test_retrieval_index_builds_cluster_on_cuda(monkeypatch):
     """A CUDA engine's host-chunk index builds run their k-means on the GPU (RetrievalOptions.build_device)
     and the search path then answers (approximate: top-k below the chunk's keys)."""
@@ -101,14 +114,7 @@ def test_retrieval_index_builds_cluster_on_cuda(monkeypatch):
         return kmeans(x, *a, **kw)
 
     monkeypatch.setattr(key_index, "kmeans", spy)
-    rng = random.Random()
-    tight = Engine("smollm2-135m", load_format="dummy", device="cuda", dtype="float32",
-                   kv_cache_tokens=16 * 14, host_kv_cache_tokens=16 * 64, retrieval_attention=True,
-                   retrieval_top_k=8, retrieval_sink=4, retrieval_build_threads=0,
-                   max_running_requests=1)  # fmt: skip
-    vocab = tight.model_config.vocab_size
-    ids = lambda n: [rng.randrange(100, vocab) for _ in range(n)]  # noqa: E731
-    prefix, docs = ids(20), [ids(rng.randint(60, 90)) for _ in range(6)]
+    tight, ids, prefix, docs = _approximate_engine("float32", build_threads=0)
     sp = SamplingParams(max_tokens=4, ignore_eos=True)
     prompts = [RagPrompt(prefix, docs[:3], ids(4)), RagPrompt(prefix, docs[3:], ids(4))]
     for p in prompts + [RagPrompt(prefix, docs, ids(5))]:
@@ -122,13 +128,7 @@ def test_background_builds_put_index_data_on_the_device():
     (IndexEntry.on_device) and its turned keys into the pinned key tables, where the device fill reads
     them: equal to the entry's own, and the engine answers through them."""
     rng = random.Random()
-    tight = Engine("smollm2-135m", load_format="dummy", device="cuda", dtype="bfloat16",
-                   kv_cache_tokens=16 * 14, host_kv_cache_tokens=16 * 64, retrieval_attention=True,
-                   retrieval_top_k=8, retrieval_sink=4, retrieval_build_threads=1,
-                   max_running_requests=1)  # fmt: skip
-    vocab = tight.model_config.vocab_size
-    ids = lambda n: [rng.randrange(100, vocab) for _ in range(n)]  # noqa: E731
-    prefix, docs = ids(20), [ids(rng.randint(60, 90)) for _ in range(6)]
+    tight, ids, prefix, docs = _approximate_engine("bfloat16", build_threads=1)
     sp = SamplingParams(max_tokens=4, ignore_eos=True)
     for p in [RagPrompt(prefix, docs[:3], ids(4)), RagPrompt(prefix, docs[3:], ids(4))]:
         tight.generate(p, sp)
