@@ -51,11 +51,11 @@ SHARED_BUDGET = 2.0
 def reserved_device_bytes(host_tokens: int, layers: int, kv_heads: int, head_dim: int) -> int:
     """Device memory the device fill can hold for a host tier of host_tokens tokens (what a KV pool
     sized from free memory must leave): every host chunk-layer's index data (IndexEntry.on_device:
-    fp32 centroids, one a KEYS_PER_LIST keys, list sizes and starts, a slot per key), the stacks of it
+    bf16 centroids, one a KEYS_PER_LIST keys, list sizes and starts, a slot per key), the stacks of it
     (up to DEVICE_STACK_BYTES) and one fill's work buffers (keys / scores of DEVICE_WORK_ELEMENTS)."""
     from lazyrt.retrieval.key_index import KEYS_PER_LIST  # (a leaf module; host_attention imports this one)
 
-    per_key = 8 + (head_dim * 4 + 2 * 8) / KEYS_PER_LIST  # slot + a share of a list's centroid, size, start
+    per_key = 8 + (head_dim * 2 + 2 * 8) / KEYS_PER_LIST  # slot + a share of a list's centroid, size, start
     index = int(host_tokens * layers * kv_heads * per_key)
     return index + min(index, DEVICE_STACK_BYTES) + 4 * DEVICE_WORK_ELEMENTS * 4
 
@@ -115,7 +115,7 @@ class DeviceStack:
     requests share documents has many parts per chunk; a part reads its chunk's row)."""
 
     entries: list
-    centroids: torch.Tensor  # [U, kv_heads, lists, D] fp32
+    centroids: torch.Tensor  # [U, kv_heads, lists, D] bf16 (the plain build's), else fp32
     sizes: torch.Tensor  # [U, kv_heads, lists] int64
     starts: torch.Tensor  # [U, kv_heads, lists] int64
     slot_of: torch.Tensor  # [U, kv_heads, n] int64
@@ -465,7 +465,7 @@ class DeviceFill:
             per_part = lambda t: t.index_select(0, dev.chunk_rows)  # noqa: E731
             chunk_pages = dev.pages[dev.first_parts]  # [U, pages]
         sizes, starts = per_part(st.sizes), per_part(st.starts)
-        cent = per_part(st.centroids).transpose(-1, -2)
+        cent = per_part(st.centroids).transpose(-1, -2).float()
         if shared:  # lists ranked by the sum of the query heads' scores: (sum of q) . centroid
             Q = g.m
             scores = torch.matmul(qg.view(G, kvh, Q, -1, d).sum(3), cent)

@@ -132,12 +132,15 @@ class IndexEntry:
         return self.sizes.shape[1]
 
     def on_device(self, device: torch.device | str) -> tuple[torch.Tensor, ...]:
-        """(centroids fp32, sizes, starts, slot_of) on `device`, copied once (by an index builder
-        thread as the index is built, see _run_build; else on first use) and kept with the entry."""
+        """(centroids, sizes, starts, slot_of) on `device`, copied once (by an index builder thread as
+        the index is built, see _run_build; else on first use) and kept with the entry. Centroids in
+        bf16 where that holds them exactly (the plain build's), else fp32."""
         key = str(device)
         got = self._on_device.get(key)
         if got is None:
             cent = self.index.centroids.float()
+            half = cent.to(torch.bfloat16)
+            cent = half if torch.equal(half.float(), cent) else cent
             got = tuple(t.to(device) for t in (cent, self.sizes, self.starts, self.slot_of))
             self._on_device[key] = got
         return got

@@ -8,8 +8,9 @@ frame (by p - b) before searching.
 Each KV head's keys are clustered by k-means (`kmeans`: torch, every KV head at once, on the keys'
 device) into lists. A query scans the lists in order of its inner product with their centroids until
 it has scanned `scan` of the keys, and keeps the exact top-k of what it scanned. On the default
-model's real keys (2,048-token chunk, 8 keys a list) that finds 86% of the exact top-10 scanning 5%
-of the keys and 94% at 10% (`benchmarks/experiments/retrieval_recall.py`). The first `sink` keys
+model's real keys (2,048-token chunk, 4 keys a list) that finds 92% of the exact top-10 scanning 5%
+of the keys (lists of 8: 86%, and 94% at 10%; `benchmarks/experiments/retrieval_recall.py --lists
+256 512`). The first `sink` keys
 (the chunk's first tokens draw a large share of attention) are not indexed: the caller attends to
 them exactly.
 
@@ -45,7 +46,10 @@ import torch
 
 from lazyrt.kernels.rope import RopeCache, apply_rope_ref
 
-KEYS_PER_LIST = 8  # lists of ~8 keys: finer lists gave higher recall at the same scanned share
+# lists of ~4 keys: finer lists give higher recall at the same scanned share (the default model,
+# 2,048-token chunk, 5% scanned: recall@10 0.92 with lists of 4, 0.86 with lists of 8), at one
+# centroid product a list (25% of the keys' count; a GPU's small cost)
+KEYS_PER_LIST = 4
 AWARE_KEYS_PER_LIST = 4  # attention-aware: lists of ~4 keys, 16 lists a group (two-level probing)
 LISTS_PER_GROUP = 16
 
@@ -106,7 +110,9 @@ def build_key_index(
     groups = lists // lists_per_group if queries is not None else 0  # two levels: 2+ groups
     if queries is None:  # every KV head clustered at once, on the keys' device
         a, c = kmeans(keys[sink:].transpose(0, 1), lists, seed)
-        a, c = a.cpu(), c.cpu()
+        # centroids held at bf16 precision: the device fill keeps them in bf16 (half the memory) and
+        # scores lists exactly as the CPU fill does
+        a, c = a.cpu(), c.to(torch.bfloat16).float().cpu()
         counts = _cluster_counts(a, lists)
         return KeyIndex(
             c,
