@@ -12,7 +12,7 @@ keys reach a target share; recall@k = share of the exact top-k among the top-k o
 Scan counts keys only; the C centroid products are reported beside it.
 
 --shared adds a second table: per-query-head vs SHARED list choice per KV head (GQA group), on the
-index the runtime builds (lazyrt.retrieval.build_key_index, plain: lists of 8 keys, probed by
+index the runtime builds (lazyrt.retrieval.build_key_index, plain: lists of KEYS_PER_LIST keys, by
 centroid). "per-head": each query head ranks the lists by its own q . centroid and scans them best
 first while they hold at most `scan` of the keys (at least one list): search_key_index. "shared max" /
 "shared sum": the group's query heads of one token share ONE candidate set: lists ranked by the max
@@ -38,7 +38,7 @@ import os
 
 import torch
 
-from lazyrt.retrieval.key_index import build_key_index, kmeans
+from lazyrt.retrieval.key_index import KEYS_PER_LIST, build_key_index, kmeans
 
 
 def capture(model_dir: str, text: str, tokens: int) -> dict:
@@ -80,7 +80,7 @@ def shared_compare(keys: torch.Tensor, q: torch.Tensor, sink: int, scans, mults,
     """keys [L, kv, d] rotated at local positions; q [T, kv, G, d] in the chunk's frame. Per (mode,
     mult, scan, k): [recall@k, keys read / KV head / token, distinct keys / KV head / token], each the
     mean over KV heads (and tokens, query heads)."""
-    index = build_key_index(keys, sink)  # the runtime's plain build: lists of 8 keys
+    index = build_key_index(keys, sink)  # the runtime's plain build: lists of KEYS_PER_LIST keys
     n, (T, KV, G, _) = index.num_indexed, q.shape
     out: dict[tuple, list[float]] = {}
     for h in range(KV):
@@ -191,7 +191,8 @@ def main(argv=None) -> None:
     ks = sorted(args.top_k)
     print(
         f"\n### per-head vs shared list choice per KV head: {args.text}, {L}-token chunk, {args.queries} "
-        f"queries, layers {layers}, {KV} KV heads x {G} query heads, plain index (lists of 8 keys)\n"
+        f"queries, layers {layers}, {KV} KV heads x {G} query heads, plain index "
+        f"(lists of {KEYS_PER_LIST} keys)\n"
     )
     cols = ["mode", "scan budget", *[f"recall@{k}" for k in ks],
             "keys read / KV head / token", "distinct keys / KV head / token"]  # fmt: skip
