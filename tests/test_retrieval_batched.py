@@ -72,8 +72,8 @@ def test_batched_fill_equals_the_per_part_reference(dtype, exact, monkeypatch):
 def _assert_nearly_all_same(o, lse, want_o, want_l) -> None:
     """Approximate retrieval: every (row, query head) equal to the reference but at most 4 a layer.
     The two paths score in other summation orders (fp32), so a list or key whose score ties another's
-    to rounding can be chosen by one and not the other; with lists of ~4 keys (near-identical
-    centroids of small lists tie for every query head at once) 0 / 1 / 2 / 3 of 72 pairs differed in
+    to rounding can be chosen by one and not the other (presumed ties, not proven); with lists of ~4
+    keys (more lists, more near-ties) 0 / 1 / 2 / 3 of 72 pairs differed in
     93 / 4.8 / 1.7 / 0.5% of 1,200 layer comparisons (150 seeds of
     test_batched_fill_equals_the_per_part_reference), never 4; with lists of 8, at most 2. A real
     error changes far more pairs."""
