@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from lazyrt.kernels.rope import RopeCache
+from lazyrt.retrieval.key_index import KEYS_PER_LIST
 from lazyrt.retrieval.part_layout import attend_every_key, part_queries, part_rows
 
 # host_attention.py imports this module: its HostAttention, _Group and IndexEntry are typed Any here
@@ -53,8 +54,6 @@ def reserved_device_bytes(host_tokens: int, layers: int, kv_heads: int, head_dim
     sized from free memory must leave): every host chunk-layer's index data (IndexEntry.on_device:
     bf16 centroids, one a KEYS_PER_LIST keys, list sizes and starts, a slot per key), the stacks of it
     (up to DEVICE_STACK_BYTES) and one fill's work buffers (keys / scores of DEVICE_WORK_ELEMENTS)."""
-    from lazyrt.retrieval.key_index import KEYS_PER_LIST  # (a leaf module; host_attention imports this one)
-
     per_key = 8 + (head_dim * 2 + 2 * 8) / KEYS_PER_LIST  # slot + a share of a list's centroid, size, start
     index = int(host_tokens * layers * kv_heads * per_key)
     return index + min(index, DEVICE_STACK_BYTES) + 4 * DEVICE_WORK_ELEMENTS * 4
