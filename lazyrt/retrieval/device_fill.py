@@ -285,9 +285,9 @@ class _GroupOnDevice:
     pages: torch.Tensor
     keep: torch.Tensor
     pairs: torch.Tensor
-    same_chunk: tuple[torch.Tensor, torch.Tensor] | None
-    # where parts share chunks (else None): each part's chunk (its row in the group's DeviceStack, in
-    # the order of the chunks' first parts) and each chunk's first part
+    same_chunk: tuple[torch.Tensor, torch.Tensor] | None  # (members [U, c], where [G]): _Group's
+    # from it, where parts share chunks (else None): each part's chunk (its row in the group's
+    # DeviceStack, in the order of the chunks' first parts) and each chunk's first part
     chunk_rows: torch.Tensor | None
     first_parts: torch.Tensor | None
 
@@ -308,15 +308,11 @@ class DeviceFill:
         if hit is not None and hit[0] is g:
             return hit[1]
         to = lambda t: t.to(self.device, non_blocking=True)  # noqa: E731
-        same = None if g.same_chunk is None else (to(g.same_chunk[0]), to(g.same_chunk[1]))
-        first: dict[tuple, int] = {}
-        rows = [first.setdefault(p.pages, len(first)) for p in g.parts]
-        firsts = {}
-        for i, u in enumerate(rows):
-            firsts.setdefault(u, i)
-        chunk_rows = first_parts = None
-        if len(first) < len(rows):
-            chunk_rows, first_parts = to(torch.tensor(rows)), to(torch.tensor(list(firsts.values())))
+        same = chunk_rows = first_parts = None
+        if g.same_chunk is not None:
+            members, where = g.same_chunk
+            same = (to(members), to(where))
+            chunk_rows, first_parts = same[1] // members.shape[1], same[0][:, 0]
         parts = (to(g.rows), to(g.cos), to(g.sin), to(g.pages), to(g.keep), to(g.pairs))
         d = _GroupOnDevice(*parts, same, chunk_rows, first_parts)
         self._on_device[id(g)] = (g, d)
@@ -325,12 +321,13 @@ class DeviceFill:
     def fill(self, layer: int, q: torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> None:
         ha = self.ha
         todo = ha._todo(layer)
-        if any(e is not None and not all(x.batched and x.bias is None for x in e) for _, e in todo):
-            for g, entries in todo:  # indexes this path does not read: part by part, on the CPU
-                if entries is not None and not all(e.batched and e.bias is None for e in entries):
+        readable = [(g, e) for g, e in todo if e is None or all(x.batched and x.bias is None for x in e)]
+        if len(readable) < len(todo):
+            kept = {id(g) for g, _ in readable}
+            for g, _ in todo:  # indexes this path does not read: part by part, on the CPU
+                if id(g) not in kept:
                     ha._fill_parts_reference(g, layer, q, o, lse)
-            todo = [(g, e) for g, e in todo if e is None or all(x.batched and x.bias is None for x in e)]
-            return self._write(o, lse, self._compute(layer, q, todo))
+            return self._write(o, lse, self._compute(layer, q, readable))
         graphs = ha.indexes.fill_graphs if q.is_cuda else None
         if graphs is None:
             return self._write(o, lse, self._compute(layer, q, todo))

@@ -482,7 +482,8 @@ class _Group:
     pages: torch.Tensor  # [G, pages] host page ids of each part (padded)
     keep: torch.Tensor  # [rows] the real rows among the G * m
     pairs: torch.Tensor  # [rows] their pair ids (o / lse rows)
-    # exact groups: parts over the same chunk (attend_every_key reads it once for all); None: no repeats
+    # parts over the same chunk (None: no repeats): an exact group reads it once for all of them
+    # (attend_every_key); the device fill stacks its index data once
     same_chunk: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
@@ -582,7 +583,7 @@ class HostAttention:
         pairs = torch.tensor([p.pair0 + i for p in parts for i in range(len(p.rows))])
         cos = self.rope.cos[starts, :half].view(len(parts), 1, 1, half)
         sin = self.rope.sin[starts, :half].view(len(parts), 1, 1, half)
-        same = same_chunk_parts([p.pages for p in parts]) if exact else None
+        same = same_chunk_parts([p.pages for p in parts])
         return _Group(parts, n, sink, top_k, exact, budget, m, rows, cos, sin, pages, keep, pairs, same)
 
     def _ready_groups(self, g: _Group, layer: int) -> list[tuple[_Group, list[IndexEntry] | None]]:
