@@ -320,7 +320,9 @@ def test_engine_tp2_with_a_replicated_kv_head(one_kv_head_model):
     kw = dict(device="cpu", cache_mode="lazy", kv_cache_tokens=8192)
     want = _run(Engine(one_kv_head_model, **kw), batches)
     # structured output: rank 0 holds the grammar and samples; rank 1 takes its tokens
-    schema = {"type": "object", "properties": {"a": {"type": "integer", "maximum": 99}}, "required": ["a"]}
+    # (additionalProperties off: else {"a": 1, "": 2} matches the schema too, and a random model writes it)
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "maximum": 99}}, "required": ["a"],
+              "additionalProperties": False}
     constrained = [SamplingParams(max_tokens=30, json_schema=schema),
                    SamplingParams(max_tokens=30, json_object=True)]
     # (greedy: a seeded sample inside a JSON string draws from a nearly flat distribution over most of
