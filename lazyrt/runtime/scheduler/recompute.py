@@ -115,6 +115,8 @@ def select_pages(
 def page_runs(n_tokens: int, page_size: int, selected: list[int]) -> list[tuple[bool, int, int]]:
     """A document as alternating runs: (recomputed?, first token, token count), in order. Runs start
     on page boundaries; only the last run may end in a partly filled page."""
+    if not selected:  # nothing recomputed (the usual case): the whole document is one shared run
+        return [(False, 0, n_tokens)] if n_tokens > 0 else []
     chosen = set(selected)
     runs: list[tuple[bool, int, int]] = []
     for i in range(num_pages(n_tokens, page_size)):

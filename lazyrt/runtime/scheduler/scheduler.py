@@ -467,7 +467,10 @@ class Scheduler:
         prefix = tuple(req.prefix)
         if prefix:
             parts.append(((), prefix))
-        parts += [(prefix, tuple(d)) for d in req.docs]
+        # each doc's key built once: a key holds the doc's whole token tuple, which is hashed again on
+        # every dict access (~10 us for 2,048 tokens)
+        doc_keys = [(prefix, tuple(d)) for d in req.docs]
+        parts += doc_keys
         found: dict[tuple, Chunk | None] = {}
         for cond, toks in parts:
             if (cond, toks) not in found:
@@ -517,10 +520,11 @@ class Scheduler:
         if prefix:
             req.segments.append(Segment(prefix_chunk.pages, 0, len(prefix)))
             pos = len(prefix)
-        for j, (d, sel) in enumerate(zip(req.docs, sels)):
-            c = found[(prefix, tuple(d))]
+        for j, (d, key, sel) in enumerate(zip(req.docs, doc_keys, sels)):
+            c = found[key]
             # computed, or being computed for another request (not in rounds for this one)
-            hit = existed[(prefix, tuple(d))] and (prefix, tuple(d)) not in req.staged
+            hit = existed[key] and key not in req.staged
+            on_host = key in at_host
             if req.parallel_docs:
                 pos = len(prefix)  # every doc right after the prefix (APE's parallel encoding)
             probe_docs.append((len(req.segments), hit))
@@ -536,7 +540,6 @@ class Scheduler:
                     req.pending_recompute.append((len(req.segments), 0, list(d[lo : lo + n])))
                 else:
                     req.cached_tokens += n if hit else 0
-                    on_host = (prefix, tuple(d)) in at_host
                     pages = c.host_pages if on_host else c.pages
                     src = pages[lo // self.page_size : lo // self.page_size + self.pages_for(n)]
                     if on_host:  # attended where it lies (retrieval attention)
