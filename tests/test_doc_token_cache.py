@@ -7,7 +7,7 @@ import random
 import pytest
 
 from lazyrt import Engine
-from lazyrt.runtime.ipc.messages import GenerateReq
+from lazyrt.runtime.ipc.messages import GenerateReq, decode, encode
 from lazyrt.runtime.tokenizer.doc_token_cache import DocTokenCache
 from lazyrt.runtime.tokenizer.request_tokenizer import RequestTokenizer
 from lazyrt.sampling_params import SamplingParams
@@ -26,6 +26,7 @@ def test_requests_reuse_doc_tokens_exactly(tokenizer):
         req = GenerateReq(i, SamplingParams(max_tokens=4), text="Which river?", docs=rng.sample(docs, 3),
                           system="Be brief.", text_mode="rag")  # fmt: skip
         a, b = rt.tokenize(req), fresh.tokenize(req)
+        assert decode(encode(a)) == decode(encode(b))  # as the scheduler receives them
         assert (a.prefix, a.docs, a.suffix) == (b.prefix, b.docs, b.suffix)
     seen = rt.doc_cache.misses
     assert seen <= len(docs) and rt.doc_cache.hits == 12 * 3 - seen  # each distinct text tokenized once

@@ -21,7 +21,7 @@ from lazyrt.documents import (
     default_store_path,
     open_store,
 )
-from lazyrt.runtime.ipc.messages import DocumentReq, GenerateReq
+from lazyrt.runtime.ipc.messages import DocumentReq, GenerateReq, decode, encode
 from lazyrt.runtime.tokenizer.document_ops import handle_document_req
 from lazyrt.runtime.tokenizer.request_tokenizer import InvalidRequest, RequestTokenizer
 
@@ -30,6 +30,10 @@ WORDS = ["river", "Quenta", "1822", "lumen", "tides", "é", "北京", "the", "of
 
 def _text(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n)) + rng.choice([".", "!", "?", ""])
+
+
+def wire(msg):
+    return decode(encode(msg))
 
 
 def _ids(rng: random.Random, n: int) -> list[int]:
@@ -182,9 +186,10 @@ def test_tokenizer_by_id_equals_by_text(tokenizer):
         order = rng.sample(range(4), 3)
         by_text = [texts[i] for i in order]
         mixed = [rng.choice([texts[i], {"id": ids[i]}]) for i in order]
-        a = rt.tokenize(GenerateReq(1, sp, docs=by_text, **shape))
-        b = rt.tokenize(GenerateReq(2, sp, docs=[{"id": ids[i]} for i in order], **shape))
-        c = rt.tokenize(GenerateReq(3, sp, docs=mixed, **shape))
+        # as the scheduler receives them (cached texts' ids travel as arrays, stored ids as lists)
+        a = wire(rt.tokenize(GenerateReq(1, sp, docs=by_text, **shape)))
+        b = wire(rt.tokenize(GenerateReq(2, sp, docs=[{"id": ids[i]} for i in order], **shape)))
+        c = wire(rt.tokenize(GenerateReq(3, sp, docs=mixed, **shape)))
         assert (a.prefix, a.docs, a.suffix) == (b.prefix, b.docs, b.suffix) == (c.prefix, c.docs, c.suffix)
         assert b.docs == [store.token_ids(ids[i]) for i in order]
     # an unknown id is a 404 naming the item; documents by id need a store

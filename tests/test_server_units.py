@@ -3,11 +3,22 @@
 from __future__ import annotations
 
 import pickle
+import random
+from array import array
 
 import msgpack
 import pytest
 
-from lazyrt.runtime.ipc.messages import GenerateReq, StepItem, StepMsg, TokenBatch, TokenOut, decode, encode
+from lazyrt.runtime.ipc.messages import (
+    GenerateReq,
+    StepItem,
+    StepMsg,
+    TokenBatch,
+    TokenizedReq,
+    TokenOut,
+    decode,
+    encode,
+)
 from lazyrt.runtime.tokenizer.detokenizer import IncrementalDetokenizer
 from lazyrt.sampling_params import SamplingParams
 
@@ -31,6 +42,22 @@ def test_messages_round_trip_with_type_tags_and_no_pickle():
         decode(msgpack.packb(forged))
     with pytest.raises(TypeError):
         encode(object())
+
+
+def test_token_arrays_travel_as_bytes_and_arrive_as_lists():
+    """The tokenizer process sends cached document ids as array('q'); the scheduler gets plain lists,
+    equal to what the lists would have given, and the payload is the packed bytes (not one msgpack
+    int each)."""
+    rng = random.Random()
+    docs = [[rng.randrange(1 << 40) for _ in range(rng.randrange(3000))] for _ in range(rng.randint(1, 6))]
+    sp = SamplingParams(max_tokens=2)
+    as_lists = TokenizedReq(1, sp, 2, prefix=[1, 2], docs=docs, suffix=[3])
+    as_arrays = TokenizedReq(1, sp, 2, prefix=[1, 2], docs=[array("q", d) for d in docs], suffix=[3])
+    got = decode(encode(as_arrays))
+    assert got == decode(encode(as_lists)) == as_lists
+    assert all(type(d) is list for d in got.docs)
+    assert len(encode(as_arrays)) < 8 * sum(map(len, docs)) + 200
+    assert decode(encode([array("i", [5, -7]), array("q")])) == [[5, -7], []]
 
 
 def _stream(tokenizer, ids, stop=None):

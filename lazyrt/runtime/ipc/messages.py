@@ -3,12 +3,17 @@
 No pickle: a message is a plain dataclass of ints, floats, strings, lists and dicts (and nested
 message dataclasses). Each dataclass travels as a msgpack ext value holding [tag, field values...],
 so decoding rebuilds exactly the registered classes and nothing else.
+
+A list of ints may be sent as an `array.array` (a document's cached token ids): it travels as its raw
+bytes (one copy, not one msgpack int each: ~0.3 ms less for 10k tokens on each side) and arrives as
+a plain list. The processes share one host, so its byte order too.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +22,7 @@ import msgpack
 from lazyrt.sampling_params import SamplingParams
 
 _EXT = 1
+_ARRAY_EXT = 2  # an array.array: its one-letter typecode, then its bytes
 _CLASSES: dict[str, type] = {}
 
 
@@ -106,7 +112,7 @@ class TokenizedReq:
     sampling: SamplingParams
     max_new_tokens: int
     prefix: list[int] = field(default_factory=list)
-    docs: list[list[int]] = field(default_factory=list)
+    docs: list[list[int]] = field(default_factory=list)  # (sent as array.array by the tokenizer process)
     suffix: list[int] = field(default_factory=list)
     score_len: int = 0  # the last score_len prompt tokens are scored (see Request.score_len)
     received_at: float = 0.0  # wall clock: HTTP got it / the tokenizer process finished it
@@ -277,10 +283,16 @@ def _default(obj: Any) -> Any:
     if _CLASSES.get(name) is type(obj):
         values = [getattr(obj, f) for f in _field_names(type(obj))]
         return msgpack.ExtType(_EXT, msgpack.packb([name, *values], default=_default, use_bin_type=True))
+    if isinstance(obj, array):
+        return msgpack.ExtType(_ARRAY_EXT, obj.typecode.encode() + obj.tobytes())
     raise TypeError(f"cannot serialize {name}: not a registered message")
 
 
 def _ext_hook(code: int, data: bytes) -> Any:
+    if code == _ARRAY_EXT:
+        values = array(data[:1].decode())
+        values.frombytes(data[1:])
+        return values.tolist()
     if code != _EXT:
         raise ValueError(f"unknown msgpack ext code {code}")
     name, *values = msgpack.unpackb(data, ext_hook=_ext_hook, raw=False, strict_map_key=False)

@@ -31,17 +31,22 @@ class DocTokenCache:
         return self._tokens
 
     def get(self, text: str) -> list[int]:
+        return self.get_array(text).tolist()
+
+    def get_array(self, text: str) -> array:
+        """The ids as the cache holds them (int64; not to be modified): what the tokenizer process
+        sends on, packed as bytes (lazyrt.runtime.ipc.messages)."""
         ids = self._entries.get(text)
         if ids is not None:
             self._entries.move_to_end(text)
             self.hits += 1
-            return ids.tolist()
+            return ids
         self.misses += 1
-        out = self._tokenize(text)
-        if 0 < len(out) <= self.max_tokens:
-            self._entries[text] = array("q", out)
-            self._tokens += len(out)
+        ids = array("q", self._tokenize(text))
+        if 0 < len(ids) <= self.max_tokens:
+            self._entries[text] = ids
+            self._tokens += len(ids)
             while self._tokens > self.max_tokens:
                 _, old = self._entries.popitem(last=False)
                 self._tokens -= len(old)
-        return out
+        return ids

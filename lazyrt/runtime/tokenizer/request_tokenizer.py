@@ -85,7 +85,8 @@ class RequestTokenizer:
             raise InvalidRequest(str(e), req.param) from e
         if prompt is not None:
             prefix = self._ids(prompt.prefix, False) if isinstance(prompt.prefix, str) else prompt.prefix
-            doc_ids = [self.doc_cache.get(d) if isinstance(d, str) else d for d in prompt.docs]
+            # cached ids go on as arrays: they cross to the scheduler as bytes (ipc/messages.py)
+            doc_ids = [self.doc_cache.get_array(d) if isinstance(d, str) else d for d in prompt.docs]
             if isinstance(prompt.suffix, str):
                 suffix = self._ids(prompt.suffix, False)
             else:
