@@ -179,6 +179,8 @@ def request_body(wl: Workload, i: int, output_tokens: int) -> dict:
 
 
 async def one_request(client, url: str, body: dict, index: int, t0: float, timeout: float) -> Result:
+    """client: an aiohttp.ClientSession. (httpx's AsyncClient, used before 2026-11-26, cost ~2 ms more
+    per request on the 2-core CPU box, in the measured TTFT: benchmarks/experiments/client_overhead.py.)"""
     res = Result(index, ok=False)
     start = time.perf_counter()
     res.send_s = start - t0
@@ -186,11 +188,12 @@ async def one_request(client, url: str, body: dict, index: int, t0: float, timeo
     meta: dict = {}
     try:
         async with asyncio.timeout(timeout) if hasattr(asyncio, "timeout") else _nullctx():
-            async with client.stream("POST", url + "/generate", json=body) as resp:
-                if resp.status_code != 200:
-                    res.error = f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}"
+            async with client.post(url + "/generate", json=body) as resp:
+                if resp.status != 200:
+                    res.error = f"HTTP {resp.status}: {(await resp.read())[:300]!r}"
                     return res
-                async for line in resp.aiter_lines():
+                async for raw in resp.content:  # one SSE line at a time
+                    line = raw.decode()
                     if not line.startswith("data:"):
                         continue
                     data = line[5:].strip()
@@ -233,10 +236,16 @@ class _nullctx:
         return False
 
 
+def _control_timeout():
+    import aiohttp
+
+    return aiohttp.ClientTimeout(total=30)
+
+
 async def get_json(client, url: str) -> dict:
     try:
-        r = await client.get(url, timeout=30)
-        return r.json() if r.status_code == 200 else {}
+        async with client.get(url, timeout=_control_timeout()) as r:
+            return await r.json() if r.status == 200 else {}
     except Exception:
         return {}
 
@@ -259,14 +268,15 @@ def prom_value(text: str, name: str) -> float | None:
 
 async def run_point(url: str, wl: Workload, args, concurrency: int | None = None) -> dict:
     """Send the workload (open loop at its arrival times, or closed loop with `concurrency` clients)."""
-    import httpx
+    import aiohttp
 
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-    timeout = httpx.Timeout(args.request_timeout, connect=30)
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
-        flush = await client.post(url + "/flush_cache", timeout=60)
-        if flush.status_code != 200:
-            print(f"[bench] warning: /flush_cache -> {flush.status_code}", flush=True)
+    # no cap on connections (an open-loop point may have hundreds of answers streaming at once)
+    conn = aiohttp.TCPConnector(limit=0, limit_per_host=0)
+    timeout = aiohttp.ClientTimeout(total=args.request_timeout, connect=30)
+    async with aiohttp.ClientSession(connector=conn, timeout=timeout) as client:
+        async with client.post(url + "/flush_cache", timeout=aiohttp.ClientTimeout(total=60)) as flush:
+            if flush.status != 200:
+                print(f"[bench] warning: /flush_cache -> {flush.status}", flush=True)
         before = await cache_stats(client, url)
         peak = {"used": 0, "chunk": 0}
         stop = asyncio.Event()
@@ -313,7 +323,8 @@ async def run_point(url: str, wl: Workload, args, concurrency: int | None = None
         await poller
         after = await cache_stats(client, url)
         try:
-            prom = (await client.get(url + "/metrics", timeout=30)).text
+            async with client.get(url + "/metrics", timeout=_control_timeout()) as r:
+                prom = await r.text()
         except Exception:
             prom = ""
     return summarize(results, wall, before, after, peak, prom)
@@ -623,6 +634,7 @@ def point_row(args, mode: str, pop: str, rate: float, res: dict, srv: Server, **
         "device_name": args.device_name,
         "server_cmd": shlex.join(srv.cmd) if srv.cmd else srv.url,
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "client": "aiohttp",  # rows without it were measured with httpx (~2 ms more a request: one_request)
         **extra,
         **res,
     }
