@@ -125,7 +125,8 @@ def build(args):
         model=PRESET, load_format="dummy", device="cpu", dtype="float32", batches=[args.batch],
         context=args.context, steps=args.warmup + args.repeats * args.steps + args.profile_steps,
         cache_mode="lazy", alpha=args.alpha, shared_chunk_attention=True,
-        overlap_schedule=not args.no_overlap, docs_per_request=5, pool_docs=100,
+        overlap_schedule=not args.no_overlap, docs_per_request=5, pool_docs=100, tensor_parallel_size=1,
+        cuda_graph_max_batch=args.batch,
     )  # fmt: skip
     eng, prompts, _ = make_workload(wl)
     stubs = Stubs(eng.model)
