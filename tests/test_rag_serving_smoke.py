@@ -75,6 +75,41 @@ def test_tokenizer_dir_env_for_dummy_preset(tokenizer, tmp_path, monkeypatch):
         loader.load_model("tiny-llama", load_format="dummy")
 
 
+def test_middle_half_throughput_leaves_out_the_ramps():
+    """A run streaming at a steady rate between a slow start and a slow drain, each under a quarter of
+    its tokens: the middle-half rate is the steady one, whatever the requests' shapes."""
+    import random
+
+    import rag_serving as rs
+
+    rng = random.Random()
+    rate = rng.uniform(100, 400)
+    times = [10 * i / 100 for i in range(100)]  # start: 100 tokens in 10 s
+    steady = rng.randrange(800, 1200)
+    times += [10 + i / rate for i in range(steady)]
+    end = times[-1]
+    times += [end + 10 * (i + 1) / 100 for i in range(100)]  # drain: 100 tokens in 10 s
+    results, i = [], 0
+    while i < len(times):  # requests of 1-8 streamed events, one token each, consecutive times
+        k = min(rng.randint(1, 8), len(times) - i)
+        t = times[i : i + k]
+        gaps = [b - a for a, b in zip(t, t[1:])]
+        send = t[0] - rng.uniform(0, 1)
+        r = rs.Result(len(results), True, send_s=send, ttft_s=t[0] - send, itl_s=gaps, completion_tokens=k)
+        results.append(r)
+        i += k
+    rng.shuffle(results)
+    got = rs.middle_half_throughput(results)
+    assert got == pytest.approx(rate, rel=0.01)
+    whole = len(times) / (max(times) - min(times))
+    assert whole < 0.7 * got
+    # events carrying several tokens count them all: doubling every request's tokens doubles the rate
+    for r in results:
+        r.completion_tokens *= 2
+    assert rs.middle_half_throughput(results) == pytest.approx(2 * rate, rel=0.01)
+    assert rs.middle_half_throughput([rs.Result(0, False)]) is None
+
+
 @pytest.mark.slow
 def test_end_to_end_point_on_cpu_server(tmp_path):
     """One tiny point through the real harness: launches a CPU server, streams, reports, plots."""
