@@ -268,7 +268,10 @@ def prom_value(text: str, name: str) -> float | None:
 
 async def run_point(url: str, wl: Workload, args, concurrency: int | None = None) -> dict:
     """Send the workload (open loop at its arrival times, or closed loop with `concurrency` clients)."""
-    import aiohttp
+    try:
+        import aiohttp
+    except ImportError as e:
+        raise SystemExit("rag_serving.py streams through aiohttp: pip install -e '.[bench]'") from e
 
     # no cap on connections (an open-loop point may have hundreds of answers streaming at once)
     conn = aiohttp.TCPConnector(limit=0, limit_per_host=0)
