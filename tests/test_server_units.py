@@ -58,6 +58,9 @@ def test_token_arrays_travel_as_bytes_and_arrive_as_lists():
     assert all(type(d) is list for d in got.docs)
     assert len(encode(as_arrays)) < 8 * sum(map(len, docs)) + 200
     assert decode(encode([array("i", [5, -7]), array("q")])) == [[5, -7], []]
+    for forged in (b"d" + bytes(8), b"", b"q" + bytes(5)):  # floats, no typecode, a torn item
+        with pytest.raises(ValueError):
+            decode(msgpack.packb(msgpack.ExtType(2, forged)))
 
 
 def _stream(tokenizer, ids, stop=None):

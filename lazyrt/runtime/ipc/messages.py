@@ -23,6 +23,7 @@ from lazyrt.sampling_params import SamplingParams
 
 _EXT = 1
 _ARRAY_EXT = 2  # an array.array: its one-letter typecode, then its bytes
+_INT_TYPECODES = frozenset("bBhHiIlLqQ")  # token ids are ints: nothing else decodes
 _CLASSES: dict[str, type] = {}
 
 
@@ -290,8 +291,11 @@ def _default(obj: Any) -> Any:
 
 def _ext_hook(code: int, data: bytes) -> Any:
     if code == _ARRAY_EXT:
-        values = array(data[:1].decode())
-        values.frombytes(data[1:])
+        typecode = data[:1].decode("ascii", "replace")
+        if typecode not in _INT_TYPECODES:
+            raise ValueError(f"array ext: {typecode!r} is not an integer array type")
+        values = array(typecode)
+        values.frombytes(data[1:])  # a length that is not a multiple of the item size: ValueError
         return values.tolist()
     if code != _EXT:
         raise ValueError(f"unknown msgpack ext code {code}")
