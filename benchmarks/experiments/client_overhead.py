@@ -22,16 +22,10 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from rag_serving import load_tokenizer  # noqa: E402
-from rag_workload import SYSTEM_PROMPT, WorkloadConfig, build_workload, single_token_words  # noqa: E402
+from rag_serving import load_tokenizer, request_body  # noqa: E402
+from rag_workload import WorkloadConfig, build_workload, single_token_words  # noqa: E402
 
 SPLIT = ("tokenize", "queue", "prefill", "ttft")
-
-
-def body(docs: list[str], question: str, max_tokens: int) -> dict:
-    sampling = {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
-    return {"text": question, "docs": docs, "system": SYSTEM_PROMPT, "stream": True,
-            "sampling_params": sampling}  # fmt: skip
 
 
 async def lines_httpx(client, url: str, b: dict):
@@ -62,16 +56,18 @@ async def run(args) -> None:
 
     tok = load_tokenizer(args.tokenizer_dir, None, "dummy")
     wl = build_workload(
-        WorkloadConfig(num_docs=args.docs, doc_tokens=args.doc_tokens, num_requests=args.requests),
+        # as many documents as a request takes: every request uses all of them (cached after the first)
+        WorkloadConfig(num_docs=args.docs, docs_per_request=args.docs, doc_tokens=args.doc_tokens,
+                       num_requests=args.requests),  # fmt: skip
         single_token_words(tok),
     )
     url = args.endpoint + "/generate"
     clients = [("httpx", httpx.AsyncClient(timeout=120), lines_httpx),
                ("aiohttp", aiohttp.ClientSession(), lines_aiohttp)]  # fmt: skip
     rows: dict[str, list] = {name: [] for name, _, _ in clients}
-    for i, r in enumerate(wl.requests):
+    for i in range(len(wl.requests)):
         for name, client, lines in clients if i % 2 else clients[::-1]:  # alternate who goes first
-            rows[name].append(await one(lines, client, url, body(wl.docs, r.question, args.max_tokens)))
+            rows[name].append(await one(lines, client, url, request_body(wl, i, args.max_tokens)))
             await asyncio.sleep(args.gap)
     for _, client, _ in clients:
         await (client.aclose() if hasattr(client, "aclose") else client.close())

@@ -18,6 +18,7 @@ import argparse
 import functools
 import os
 import tempfile
+import time
 import traceback
 
 import torch
@@ -31,8 +32,6 @@ def _time_us(fn, iters: int, device: torch.device) -> float:
     for _ in range(3):
         fn()
     if device.type != "cuda":
-        import time
-
         t0 = time.perf_counter()
         for _ in range(iters):
             fn()
