@@ -12,6 +12,11 @@ Physical floor (issue 14): prefill FLOPs (2 x matmul parameters x prompt tokens,
 attention's 2 x L^2 x hidden a layer) at the matmul rate measured here on a prefill-sized GEMM, plus
 the decode steps' bytes (weights + each request's KV at its mean length) at the measured copy
 bandwidth. lazyrt's time / floor is the fraction of the floor it reaches.
+
+--profile (after the timed run, untimed): each engine step's wall time by kind (prefill steps, by
+the prompt tokens they carry, and pure decode steps), then one more run under torch.profiler: the
+device kernel time by kind (GEMM, attention, other) and the idle gaps, i.e. where the time above
+the floor goes.
 """
 
 from __future__ import annotations
@@ -68,6 +73,86 @@ def physical_floor(eng, args, dtype: torch.dtype) -> dict:
             "decode_floor_s": decode_bytes / bw, "floor_s": floor}
 
 
+def step_walls(eng, prompts: list[list[int]], sp) -> dict:
+    """Runs the batch once more, timing each engine step (wall, host + device) by what it planned:
+    'prefill' steps carry prompt tokens (decodes may ride along), 'decode' steps only decodes.
+    With overlapped scheduling a step's wall is the time until the engine could plan the next one."""
+    core = eng.core
+    plans: list[tuple[int, int]] = []
+    schedule = core.scheduler.schedule
+
+    def timed_schedule():
+        plan = schedule()
+        new = sum(len(it.token_ids) for it in plan.items if len(it.token_ids) > 1)
+        plans.append((new, sum(len(it.token_ids) == 1 for it in plan.items)))
+        return plan
+
+    core.scheduler.schedule = timed_schedule
+    walls: list[float] = []
+    step = core.step
+
+    def timed_step():
+        t = time.perf_counter()
+        out = step()
+        walls.append(time.perf_counter() - t)
+        return out
+
+    core.step = timed_step
+    try:
+        eng.generate(prompts, sp)
+    finally:
+        core.step, core.scheduler.schedule = step, schedule
+    kinds: dict[str, list[float]] = {"prefill": [0, 0.0, 0], "decode": [0, 0.0, 0]}
+    for (new, _dec), wall in zip(plans, walls):
+        k = kinds["prefill" if new else "decode"]
+        k[0] += 1
+        k[1] += wall
+        k[2] += new
+    return {k: {"steps": n, "wall_s": w, "prompt_tokens": tok} for k, (n, w, tok) in kinds.items()}
+
+
+GEMM_NAMES = ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas", "matmul", "addmm", "aten::mm", "linear")
+ATTENTION_NAMES = ("attn", "attention", "flashinfer", "prefill", "decode", "merge")
+
+
+def kernel_kind(name: str) -> str:
+    n = name.lower()
+    if any(s in n for s in GEMM_NAMES):
+        return "gemm"
+    if any(s in n for s in ATTENTION_NAMES):
+        return "attention"
+    return "other"
+
+
+def engine_profile(eng, prompts: list[list[int]], sp, device: str) -> dict:
+    """Step walls by kind, then the device's kernel time by kind over one more run (see the module
+    docstring); prints a short table and the top kernels."""
+    from decode_profile import device_gaps, kernel_times
+    from torch.profiler import ProfilerActivity, profile
+
+    out: dict = {"steps": step_walls(eng, prompts, sp)}
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    with profile(activities=acts) as prof:
+        eng.generate(prompts, sp)
+        sync(device)
+    times = kernel_times(prof, "cuda" if device.startswith("cuda") else "cpu")
+    by_kind: dict[str, float] = {"gemm": 0.0, "attention": 0.0, "other": 0.0}
+    for name, us in times.items():
+        by_kind[kernel_kind(name)] += us / 1e6
+    span, short, long = device_gaps(prof) if device.startswith("cuda") else (0.0, 0.0, 0.0)
+    out.update(kernel_s=by_kind, device_span_s=span / 1e6, short_gaps_s=short / 1e6, long_gaps_s=long / 1e6,
+               top_kernels=[(n, us / 1e6) for n, us in sorted(times.items(), key=lambda kv: -kv[1])[:15]])
+    print("| step kind | steps | prompt tokens | wall s |\n|---|---:|---:|---:|")
+    for k, v in out["steps"].items():
+        print(f"| {k} | {v['steps']} | {v['prompt_tokens']} | {v['wall_s']:.3f} |")
+    kinds = ", ".join(f"{k} {v:.3f}" for k, v in by_kind.items())
+    print(f"device kernels (s): {kinds}; span {span / 1e6:.3f}, "
+          f"gaps < 20 us {short / 1e6:.3f}, longer gaps {long / 1e6:.3f} (profiled run)")
+    for name, s in out["top_kernels"]:
+        print(f"  {s:8.4f} s  {name[:110]}")
+    return out
+
+
 def hf_model(args, dtype: torch.dtype):
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -98,6 +183,8 @@ def main(argv=None) -> dict:
     p.add_argument("--prompt-tokens", type=int, default=2048)
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--max-step-tokens", type=int, default=None, help="the engine's prefill tokens a step")
+    p.add_argument("--profile", action="store_true", help="print where the engine's time goes (see above)")
     p.add_argument("--out", default=None, help="JSON lines, appended")
     args = p.parse_args(argv)
     if args.dtype == "auto":
@@ -114,6 +201,7 @@ def main(argv=None) -> dict:
         cache_mode="none",
         max_running_requests=args.batch,
         kv_cache_tokens=args.batch * (args.prompt_tokens + args.output_tokens + 16) + 64,
+        **({} if args.max_step_tokens is None else {"max_step_tokens": args.max_step_tokens}),
     )
     vocab = min(eng.model_config.vocab_size, 32000)
     gen = torch.Generator().manual_seed(0)
@@ -137,9 +225,12 @@ def main(argv=None) -> dict:
         "output_tokens": args.output_tokens,
         "lazyrt_s": t_eng,
         "lazyrt_out_tok_s": n_out / t_eng,
+        "max_step_tokens": eng.config.max_step_tokens,
     }
     row.update(physical_floor(eng, args, dtype))
     row["floor_fraction"] = row["floor_s"] / t_eng
+    if args.profile:
+        row["profile"] = engine_profile(eng, prompts, sp, args.device)
     del eng
     if not args.skip_hf:
         model = hf_model(args, dtype)
