@@ -120,6 +120,8 @@ def add_workload_args(p: argparse.ArgumentParser, batches: list[int]) -> None:
     p.add_argument("--docs-per-request", type=int, default=5, help="lazy/block: documents a request")
     p.add_argument("--pool-docs", type=int, default=100, help="lazy/block: documents to draw them from")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks (GPUs) the model is split over")
+    p.add_argument("--tp-peer-all-reduce", action=argparse.BooleanOptionalAction, default=True,
+                   help="TP on CUDA: small all-reduces via symmetric memory (no: all NCCL)")  # fmt: skip
     p.add_argument("--cuda-graph-max-batch", type=int, default=64, help="0: every step launches eagerly")
 
 
@@ -146,6 +148,7 @@ def make_workload(args):
         overlap_schedule=args.overlap_schedule,
         kv_cache_tokens=shared + max_b * (own + args.steps + 16 + headroom),
         tensor_parallel_size=args.tensor_parallel_size,
+        tp_peer_all_reduce=args.tp_peer_all_reduce,
         cuda_graph_max_batch=args.cuda_graph_max_batch,
     )
     gen = torch.Generator().manual_seed(0)

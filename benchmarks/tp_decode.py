@@ -36,8 +36,11 @@ def run(args) -> list[dict]:
     # LlamaModel keeps its weights in a dict by HF name; tied embeddings are one tensor, counted once
     unique = {t.data_ptr(): t for t in eng.model.w.values()}
     rank_gb = sum(t.numel() * t.element_size() for t in unique.values()) / 1e9
+    group = getattr(eng.worker, "tp", None)
+    all_reduce = "-" if group is None else ("peer" if group.peer is not None else group.pg.name().lower())
     base = {"model": args.model, "tp": tp, "device": str(eng.model.device), "context": args.context,
-            "cache_mode": args.cache_mode, "graphs": args.cuda_graph_max_batch}  # fmt: skip
+            "cache_mode": args.cache_mode, "graphs": args.cuda_graph_max_batch,
+            "all_reduce": all_reduce}  # fmt: skip
     rows: list[dict] = []
 
     def emit(row: dict) -> None:  # appended at once: the rows survive a step or a close that hangs
@@ -47,7 +50,8 @@ def run(args) -> list[dict]:
                 f.write(json.dumps(row) + "\n")
 
     emit(dict(base, kind="start", start_s=start_s, rank0_weight_gb=rank_gb))
-    print(f"TP={tp}: engine up in {start_s:.1f} s, rank 0 holds {rank_gb:.2f} GB of weights", flush=True)
+    print(f"TP={tp}: engine up in {start_s:.1f} s, rank 0 holds {rank_gb:.2f} GB of weights, all-reduce: "
+          f"{all_reduce}", flush=True)  # fmt: skip
     decode_step_seconds(eng, prompts(min(args.batches))[0], 4)  # compiles, warms up
     for b in args.batches:
         g0 = eng.runner.graph_steps
@@ -70,9 +74,16 @@ def run(args) -> list[dict]:
     return rows
 
 
+def _label(r: dict) -> str:
+    """TP size, and the all-reduce path where it was not the default peer kernel."""
+    return str(r["tp"]) + (" NCCL" if r.get("all_reduce") == "nccl" else "")
+
+
 def report(path: str) -> str:
     rows = [json.loads(line) for line in open(path) if line.strip()]
-    sizes = sorted({r["tp"] for r in rows})
+    for r in rows:
+        r["tp"] = _label(r)
+    sizes = sorted({r["tp"] for r in rows}, key=lambda n: (int(n.split()[0]), n))
     last = {}  # the latest row per (kind, tp, batch)
     for r in rows:
         last[(r["kind"], r["tp"], r.get("batch"))] = r
@@ -83,15 +94,15 @@ def report(path: str) -> str:
             lines.append(f"| {n} | {s['start_s']:.1f} | {s['rank0_weight_gb']:.2f} |")
     batches = sorted({r["batch"] for r in rows if r["kind"] == "step"})
     head = " | ".join(f"TP={n} (ms)" for n in sizes)
-    ratios = [n for n in sizes if n != 1]
+    ratios = [n for n in sizes if n != "1"]
     lines += ["", f"| batch | {head} | " + " | ".join(f"TP={n} / TP=1" for n in ratios) + " |",
               "|---" * (1 + len(sizes) + len(ratios)) + "|"]  # fmt: skip
     for b in batches:
         ms = {n: last[("step", n, b)]["step_ms"] for n in sizes if ("step", n, b) in last}
         cells = [f"{ms[n]:.2f}" if n in ms else "-" for n in sizes]
-        rat = [f"{ms[n] / ms[1]:.2f}" if n in ms and 1 in ms else "-" for n in ratios]
+        rat = [f"{ms[n] / ms['1']:.2f}" if n in ms and "1" in ms else "-" for n in ratios]
         lines.append(f"| {b} | " + " | ".join(cells + rat) + " |")
-    pairs = [(f"TP={n} vs TP=1 (batch of all prompts)", ("greedy", n), ("greedy", 1)) for n in ratios]
+    pairs = [(f"TP={n} vs TP=1 (batch of all prompts)", ("greedy", n), ("greedy", "1")) for n in ratios]
     pairs += [(f"TP={n}: batch vs each prompt alone (noise floor)", ("greedy", n), ("greedy_alone", n))
               for n in sizes]  # fmt: skip
     for label, a, b in pairs:

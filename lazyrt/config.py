@@ -102,6 +102,10 @@ class EngineConfig:
     # Tensor parallelism: the model split Megatron-style over this many ranks, one worker process per
     # rank (one GPU each on CUDA over NCCL; gloo on CPU), each holding its share of the KV heads.
     tensor_parallel_size: int = 1
+    # CUDA tensor parallelism: decode-sized all-reduces through torch's one-shot symmetric-memory kernel
+    # (NVLink peer memory, no multicast; worker/peer_all_reduce.py) instead of NCCL; NCCL where it
+    # cannot be set up and for large tensors.
+    tp_peer_all_reduce: bool = True
     # Registered documents (lazyrt/documents.py; requests name them by id): a sqlite file path;
     # None = $LAZYRT_CACHE_DIR/documents/<model id>.sqlite; "none" = no store.
     document_store: str | None = None

@@ -188,6 +188,14 @@ def build_parser() -> argparse.ArgumentParser:
         "NCCL; CPU: gloo); heads must divide by N",
     )
     p.add_argument(
+        "--tp-peer-all-reduce",
+        action=argparse.BooleanOptionalAction,
+        default=d.tp_peer_all_reduce,
+        help="CUDA, --tensor-parallel-size > 1: decode-sized all-reduces through torch's one-shot "
+        "symmetric-memory kernel over NVLink peer memory (no multicast) instead of NCCL, which still "
+        "takes large ones and all of them where peer memory is unavailable",
+    )
+    p.add_argument(
         "--document-store",
         default=d.document_store,
         metavar="PATH|none",
@@ -248,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         overlap_schedule=args.overlap_schedule,
         late_planning=args.late_planning,
         tensor_parallel_size=args.tensor_parallel_size,
+        tp_peer_all_reduce=args.tp_peer_all_reduce,
         document_store=args.document_store,
         seed=args.seed,
     )

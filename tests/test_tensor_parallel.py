@@ -504,3 +504,69 @@ def test_cuda_tp2_equals_tp1(mode, tiny_model_dir):
         assert str(two.model.device) == "cuda:0" and two.pool.num_kv_heads == 1
         got = _run(two, batches)
     _assert_same(got, want)
+
+
+def _peer_rank(rank: int, rdv: TPRendezvous, sizes: list[int], steps: int, results) -> None:
+    """One rank of test_cuda_peer_all_reduce: every rank makes every rank's inputs from seeds, so
+    each can check the sums against its own torch reference."""
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    g = TPGroup(rdv, rank, dev, peer_dtype=torch.bfloat16)
+    out = {"peer": g.peer is not None}
+
+    def inputs(n: int, r: int, salt: int) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(n * 1000 + r * 10 + salt)
+        return torch.randn(n, generator=gen).to(torch.bfloat16).to(dev)
+
+    for n in sizes:  # eager: decode sizes (peer kernel), a big one (NCCL), fp32 (NCCL)
+        got = g.all_reduce(inputs(n, rank, 0))
+        want = inputs(n, 0, 0) + inputs(n, 1, 0)
+        out[n] = (got - want).abs().max().item()
+    x32 = torch.randn(33, generator=torch.Generator().manual_seed(rank), dtype=torch.float32).to(dev)
+    want32 = sum(torch.randn(33, generator=torch.Generator().manual_seed(r)) for r in range(2))
+    out["fp32"] = (g.all_reduce(x32.clone()).cpu() - want32).abs().max().item()
+    # a CUDA graph of chained all-reduces that reuse the buffer at once: y <- sum_r(y + c_r,k) / 2
+    n = 4096
+    consts = [[inputs(n, r, 100 + k) for k in range(steps)] for r in range(2)]
+    y = inputs(n, 2, 0)
+    ref = y.clone()
+    for k in range(steps):
+        ref = ((ref + consts[0][k]) + (ref + consts[1][k])) * 0.5
+    s = torch.cuda.Stream(dev)
+    s.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(s):
+        g.all_reduce(y.clone())  # warm-up outside the capture
+    torch.cuda.current_stream(dev).wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        z = y
+        for k in range(steps):
+            z = g.all_reduce(z + consts[rank][k]) * 0.5
+    graph.replay()
+    torch.cuda.synchronize(dev)
+    out["graph"] = (z - ref).abs().max().item()
+    results.put((rank, out))
+    g.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_cuda_peer_all_reduce(tmp_path):
+    """TPGroup's symmetric-memory path (peer_all_reduce.py) on 2 GPUs: decode-sized bf16 sums equal
+    the torch sum of both ranks' inputs; a large tensor and an fp32 one (NCCL) too; a CUDA graph of
+    16 chained all-reduces (each rank's next input depends on the last sum, the buffer reused at once)
+    matches the reference computed step by step."""
+    import torch.multiprocessing as mp
+
+    rdv = TPRendezvous.create(2, str(tmp_path))
+    sizes = [4096, 7 * 4096 + 8, 64 * 4096, 1024 * 4096]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    mp.start_processes(_peer_rank, args=(rdv, sizes, 16, q), nprocs=2, start_method="spawn")
+    res = dict(q.get(timeout=60) for _ in range(2))
+    for r in range(2):
+        assert res[r]["peer"], "symmetric memory was not set up"
+        for n in sizes:
+            assert res[r][n] <= 1e-2 * 4, (r, n, res[r][n])  # one bf16 rounding of values up to ~8
+        assert res[r]["fp32"] < 1e-5
+        assert res[r]["graph"] <= 0.05, res[r]["graph"]  # values ~1-3: a bf16 ulp or two at most

@@ -10,6 +10,8 @@
 - sampler.py: greedy / temperature / top-k / top-p, seeded per request.
 - tp_group.py: TPGroup, a rank's torch.distributed process group (gloo / NCCL) for the
   model's all-reduces, the page-count minimum and the sampled tokens.
+- peer_all_reduce.py: PeerAllReduce, decode-sized all-reduces over NVLink peer memory (torch
+  symmetric memory's one-shot kernel) instead of NCCL.
 - tp_ranks.py: TPRendezvous, TPMember, PlanLinks (rank 0 forwards each StepMsg to the others).
 - tp_follower.py: the process of ranks >= 1, and FollowerRanks (the Engine starts them itself).
 - host_segments.py: retrieval attention's host-tier segments taken out of a step (lazyrt.retrieval

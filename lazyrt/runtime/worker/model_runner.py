@@ -338,8 +338,7 @@ class ModelRunner:
         backend, rids = probe
         if self.model.all_reduce is not None:  # each rank's mean over its heads -> mean over all heads
             with torch.inference_mode():  # the masses are inference tensors
-                for m in backend.mass:
-                    self.model.all_reduce(m).div_(self.tp_size)
+                backend.mass = [self.model.all_reduce(m).div_(self.tp_size) for m in backend.mass]
         return dict(zip(rids, backend.result()))
 
     @torch.inference_mode()

@@ -86,7 +86,12 @@ class ModelWorker:
         loaded.weights.clear()  # the model owns (and on CUDA fuses) the weights from here
         # rank 0 forwards each step to the other ranks; every rank joins the group once its shard is in
         self._followers = PlanLinks(tp.rendezvous) if tp is not None and tp.rank == 0 else None
-        self.tp = TPGroup(tp.rendezvous, tp.rank, torch.device(dev), tp_check) if tp is not None else None
+        self.tp = (
+            TPGroup(tp.rendezvous, tp.rank, torch.device(dev), tp_check,
+                    peer_dtype=DTYPES[dtype_name] if cfg.tp_peer_all_reduce else None)  # fmt: skip
+            if tp is not None
+            else None
+        )
         self._tp_check = tp_check
         # set when a step failed on this rank or a rank died: the group's collectives no longer pair up
         self._broken: str | None = None

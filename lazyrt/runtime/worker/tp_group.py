@@ -9,6 +9,7 @@ collective timing out.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 import time
@@ -18,6 +19,8 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+from lazyrt.runtime.worker.peer_all_reduce import DEFAULT_MAX_BYTES, PeerAllReduce
 
 if TYPE_CHECKING:
     from lazyrt.runtime.worker.tp_ranks import TPRendezvous
@@ -40,10 +43,15 @@ class TPGroup:
         rank: int,
         device: torch.device,
         check: Callable[[], None] | None = None,
+        peer_dtype: torch.dtype | None = None,
+        peer_max_bytes: int = DEFAULT_MAX_BYTES,
     ):
         """Blocks until every rank has joined. check: called while waiting for the others; it raises
-        to give up (e.g. when a rank's process has died instead of joining)."""
+        to give up (e.g. when a rank's process has died instead of joining). peer_dtype (CUDA): small
+        all-reduces of that dtype (up to peer_max_bytes) run torch's one-shot symmetric-memory kernel
+        instead of NCCL (peer_all_reduce.py), where every rank can set it up; None: NCCL only."""
         self.rank, self.size, self.device = rank, rendezvous.size, device
+        self.peer: PeerAllReduce | None = None
         store = dist.FileStore(rendezvous.store_path, self.size)
         store.set_timeout(timedelta(seconds=TIMEOUT_S))
         _wait_for_all(store, rank, self.size, check)
@@ -52,11 +60,24 @@ class TPGroup:
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timedelta(seconds=TIMEOUT_S)
             self.pg = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, self.size, opts)
+            if peer_dtype is not None:
+                self.peer = self._peer_all_reduce(store, rendezvous.store_path, peer_dtype, peer_max_bytes)
         else:
             opts = dist.ProcessGroupGloo._Options()
             opts._timeout = timedelta(seconds=TIMEOUT_S)
             opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]  # one host
             self.pg = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, self.size, opts)
+
+    def _peer_all_reduce(
+        self, store: dist.Store, store_path: str, dtype: torch.dtype, max_bytes: int
+    ) -> PeerAllReduce | None:
+        # Every rank must take the same path (a rank on NCCL and one on peer memory would wait for each
+        # other forever): the ranks agree before the collective set-up and on its outcome.
+        if self.min_int(int(hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out"))) == 0:
+            return None
+        name = "lazyrt-tp-" + hashlib.sha1(store_path.encode()).hexdigest()[:16]  # unique per group
+        peer = PeerAllReduce.create(self.pg, store, name, self.rank, self.size, self.device, dtype, max_bytes)
+        return peer if self.min_int(int(peer is not None)) == 1 else None
 
     def close(self) -> None:
         """Gives up the NCCL communicator without waiting for the other ranks: left to the process
@@ -77,7 +98,10 @@ class TPGroup:
             t.join(CLOSE_TIMEOUT_S)
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum over the ranks, in place (t must be contiguous); returns t."""
+        """The sum over the ranks of t (contiguous): t itself, summed in place by NCCL, or, for a small
+        tensor on the peer path, a new tensor (t is then left as it was). Use the returned tensor."""
+        if self.peer is not None and self.peer.fits(t):
+            return self.peer(t)
         self.pg.allreduce([t]).wait()
         return t
 
