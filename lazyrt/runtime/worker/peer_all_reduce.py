@@ -30,7 +30,7 @@ class PeerAllReduce:
     @classmethod
     def create(
         cls,
-        pg: dist.ProcessGroup,
+        pg: dist.Backend,
         store: dist.Store,
         name: str,
         rank: int,
@@ -48,8 +48,13 @@ class PeerAllReduce:
             import torch.distributed._symmetric_memory as symm_mem
             from torch._C._distributed_c10d import _register_process_group, _SymmetricMemory
 
-            pg._set_group_name(name)
-            _register_process_group(name, pg)  # the symmetric-memory ops look the group up by name
+            # The symmetric-memory ops look the group up by name: TPGroup's NCCL backend is not in
+            # torch's registry (several engines share a process), so wrap it in a named group here.
+            group = dist.ProcessGroup(store, rank, size)
+            group._register_backend(device, dist.ProcessGroup.BackendType.NCCL, pg)
+            group._set_default_backend(dist.ProcessGroup.BackendType.NCCL)
+            group._set_group_name(name)
+            _register_process_group(name, group)
             _SymmetricMemory.set_group_info(name, rank, size, dist.PrefixStore("symm", store))
             buf = symm_mem.empty(max_bytes // dtype.itemsize, dtype=dtype, device=device)
             symm_mem.rendezvous(buf, name)
