@@ -255,6 +255,8 @@ def main() -> None:
     ap.add_argument("--piece-tokens", type=int, default=None,
                     help="shared segments cut at this many tokens (default: the engine's choice)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tp", type=int, default=1,
+                    help="one tensor-parallel rank's share: the q and KV heads divided by this")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     ap.add_argument("--sweep", action="store_true", help="sweep the shared kernel's tiles and grid instead")
     ap.add_argument("--flashinfer", action="store_true",
@@ -263,6 +265,10 @@ def main() -> None:
                     help="also time what-ifs: the kernel without rope or with other cos/sin tables, "
                     "the merge's heads a program")
     args = ap.parse_args()
+    global Q_HEADS, KV_HEADS  # a rank's heads under --tp (this script's shapes are module constants)
+    if KV_HEADS % args.tp:
+        ap.error(f"--tp {args.tp}: must divide the {KV_HEADS} KV heads")
+    Q_HEADS, KV_HEADS = Q_HEADS // args.tp, KV_HEADS // args.tp
     if args.flashinfer and (args.doc_tokens % PAGE or args.private % PAGE):
         ap.error(f"--flashinfer: --doc-tokens and --private must be multiples of the page ({PAGE}): "
                  "FlashInfer's page tables allow a partial page only at the end")
