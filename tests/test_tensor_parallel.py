@@ -570,3 +570,53 @@ def test_cuda_peer_all_reduce(tmp_path):
             assert res[r][n] <= 1e-2 * 4, (r, n, res[r][n])  # one bf16 rounding of values up to ~8
         assert res[r]["fp32"] < 1e-5
         assert res[r]["graph"] <= 0.05, res[r]["graph"]  # values ~1-3: a bf16 ulp or two at most
+
+
+class _FakePeer:
+    """Stands in for PeerAllReduce on CPU: sums with gloo and counts its calls."""
+
+    def __init__(self, group: TPGroup | None = None):
+        self.group, self.calls = group, 0
+
+    def fits(self, t: torch.Tensor) -> bool:
+        return t.numel() <= 8
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        out = t.clone()
+        self.group.pg.allreduce([out]).wait()
+        return out
+
+
+@pytest.mark.parametrize("outcomes", [(True, False), (False, True), (True, True), (False, False)])
+def test_ranks_agree_on_the_peer_all_reduce_path(tmp_path, monkeypatch, outcomes):
+    """A rank whose peer-memory set-up failed while the other's succeeded would wait in NCCL for a peer
+    kernel (or the reverse) forever: TPGroup keeps the peer path only where every rank set it up, and
+    then sends small tensors there and the rest to the process group."""
+    from lazyrt.runtime.worker.peer_all_reduce import PeerAllReduce
+
+    fakes = {r: _FakePeer() for r in range(2)}
+    monkeypatch.setattr(PeerAllReduce, "available", staticmethod(lambda device: True))
+    monkeypatch.setattr(PeerAllReduce, "create", classmethod(
+        lambda cls, pg, store, name, rank, *a, **k: fakes[rank] if outcomes[rank] else None))  # fmt: skip
+    rdv = TPRendezvous.create(2, str(tmp_path))
+    vals = [torch.randn(8), torch.randn(8)], [torch.randn(20), torch.randn(20)]
+    out: dict[int, tuple] = {}
+
+    def rank(r: int) -> None:
+        g = TPGroup(rdv, r, torch.device("cpu"), peer_dtype=torch.float32)
+        fakes[r].group = g
+        out[r] = (g.peer, g.all_reduce(vals[0][r].clone()), g.all_reduce(vals[1][r].clone()))
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    both = all(outcomes)
+    for r in range(2):
+        peer, small, big = out[r]
+        assert (peer is fakes[r]) if both else peer is None
+        assert fakes[r].calls == (1 if both else 0)  # only the small tensor, only when both ranks agree
+        torch.testing.assert_close(small, vals[0][0] + vals[0][1])
+        torch.testing.assert_close(big, vals[1][0] + vals[1][1])

@@ -27,6 +27,11 @@ class PeerAllReduce:
     def __init__(self, buf: torch.Tensor, group_name: str):
         self.buf, self.group_name = buf, group_name
 
+    @staticmethod
+    def available(device: torch.device) -> bool:
+        """Whether this rank could try: a CUDA device and a torch with the one-shot copy kernel."""
+        return device.type == "cuda" and hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out")
+
     @classmethod
     def create(
         cls,
@@ -42,7 +47,7 @@ class PeerAllReduce:
         """The group's buffer under the group name `name` (a collective: every rank calls it), or None
         where this torch, driver or machine cannot map peer memory (the caller keeps NCCL; the reason
         is logged)."""
-        if device.type != "cuda" or max_bytes <= 0:
+        if not PeerAllReduce.available(device) or max_bytes <= 0:
             return None
         try:
             import torch.distributed._symmetric_memory as symm_mem
@@ -58,7 +63,6 @@ class PeerAllReduce:
             _SymmetricMemory.set_group_info(name, rank, size, dist.PrefixStore("symm", store))
             buf = symm_mem.empty(max_bytes // dtype.itemsize, dtype=dtype, device=device)
             symm_mem.rendezvous(buf, name)
-            torch.ops.symm_mem.one_shot_all_reduce_copy_out  # noqa: B018 (present in this torch?)
         except Exception as e:  # an older torch, no peer access between the GPUs, ...
             log.warning("tensor parallel: NCCL for every all-reduce (symmetric memory unavailable: %s: %s)",
                         type(e).__name__, str(e)[:200])  # fmt: skip

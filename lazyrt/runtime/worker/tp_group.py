@@ -49,7 +49,8 @@ class TPGroup:
         """Blocks until every rank has joined. check: called while waiting for the others; it raises
         to give up (e.g. when a rank's process has died instead of joining). peer_dtype (CUDA): small
         all-reduces of that dtype (up to peer_max_bytes) run torch's one-shot symmetric-memory kernel
-        instead of NCCL (peer_all_reduce.py), where every rank can set it up; None: NCCL only."""
+        instead of NCCL (peer_all_reduce.py), where every rank can set it up; None: NCCL only (CPU:
+        gloo whatever it is)."""
         self.rank, self.size, self.device = rank, rendezvous.size, device
         self.peer: PeerAllReduce | None = None
         store = dist.FileStore(rendezvous.store_path, self.size)
@@ -60,20 +61,20 @@ class TPGroup:
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timedelta(seconds=TIMEOUT_S)
             self.pg = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, self.size, opts)
-            if peer_dtype is not None:
-                self.peer = self._peer_all_reduce(store, rendezvous.store_path, peer_dtype, peer_max_bytes)
         else:
             opts = dist.ProcessGroupGloo._Options()
             opts._timeout = timedelta(seconds=TIMEOUT_S)
             opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]  # one host
             self.pg = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, self.size, opts)
+        if peer_dtype is not None:
+            self.peer = self._peer_all_reduce(store, rendezvous.store_path, peer_dtype, peer_max_bytes)
 
     def _peer_all_reduce(
         self, store: dist.Store, store_path: str, dtype: torch.dtype, max_bytes: int
     ) -> PeerAllReduce | None:
         # Every rank must take the same path (a rank on NCCL and one on peer memory would wait for each
         # other forever): the ranks agree before the collective set-up and on its outcome.
-        if self.min_int(int(hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out"))) == 0:
+        if self.min_int(int(PeerAllReduce.available(self.device))) == 0:
             return None
         name = "lazyrt-tp-" + hashlib.sha1(store_path.encode()).hexdigest()[:16]  # unique per group
         peer = PeerAllReduce.create(self.pg, store, name, self.rank, self.size, self.device, dtype, max_bytes)
