@@ -1,29 +1,31 @@
-"""Issue 17: what one all-reduce of a decode step's size costs on two GPUs, NCCL vs torch's symmetric
-memory kernels (one-shot: each rank reads every peer's buffer over NVLink and sums; two-shot: reduce
-a slice each, then gather), eagerly and inside a CUDA graph (the engine replays its decode steps from
-graphs, 2 all-reduces a layer). No NVLink multicast: NCCL_NVLS_ENABLE=0, and the multimem kernels are
-not tried.
+"""Issue 17: what one all-reduce of a decode step's size costs on two GPUs through the engine's two
+paths (lazyrt/runtime/worker/tp_group.py): NCCL (the process group) and the peer path (torch's
+one-shot symmetric-memory kernel, peer_all_reduce.py), eagerly and inside a CUDA graph (the engine
+replays its decode steps from graphs, 2 all-reduces a layer). No NVLink multicast.
 
     NCCL_NVLS_ENABLE=0 python benchmarks/experiments/tp_allreduce.py            # 2 GPUs
-    python benchmarks/experiments/tp_allreduce.py --sizes 4096 --iters 20         # CPU: gloo, NCCL row only
+    python benchmarks/experiments/tp_allreduce.py --sizes 4096 --iters 20         # CPU: gloo only
 
 Sizes are elements of bf16 (a decode step's hidden states: batch x 4,096 for the Llama-3.1-8B shape,
-8 KB at batch 1, 512 KB at batch 64). Each variant's result is checked against NCCL's on the same
-inputs; a variant this torch or machine cannot run prints its error instead of a time.
+8 KB at batch 1, 512 KB at batch 64). The peer path's sums are checked against the process group's
+on the same inputs. Each rank is a process of its own; rank 0 prints the table.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import os
+import sys
 import tempfile
 import time
-import traceback
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
+
+sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
+
+from lazyrt.runtime.worker.tp_group import TPGroup  # noqa: E402
+from lazyrt.runtime.worker.tp_ranks import TPRendezvous  # noqa: E402
 
 GRAPH_OPS = 64  # all-reduces captured in one graph: one decode step's worth at 32 layers
 
@@ -47,7 +49,7 @@ def _time_us(fn, iters: int, device: torch.device) -> float:
 
 
 def _graphed(op, device: torch.device):
-    """A callable replaying GRAPH_OPS calls of op from one CUDA graph, and the per-op divisor."""
+    """A callable replaying GRAPH_OPS calls of op from one CUDA graph."""
     s = torch.cuda.Stream(device)
     s.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(s):
@@ -61,86 +63,40 @@ def _graphed(op, device: torch.device):
     return g.replay
 
 
-def _variants(group_name: str, max_numel: int, device: torch.device):
-    """name -> factory(x) returning (op, result tensor) for the symmetric-memory kernels."""
-    import torch.distributed._symmetric_memory as symm_mem
-
-    buf = symm_mem.empty(max_numel, dtype=torch.bfloat16, device=device)
-    symm_mem.rendezvous(buf, group_name)
-
-    def one_shot(x):
-        n, out = x.numel(), torch.empty_like(x)
-
-        def op():
-            buf[:n].copy_(x)
-            torch.ops.symm_mem.one_shot_all_reduce_out(buf[:n], "sum", group_name, out)
-
-        return op, out
-
-    def one_shot_copy(x):  # the engine's path (runtime/worker/peer_all_reduce.py): the copy in the kernel
-        n, out = x.numel(), torch.empty_like(x)
-
-        def op():
-            torch.ops.symm_mem.one_shot_all_reduce_copy_out(buf[:n], x, "sum", group_name, out)
-
-        return op, out
-
-    def two_shot(x):
-        n, out = x.numel(), torch.empty_like(x)
-
-        def op():
-            buf[:n].copy_(x)
-            torch.ops.symm_mem.two_shot_all_reduce_(buf[:n], "sum", group_name)
-            out.copy_(buf[:n])
-
-        return op, out
-
-    return {"one-shot": one_shot, "one-shot copy": one_shot_copy, "two-shot": two_shot}
-
-
-def _rank(rank: int, world: int, store_file: str, args, results) -> None:
-    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world
+def _rank(rank: int, rdv: TPRendezvous, args, results) -> None:
+    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= rdv.size
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{store_file}", rank=rank,
-                            world_size=world)  # fmt: skip
-    group_name = dist.group.WORLD.group_name
     dtype = torch.bfloat16 if cuda else torch.float32
+    g = TPGroup(rdv, rank, device, peer_dtype=dtype, peer_max_bytes=max(args.sizes) * dtype.itemsize)
     rows = []
-    variants, why = {}, ""
-    if cuda:
-        try:
-            variants = _variants(group_name, max(args.sizes), device)
-        except Exception as e:  # an older torch, or no peer access
-            why = f"{type(e).__name__}: {e}"[:120]
     for n in args.sizes:
-        gen = torch.Generator(device=device).manual_seed(1234 + rank)
-        x = torch.randn(n, generator=gen, device=device, dtype=dtype)
+        x = torch.randn(n, generator=torch.Generator().manual_seed(1234 + rank), dtype=dtype).to(device)
         ref = x.clone()
-        dist.all_reduce(ref)
-        nccl = functools.partial(dist.all_reduce, x.clone())
-        row = {"numel": n, "KB": n * x.element_size() / 1024}
-        row["nccl eager"] = _time_us(nccl, args.iters, device)
+        g.pg.allreduce([ref]).wait()
+
+        work = x.clone()  # NCCL sums in place: its own copy
+
+        def group_op(work=work):
+            g.pg.allreduce([work]).wait()
+
+        def peer_op(x=x):
+            return g.peer(x)
+
+        row = {"numel": n, "KB": n * x.element_size() / 1024, "group": g.pg.name()}
+        row["group eager"] = _time_us(group_op, args.iters, device)
         if cuda:
-            replay = _graphed(nccl, device)
-            row["nccl graph"] = _time_us(replay, args.iters, device) / GRAPH_OPS
-        for name, make in variants.items():
-            try:
-                op, out = make(x)
-                op()
-                torch.cuda.synchronize()
-                err = (out.float() - ref.float()).abs().max().item()
-                row[f"{name} eager"] = _time_us(op, args.iters, device)
-                row[f"{name} graph"] = _time_us(_graphed(op, device), args.iters, device) / GRAPH_OPS
-                row[f"{name} max err"] = err
-            except Exception:
-                row[f"{name} eager"] = "failed: " + traceback.format_exc(limit=1).splitlines()[-1][:100]
+            row["group graph"] = _time_us(_graphed(group_op, device), args.iters, device) / GRAPH_OPS
+        if g.peer is not None:
+            row["peer max err"] = (peer_op().float() - ref.float()).abs().max().item()
+            row["peer eager"] = _time_us(peer_op, args.iters, device)
+            row["peer graph"] = _time_us(_graphed(peer_op, device), args.iters, device) / GRAPH_OPS
         rows.append(row)
     if rank == 0:
-        results.put((rows, why))
-    dist.barrier()
-    dist.destroy_process_group()
+        results.put(rows)
+    g.pg.allreduce([torch.zeros(1, device=device)]).wait()  # both done before either closes
+    g.close()
 
 
 def main() -> None:
@@ -154,11 +110,13 @@ def main() -> None:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as d:
-        rank_args = (args.world, os.path.join(d, "store"), args, results)
-        mp.start_processes(_rank, args=rank_args, nprocs=args.world, start_method="spawn")
-    rows, why = results.get()
-    if why:
-        print(f"symmetric memory unavailable: {why}")
+        rdv = TPRendezvous.create(args.world, d)
+        procs = [ctx.Process(target=_rank, args=(r, rdv, args, results)) for r in range(args.world)]
+        for pr in procs:
+            pr.start()
+        rows = results.get(timeout=300)  # before joining: a child exits only once its queue is drained
+        for pr in procs:
+            pr.join(60)
     keys = list(dict.fromkeys(k for r in rows for k in r))
     print("| " + " | ".join(keys) + " |")
     print("|" + "---|" * len(keys))
