@@ -581,6 +581,9 @@ class _FakePeer:
     def fits(self, t: torch.Tensor) -> bool:
         return t.numel() <= 8
 
+    def close(self) -> None:
+        pass
+
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
         self.calls += 1
         out = t.clone()

@@ -69,6 +69,17 @@ class PeerAllReduce:
             return None
         return cls(buf, name)
 
+    def close(self) -> None:
+        """Takes the group's name out of torch's registry (it holds the NCCL backend), so a process
+        that starts and stops engines does not keep each one's communicator; the buffer goes with
+        this object."""
+        try:
+            from torch._C._distributed_c10d import _unregister_process_group
+
+            _unregister_process_group(self.group_name)
+        except Exception as e:  # an older torch: the entry stays until the process exits
+            log.debug("tensor parallel: group %s not unregistered: %s", self.group_name, e)
+
     def fits(self, t: torch.Tensor) -> bool:
         return t.dtype == self.buf.dtype and t.numel() <= self.buf.numel() and t.is_contiguous()
 

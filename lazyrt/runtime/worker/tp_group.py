@@ -90,6 +90,9 @@ class TPGroup:
         """Aborts the NCCL communicator, which also ends this rank's collectives in flight (NCCL would
         wait for a dead peer until its timeout; gloo's collectives fail by themselves when a peer's
         connection closes, so on CPU there is nothing to do)."""
+        if self.peer is not None:
+            self.peer.close()
+            self.peer = None
         if self.device.type != "cuda":
             return
         fn = getattr(self.pg, "abort", None) or getattr(self.pg, "shutdown", None)
