@@ -148,7 +148,7 @@ def make_workload(args):
         overlap_schedule=args.overlap_schedule,
         kv_cache_tokens=shared + max_b * (own + args.steps + 16 + headroom),
         tensor_parallel_size=args.tensor_parallel_size,
-        tp_peer_all_reduce=args.tp_peer_all_reduce,
+        tp_peer_all_reduce=getattr(args, "tp_peer_all_reduce", True),  # callers building their own args
         cuda_graph_max_batch=args.cuda_graph_max_batch,
     )
     gen = torch.Generator().manual_seed(0)

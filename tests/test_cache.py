@@ -114,6 +114,26 @@ def test_chunk_key_identity():
     assert len(t.make_key([], [1])) == 16
 
 
+def test_chunk_key_is_the_digest_of_the_int64_ids():
+    """make_key packs ids with struct (faster than array("q")); the digest must be the one over the
+    array bytes, on fresh random ids, and non-integers or ids past int64 must still be refused."""
+    import hashlib
+    import random
+    from array import array
+
+    rng = random.Random()
+    cond = tuple(rng.randrange(-(2**62), 2**62) for _ in range(rng.randint(0, 40)))
+    toks = [rng.randrange(0, 1 << 40) for _ in range(rng.randint(1, 3000))]
+    t = ChunkTable("model-x", page_size=4)
+    h = hashlib.blake2b(digest_size=16)
+    h.update(array("q", [len(b"model-x"), len(cond), len(toks)]).tobytes())
+    h.update(b"model-x" + array("q", cond).tobytes() + array("q", toks).tobytes())
+    assert t.make_key(cond, toks) == h.digest()
+    for bad in ([1.5], ["7"], [2**63]):
+        with pytest.raises(TypeError, match="int64"):
+            t.make_key((), bad)
+
+
 def test_chunk_insert_validation():
     t = ChunkTable("m", page_size=4)
     with pytest.raises(ValueError):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import heapq
+import struct
 from array import array
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -104,8 +105,8 @@ class ChunkTable:
         # Lengths are hashed so (a, b | c) and (a | b, c) differ.
         h.update(array("q", [len(self._model_bytes), len(cond_tokens), len(tokens)]).tobytes())
         h.update(self._model_bytes)
-        h.update(array("q", cond_tokens).tobytes())
-        h.update(array("q", tokens).tobytes())
+        h.update(_int64_bytes(cond_tokens))
+        h.update(_int64_bytes(tokens))
         return h.digest()
 
     def pages_needed(self, num_tokens: int) -> int:
@@ -397,9 +398,18 @@ def _host(chunk: Chunk) -> int:
     return len(chunk.host_pages)
 
 
+def _int64_bytes(tokens: Sequence[int]) -> bytes:
+    """The ids as native int64s (array("q")'s bytes): struct packs a 2,048-token tuple ~4x faster
+    than building an array from it, and admission keys every document of a request."""
+    try:
+        return struct.pack(f"{len(tokens)}q", *tokens)
+    except struct.error as e:
+        raise TypeError(f"token ids must be integers in the int64 range ({e})") from None
+
+
 def _as_tuple(tokens: Sequence[int]) -> tuple[int, ...]:
     # Tuples pass through: the scheduler looks up every doc of a waiting request on each admission
-    # attempt, and copying 2k-token documents dominated that. make_key's array("q") still rejects
+    # attempt, and copying 2k-token documents dominated that. make_key's int64 packing still rejects
     # non-integers, and equal integer values compare equal whatever their type.
     if type(tokens) is tuple:
         return tokens

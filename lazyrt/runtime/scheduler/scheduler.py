@@ -31,6 +31,23 @@ from lazyrt.runtime.scheduler.recompute import page_budget, page_runs, select_pa
 from lazyrt.runtime.scheduler.request import Request, RequestState, Segment
 
 
+class PartKey(tuple):
+    """A (condition tokens, tokens) pair, equal to the plain tuple, whose hash is computed once: a
+    document's key holds its whole token tuple, which Python hashes again on every dict or set
+    access (~13 us for 2,048 tokens), and admission looks each one up in several."""
+
+    def __new__(cls, cond: tuple[int, ...], tokens: tuple[int, ...]) -> PartKey:
+        key = super().__new__(cls, (cond, tokens))
+        key._hash = tuple.__hash__(key)
+        return key
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __reduce__(self) -> tuple:
+        return PartKey, (self[0], self[1])
+
+
 class RequestRejected(ValueError):
     """A request the scheduler cannot take; `param` names the request field at fault."""
 
@@ -466,10 +483,8 @@ class Scheduler:
         parts: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
         prefix = tuple(req.prefix)
         if prefix:
-            parts.append(((), prefix))
-        # each doc's key built once: a key holds the doc's whole token tuple, which is hashed again on
-        # every dict access (~10 us for 2,048 tokens)
-        doc_keys = [(prefix, tuple(d)) for d in req.docs]
+            parts.append(PartKey((), prefix))
+        doc_keys = [PartKey(prefix, tuple(d)) for d in req.docs]
         parts += doc_keys
         found: dict[tuple, Chunk | None] = {}
         for cond, toks in parts:
@@ -506,7 +521,7 @@ class Scheduler:
             elif not c.pages and key not in at_host:  # ready for this step's kernels: its load runs first
                 self.chunks.load(c, self.pool.alloc(self.pages_for(c.num_tokens)))
         # Jobs for new chunks; each job holds its own refs until its KV is written.
-        prefix_chunk = found[((), prefix)] if prefix else None
+        prefix_chunk = found[parts[0]] if prefix else None
         for key, c in found.items():
             cond = key[0]
             if not c.ready and key not in at_host and all(j.chunk is not c for j in self.jobs):
@@ -554,7 +569,7 @@ class Scheduler:
             pos += len(d)
         if req.parallel_docs:  # the question follows the longest doc
             pos = len(prefix) + max(map(len, req.docs), default=0)
-        if prefix and existed[((), prefix)] and ((), prefix) not in req.staged:
+        if prefix and existed[parts[0]] and parts[0] not in req.staged:
             req.cached_tokens += len(prefix)
         if probe:
             req.probe_docs = probe_docs
