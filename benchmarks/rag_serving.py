@@ -343,13 +343,22 @@ def run_async(coro):
     return uvloop.run(coro)
 
 
+SPLIT = ("tokenize", "queue", "prefill", "ttft")
+# the finer split (servers since the stamps were added): tokenize = to_tokenizer + tokenizing, queue =
+# to_scheduler + admission, ttft = tokenize + queue + prefill + to_http
+FINE_SPLIT = ("to_tokenizer", "tokenizing", "to_scheduler", "admission", "to_http")
+
+
 def _split(results: list) -> dict:
     """The server's TTFT split (meta["timings_ms"]: tokenize / queue for admission / prefill incl. any
-    step in flight / ttft = HTTP receipt to first output back at HTTP), medians over results, ms."""
-    return {
-        k: _stats([r.timings_ms[k] for r in results if r.timings_ms.get(k) is not None], scale=1.0)["p50"]
-        for k in ("tokenize", "queue", "prefill", "ttft")
-    }
+    step in flight / ttft = HTTP receipt to first output back at HTTP, then FINE_SPLIT where the server
+    reports it), medians over results, ms."""
+    out = {}
+    for k in SPLIT + FINE_SPLIT:
+        xs = [r.timings_ms[k] for r in results if r.timings_ms.get(k) is not None]
+        if xs or k in SPLIT:
+            out[k] = _stats(xs, scale=1.0)["p50"]
+    return out
 
 
 def _stats(xs: list[float], scale: float = 1000.0) -> dict:
@@ -684,9 +693,10 @@ def write_row(args, row: dict) -> None:
         f"out tok/s={_f(row['output_throughput'])} "
         f"(middle half: {_f(row.get('output_throughput_middle_half'))}) "
         f"hit={_f(row['chunk_hit_ratio'], 3)} "
-        f"pages peak={row['kv_pages_used_peak']} server TTFT split p50 (tokenize/queue/prefill/ttft ms)="
-        + "/".join(_f(v) for v in row["server_ttft_split_ms"].values())
-        + " (all docs cached: " + "/".join(_f(v) for v in row["server_ttft_split_all_hit_ms"].values()) + ")"
+        f"pages peak={row['kv_pages_used_peak']} server TTFT split p50 ms: "
+        + " ".join(f"{k}={_f(v)}" for k, v in row["server_ttft_split_ms"].items())
+        + " (all docs cached: "
+        + " ".join(f"{k}={_f(v)}" for k, v in row["server_ttft_split_all_hit_ms"].items()) + ")"
         + (f" errors={row['errors']}" if row["failed"] else ""),
         flush=True,
     )

@@ -219,12 +219,19 @@ def host_tier_stats(s: Scheduler) -> dict:
 def request_timings(req: Request, first_token_at: float) -> dict:
     """Where a served request's time to first token went (ms, wall clock across processes): HTTP
     receipt -> tokenized, -> admitted by the scheduler (queueing for pages / a running slot), ->
-    first token sampled (its prefill steps, and any step in flight when it arrived)."""
+    first token sampled (its prefill steps, and any step in flight when it arrived). The first two
+    split further: HTTP -> the tokenizer process (to_tokenizer) + its work (tokenizing); -> read by
+    the scheduler process (to_scheduler: it reads its inbox between steps, so a step it waits on
+    counts here) + from there to admitted (admission: pages, a running slot)."""
     ms = lambda a, b: round((b - a) * 1e3, 3) if a and b else None  # noqa: E731
     return {
         "tokenize": ms(req.received_at, req.tokenized_at),
         "queue": ms(req.tokenized_at, req.admitted_at),
         "prefill": ms(req.admitted_at, first_token_at),
+        "to_tokenizer": ms(req.received_at, req.tokenizing_at),
+        "tokenizing": ms(req.tokenizing_at, req.tokenized_at),
+        "to_scheduler": ms(req.tokenized_at, req.queued_at),
+        "admission": ms(req.queued_at, req.admitted_at),
     }
 
 

@@ -182,7 +182,8 @@ class SchedulerLoop:
     def handle(self, msg: object) -> None:
         if isinstance(msg, TokenizedReq):
             req = Request(msg.rid, msg.sampling, prefix=msg.prefix, docs=msg.docs, suffix=msg.suffix)
-            req.received_at, req.tokenized_at = msg.received_at, msg.tokenized_at
+            req.received_at, req.tokenizing_at = msg.received_at, msg.tokenizing_at
+            req.tokenized_at, req.queued_at = msg.tokenized_at, time.time()
             req.score_len = msg.score_len
             req.max_new_tokens = msg.max_new_tokens
             try:

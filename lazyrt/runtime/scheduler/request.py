@@ -91,9 +91,12 @@ class Request:
     arrival: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     # Server path only (wall clock, shared by the processes): HTTP received it, the tokenizer process
-    # finished it, the scheduler admitted it; 0 = not known. Reported as meta["timings_ms"].
+    # got it and finished it, the scheduler process got it and admitted it; 0 = not known. Reported
+    # as meta["timings_ms"].
     received_at: float = 0.0
+    tokenizing_at: float = 0.0
     tokenized_at: float = 0.0
+    queued_at: float = 0.0
     admitted_at: float = 0.0
     # Scoring: the last `score_len` prompt tokens get their log-probabilities reported (given all
     # before them) in `score_logprobs`, from the prefill step that computes them.

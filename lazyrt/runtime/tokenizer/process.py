@@ -63,6 +63,7 @@ class TokenizerLoop:
 
     def on_http(self, msg: object) -> None:
         if isinstance(msg, GenerateReq):
+            got = time.time()
             try:
                 tok = self.req_tokenizer.tokenize(msg)
             except InvalidRequest as e:
@@ -79,7 +80,7 @@ class TokenizerLoop:
             if msg.echo:
                 text = msg.text if msg.text is not None else self.tokenizer.decode(tok.suffix)
                 live.echo = (text, list(tok.suffix))
-            tok.received_at, tok.tokenized_at = msg.received_at, time.time()
+            tok.received_at, tok.tokenizing_at, tok.tokenized_at = msg.received_at, got, time.time()
             send(self.to_sched, tok)
         elif isinstance(msg, AbortReq):
             self.live.pop(msg.rid, None)
