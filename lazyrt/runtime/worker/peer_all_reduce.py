@@ -81,7 +81,9 @@ class PeerAllReduce:
             log.debug("tensor parallel: group %s not unregistered: %s", self.group_name, e)
 
     def fits(self, t: torch.Tensor) -> bool:
-        return t.dtype == self.buf.dtype and t.numel() <= self.buf.numel() and t.is_contiguous()
+        # whole 16-byte vectors (the kernel's widest loads; a model's hidden size always gives them)
+        return (t.dtype == self.buf.dtype and t.numel() <= self.buf.numel() and t.is_contiguous()
+                and t.numel() * t.element_size() % 16 == 0)  # fmt: skip
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's t (fits(t) must hold), in a new tensor."""
