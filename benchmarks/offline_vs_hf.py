@@ -83,8 +83,10 @@ def step_walls(eng, prompts: list[list[int]], sp) -> dict:
 
     def timed_schedule():
         plan = schedule()
-        new = sum(len(it.token_ids) for it in plan.items if len(it.token_ids) > 1)
-        plans.append((new, sum(len(it.token_ids) == 1 for it in plan.items)))
+        # a decode item starts past its request's prompt; anything else carries prompt (or chunk) tokens
+        dec = [it.request is not None and it.start_pos >= it.request.prompt_len for it in plan.items]
+        new = sum(len(it.token_ids) for it, d in zip(plan.items, dec) if not d)
+        plans.append((new, sum(dec)))
         return plan
 
     core.scheduler.schedule = timed_schedule

@@ -61,3 +61,21 @@ def test_shared_chunk_bench_step_is_the_per_request_step():
     out = merge_parts_ref(o_s, lse_s, shared)
     expect = lazy_attention_ref(q, kv, full, rope, scale).float()
     torch.testing.assert_close(out, expect, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("L", [20, 23])  # 23: a step ends with a 1-token piece of the next prompt
+def test_offline_profile_counts_every_prompt_token_and_step(L, no_denormals):
+    """offline_vs_hf.py --profile: the steps it times by kind carry the batch's prompt tokens exactly
+    (B x L, with a step budget that splits prompts), and the decode steps bring every output token."""
+    import offline_vs_hf
+
+    B, T = 3, 5
+    row = offline_vs_hf.main([
+        "--model", "tiny-llama", "--device", "cpu", "--batch", str(B), "--prompt-tokens", str(L),
+        "--output-tokens", str(T), "--skip-hf", "--profile", "--max-step-tokens", "24",
+    ])  # fmt: skip
+    steps = row["profile"]["steps"]
+    assert steps["prefill"]["prompt_tokens"] == B * L and row["max_step_tokens"] == 24
+    assert steps["prefill"]["steps"] >= -(-B * L // 24)  # no step over the budget
+    assert steps["decode"]["steps"] >= T - 1 and steps["decode"]["prompt_tokens"] == 0
+    assert row["profile"]["kernel_s"]["other"] + row["profile"]["kernel_s"]["gemm"] > 0
