@@ -3,11 +3,12 @@ attention (issue 15): 8 reports of ~160 tokens, one of which holds a vault code;
 holds about a third of the context, so most reports, the needle's among them, are attended from the
 host tier through top-k retrieval (48 of each report's ~160 keys + 8 sink keys, per query head). The
 answer must be full attention's, token for token, up to the first place where full attention itself
-is at a near-tie (its two best tokens within TIE_NATS): there retrieval may take the runner-up, and
-what follows may differ. (Full attention is not always sure: codes starting with 7 gave "7." vs
-"7888" with log-probabilities -0.864 / -0.872, and a CI run failed on such a tie. With 16 keys
-retrieval diverged once in about 20 runs where full attention was sure: it answered "is:" where full
-attention gave the code; 48 keys still search, not attend to all.)"""
+is at a near-tie: there retrieval may take any token full attention rates within TIE_NATS of its best
+(among its top 5), and what follows may differ. (Full attention is not always sure: codes starting
+with 7 gave "7." vs "7888" with log-probabilities -0.864 / -0.872, and a CI run failed on such a tie;
+another found it guessing a code's third digit, '2' at -1.80 and '3' at -1.97, where retrieval took a
+third digit. With 16 keys retrieval diverged once in about 20 runs where full attention was sure: it
+answered "is:" where full attention gave the code; 48 keys still search, not attend to all.)"""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def test_needle_answer_equals_full_attention(default_model):
     docs = [f"Report {i}. " + filler(150) for i in range(8)]
     docs[0] = f"Report 0. {filler(70)} The secret code for the vault is {code}. {filler(70)}"
     question = "What is the secret code for the vault?"
-    sp = SamplingParams(max_tokens=12, temperature=0.0, logprobs=2)
+    sp = SamplingParams(max_tokens=12, temperature=0.0, logprobs=5)
     full = Engine(kv_cache_tokens=16384).rag(docs, question, sampling_params=sp)
     eng = Engine(
         kv_cache_tokens=16 * 26, host_kv_cache_tokens=16 * 400, max_running_requests=1,
@@ -51,17 +52,18 @@ def test_needle_answer_equals_full_attention(default_model):
 
 
 def assert_same_answer(got: list[int], full: dict) -> None:
-    """got equals full's greedy tokens, or differs first where full's two best tokens are within
-    TIE_NATS and got took the other one."""
+    """got equals full's greedy tokens, or differs first where got took a token that full attention
+    rated within TIE_NATS of its best (a near-tie; the token must be in full's top logprobs)."""
     want = full["token_ids"]
     assert len(got) == len(want)
     at = next((i for i in range(len(want)) if got[i] != want[i]), None)
     if at is None:
         return
     top = full["logprobs"][at]["top_logprobs"]
-    gap = top[0]["logprob"] - top[1]["logprob"]
-    assert gap < TIE_NATS and got[at] == top[1]["token_id"], (
-        f"token {at}: retrieval {got[at]}, full attention {want[at]} with top-2 {top} (gap {gap:.3f} nats)"
+    lp = next((t["logprob"] for t in top if t["token_id"] == got[at]), None)
+    gap = None if lp is None else top[0]["logprob"] - lp
+    assert gap is not None and gap < TIE_NATS, (
+        f"token {at}: retrieval {got[at]}, full attention {want[at]} with top {top} (gap {gap} nats)"
     )
 
 
@@ -71,7 +73,13 @@ def test_assert_same_answer_tells_ties_from_disagreements():
     assert_same_answer([1, 5, 9], full)
     assert_same_answer([1, 6, 2], full)  # the runner-up at a tie, then anything
     with pytest.raises(AssertionError):
-        assert_same_answer([1, 7, 9], full)  # not the runner-up
+        assert_same_answer([1, 7, 9], full)  # not among full attention's top tokens
     full["logprobs"][1] = lp(-0.4, -1.5)
     with pytest.raises(AssertionError):
         assert_same_answer([1, 6, 9], full)  # full attention was sure
+    # a flat distribution: any token within TIE_NATS of the best, not only the runner-up
+    top = [{"token_id": t, "logprob": v} for t, v in ((5, -1.8), (6, -1.97), (7, -2.1), (8, -2.5))]
+    full["logprobs"][1] = {"top_logprobs": top}
+    assert_same_answer([1, 7, 0], full)
+    with pytest.raises(AssertionError):
+        assert_same_answer([1, 8, 9], full)  # 0.7 nats below the best
