@@ -26,11 +26,10 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
-from benchmarks.decode_roofline import QUESTION_TOKENS, make_workload  # noqa: E402
-from benchmarks.experiments.host_step_e2e import PRESET, HostGraphs, Stubs, WireLink, profile_table  # noqa: E402
+from benchmarks.decode_roofline import QUESTION_TOKENS  # noqa: E402
+from benchmarks.experiments.host_step_e2e import Stubs, profile_table, stubbed_engine  # noqa: E402
 from lazyrt.prompt import RagPrompt  # noqa: E402
 from lazyrt.runtime.scheduler.request import RequestState  # noqa: E402
-from lazyrt.runtime.worker import cuda_graph  # noqa: E402
 from lazyrt.sampling_params import SamplingParams  # noqa: E402
 
 
@@ -69,21 +68,8 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     torch.set_num_threads(1)  # as host_step_e2e.py: the 2-core box's thread-pool wake-ups are noise
 
-    wl = argparse.Namespace(
-        model=PRESET, load_format="dummy", device="cpu", dtype="float32", batches=[args.warm],
-        context=args.context, steps=4, cache_mode="lazy", alpha=args.alpha, shared_chunk_attention=True,
-        overlap_schedule=not args.no_overlap, docs_per_request=5, pool_docs=100, tensor_parallel_size=1,
-        cuda_graph_max_batch=args.graph_batch,
-    )  # fmt: skip
-    eng, prompts, _ = make_workload(wl)
-    stubs = Stubs(eng.model)
-    cuda_graph.DecodeGraphs = HostGraphs  # enable_cuda_graphs imports it from the module
-    try:
-        eng.runner.enable_cuda_graphs(args.graph_batch, eng.max_context)
-    finally:
-        cuda_graph.DecodeGraphs = HostGraphs.__base__
-    if args.wire:
-        eng.core.worker = WireLink(eng.worker)
+    eng, prompts, stubs = stubbed_engine(args.warm, args.graph_batch, args.context, args.alpha, 4,
+                                         not args.no_overlap, args.wire)  # fmt: skip
     warm, _ = prompts(args.warm)
     eng.generate(warm, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
     gen = torch.Generator().manual_seed(1)

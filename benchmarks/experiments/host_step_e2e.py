@@ -119,26 +119,36 @@ def _wire(msg):
     return decode(encode(msg))
 
 
-def build(args):
-    """(engine, requests added to its core, stubs)."""
+def stubbed_engine(batch: int, graph_batch: int, context: int, alpha: float, steps: int, overlap: bool,
+                   wire: bool):  # fmt: skip
+    """(engine, prompts(b), stubs): decode_roofline's lazy RAG workload on the PRESET model with its
+    forward and logits stubbed, CUDA graphs up to graph_batch emulated (HostGraphs), and the worker
+    behind a msgpack round trip when wire."""
     wl = argparse.Namespace(
-        model=PRESET, load_format="dummy", device="cpu", dtype="float32", batches=[args.batch],
-        context=args.context, steps=args.warmup + args.repeats * args.steps + args.profile_steps,
-        cache_mode="lazy", alpha=args.alpha, shared_chunk_attention=True,
-        overlap_schedule=not args.no_overlap, docs_per_request=5, pool_docs=100, tensor_parallel_size=1,
-        cuda_graph_max_batch=args.batch,
+        model=PRESET, load_format="dummy", device="cpu", dtype="float32", batches=[batch],
+        context=context, steps=steps, cache_mode="lazy", alpha=alpha, shared_chunk_attention=True,
+        overlap_schedule=overlap, docs_per_request=5, pool_docs=100, tensor_parallel_size=1,
+        cuda_graph_max_batch=graph_batch,
     )  # fmt: skip
     eng, prompts, _ = make_workload(wl)
     stubs = Stubs(eng.model)
     cuda_graph.DecodeGraphs = HostGraphs  # enable_cuda_graphs imports it from the module
     try:
-        eng.runner.enable_cuda_graphs(args.batch, eng.max_context)
+        eng.runner.enable_cuda_graphs(graph_batch, eng.max_context)
     finally:
         cuda_graph.DecodeGraphs = HostGraphs.__base__
-    if args.wire:
+    if wire:
         eng.core.worker = WireLink(eng.worker)
+    return eng, prompts, stubs
+
+
+def build(args):
+    """(engine, requests added to its core, stubs)."""
+    steps = args.warmup + args.repeats * args.steps + args.profile_steps
+    eng, prompts, stubs = stubbed_engine(args.batch, args.batch, args.context, args.alpha, steps,
+                                         not args.no_overlap, args.wire)  # fmt: skip
     batch, _ = prompts(args.batch)
-    n = wl.steps + decode_headroom(batch)
+    n = steps + decode_headroom(batch)
     sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
     reqs = [eng._make_request(p, sp) for p in batch]
     for r in reqs:
