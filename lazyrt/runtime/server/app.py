@@ -85,11 +85,11 @@ class _Tracker:
         m.cached_tokens.inc(meta.get("cached_tokens", 0))
         m.e2e.observe(time.perf_counter() - self.start)
         if isinstance(meta.get("timings_ms"), dict) and self.received_at and self.first_at:
-            # + the way back: detokenizer and HTTP; "ttft" is the whole server-side time to first token
+            # "ttft" is the whole server-side time to first token; "to_http" the way back (scheduler ->
+            # detokenizer -> HTTP), what the parts before it leave of ttft
             ttft = round((self.first_at - self.received_at) * 1e3, 3)
             t = meta["timings_ms"]
             parts = [t.get(k) for k in ("tokenize", "queue", "prefill")]
-            # the way back: scheduler -> detokenizer -> HTTP, what the parts before leave of ttft
             back = round(ttft - sum(parts), 3) if None not in parts else None
             meta["timings_ms"] = {**t, "ttft": ttft, "to_http": back}
         return meta
