@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from process_cpu import ProcessCpu, describe  # noqa: E402
 from rag_workload import (  # noqa: E402
     SYSTEM_PROMPT,
     Workload,
@@ -250,10 +251,32 @@ async def get_json(client, url: str) -> dict:
         return {}
 
 
-async def cache_stats(client, url: str) -> dict:
+def stats_total(s: dict) -> dict:
     """A server's /cache_stats; behind lazyrt.router, the sums over its replicas (its "total")."""
-    s = await get_json(client, url + "/cache_stats")
     return s["total"] if "replicas" in s and "total" in s else s
+
+
+async def cache_stats(client, url: str) -> dict:
+    return stats_total(await get_json(client, url + "/cache_stats"))
+
+
+def replica_split(before: dict, after: dict, wall_s: float) -> list[dict]:
+    """Behind lazyrt.router (its raw /cache_stats before and after a point): what each replica did,
+    its steps, document uses (chunk hits + misses) and the point's wall per step (the step time when
+    it was busy throughout); [] for a plain server."""
+    was = {r["url"]: r.get("stats") or {} for r in before.get("replicas", [])}
+    out = []
+    for r in after.get("replicas", []):
+        a, b = r.get("stats") or {}, was.get(r["url"], {})
+
+        def delta(k: str, a: dict = a, b: dict = b) -> int:
+            return int(a.get(k, 0) - b.get(k, 0))
+
+        steps = delta("steps")
+        uses = delta("chunk_hits") + delta("chunk_misses")
+        out.append({"url": r["url"], "steps": steps, "doc_uses": uses,
+                    "wall_ms_per_step": round(wall_s * 1e3 / steps, 3) if steps else None})  # fmt: skip
+    return out
 
 
 def prom_value(text: str, name: str) -> float | None:
@@ -280,7 +303,9 @@ async def run_point(url: str, wl: Workload, args, concurrency: int | None = None
         async with client.post(url + "/flush_cache", timeout=aiohttp.ClientTimeout(total=60)) as flush:
             if flush.status != 200:
                 print(f"[bench] warning: /flush_cache -> {flush.status}", flush=True)
-        before = await cache_stats(client, url)
+        before_raw = await get_json(client, url + "/cache_stats")
+        before = stats_total(before_raw)
+        cpu = ProcessCpu(args.poll_interval).start() if getattr(args, "sample_cpu", False) else None
         peak = {"used": 0, "chunk": 0}
         stop = asyncio.Event()
 
@@ -324,13 +349,20 @@ async def run_point(url: str, wl: Workload, args, concurrency: int | None = None
         wall = time.perf_counter() - t0
         stop.set()
         await poller
-        after = await cache_stats(client, url)
+        process_cpu = cpu.stop() if cpu is not None else None
+        after_raw = await get_json(client, url + "/cache_stats")
+        after = stats_total(after_raw)
         try:
             async with client.get(url + "/metrics", timeout=_control_timeout()) as r:
                 prom = await r.text()
         except Exception:
             prom = ""
-    return summarize(results, wall, before, after, peak, prom)
+    res = summarize(results, wall, before, after, peak, prom)
+    if "replicas" in after_raw:
+        res["replicas"] = replica_split(before_raw, after_raw, wall)
+    if process_cpu is not None:
+        res["process_cpu"] = process_cpu
+    return res
 
 
 def run_async(coro):
@@ -700,6 +732,11 @@ def write_row(args, row: dict) -> None:
         + (f" errors={row['errors']}" if row["failed"] else ""),
         flush=True,
     )
+    for r in row.get("replicas", []):
+        print(f"[bench]   replica {r['url']}: {r['steps']} steps, {r['doc_uses']} document uses, "
+              f"{_f(r['wall_ms_per_step'])} ms of the point's wall a step", flush=True)  # fmt: skip
+    if row.get("process_cpu"):
+        print(f"[bench]   CPU % (mean, a process each): {describe(row['process_cpu'])}", flush=True)
 
 
 def run_mode(args, words, mode: str, rows: list[dict]) -> None:
@@ -809,6 +846,11 @@ def parse_args(argv=None):
     s.add_argument("--request-timeout", type=float, default=600)
     s.add_argument("--warmup", type=int, default=2, help="warm-up requests per server (0: none)")
     s.add_argument("--poll-interval", type=float, default=0.5, help="/cache_stats polling for peak pages")
+    s.add_argument(
+        "--sample-cpu",
+        action="store_true",
+        help="record each lazyrt process's CPU %% on this host over each point (needs psutil)",
+    )
     k = p.add_argument_group("KV budget sweep")
     k.add_argument(
         "--sweep-kv-budget",

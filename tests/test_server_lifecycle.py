@@ -6,6 +6,7 @@ import os
 import re
 import signal
 import socket
+import sys
 import time
 
 import httpx
@@ -23,6 +24,11 @@ def _port_free(port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+def _comm(pid: int) -> str:
+    with open(f"/proc/{pid}/comm") as f:
+        return f.read().strip()
 
 
 def _wait_gone(pids, timeout: float = 15) -> list[int]:
@@ -50,6 +56,11 @@ def test_launch_without_arguments_serves_default_model_and_sigterm_stops_childre
         assert out.choices[0].message.content and out.usage.completion_tokens >= 1
         children = srv.child_pids()
         assert set(children) == {"tokenizer", "scheduler", "model worker"}
+        if sys.platform.startswith("linux"):  # each names itself for top / psutil (process_name.py)
+            names = {k: _comm(pid) for k, pid in children.items()}
+            assert names == {"tokenizer": "lazyrt-tokenize", "scheduler": "lazyrt-schedule",
+                             "model worker": "lazyrt-worker"}, names  # fmt: skip
+            assert _comm(srv.proc.pid) == "lazyrt-http"
         ipc_dir = re.search(r"ipc sockets in (\S+)", srv.read_log()).group(1)
         assert os.path.isdir(ipc_dir)
     finally:

@@ -14,6 +14,7 @@ import sys
 
 import uvicorn
 
+from lazyrt.process_name import set_process_name
 from lazyrt.router.app import Replica, RouterState, create_router_app
 from lazyrt.router.policy import POLICIES, AffinityPolicy
 
@@ -67,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.imbalance < 0 or args.slack < 0:
         build_parser().error("--imbalance and --slack must be >= 0")
     fmt = "%(asctime)s %(name)s %(levelname)s %(message)s"
+    set_process_name("lazyrt-router")
     logging.basicConfig(level=args.log_level.upper(), format=fmt)
     procs = _start_replicas(args.dp, args.dp_base_port, args.dp_devices, extra) if args.dp > 0 else []
     urls = list(args.worker) + [f"http://127.0.0.1:{args.dp_base_port + i}" for i in range(args.dp)]

@@ -4,5 +4,5 @@ send/recv, child-process setup).
 
 The bottom of the runtime: every process imports it, it imports none of them.
 
-May import: lazyrt.sampling_params
+May import: lazyrt.process_name, lazyrt.sampling_params
 """

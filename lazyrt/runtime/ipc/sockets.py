@@ -12,6 +12,7 @@ from typing import Any
 
 import zmq
 
+from lazyrt.process_name import set_process_name
 from lazyrt.runtime.ipc.messages import decode, encode
 
 # Poll timeout for children: how quickly a child notices its parent died.
@@ -69,6 +70,7 @@ class ParentWatch:
 
 
 def child_setup(name: str, log_level: str) -> ParentWatch:
+    set_process_name("lazyrt-" + name.replace(" ", ""))  # lazyrt-schedule, lazyrt-tprank1 (15 bytes kept)
     # The parent handles Ctrl-C and stops us with SIGTERM; ignoring SIGINT avoids a traceback per child.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))

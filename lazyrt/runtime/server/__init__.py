@@ -16,6 +16,6 @@ The top of the process tree: it may start every process, but it never touches th
 caches itself (the scheduler and worker run elsewhere).
 
 May import: lazyrt.api_key, lazyrt.config, lazyrt.constraint, lazyrt.documents (request checks only),
-lazyrt.sampling_params, lazyrt.runtime.ipc, and the process entry points lazyrt.runtime.tokenizer,
-lazyrt.runtime.scheduler, lazyrt.runtime.worker.
+lazyrt.process_name, lazyrt.sampling_params, lazyrt.runtime.ipc, and the process entry points
+lazyrt.runtime.tokenizer, lazyrt.runtime.scheduler, lazyrt.runtime.worker.
 """

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import uvicorn
 
 from lazyrt.config import EngineConfig
+from lazyrt.process_name import set_process_name
 from lazyrt.runtime.ipc.messages import ErrorOut, GenerateReq
 from lazyrt.runtime.server.app import ServerState, create_app
 from lazyrt.runtime.server.pipeline_client import PipelineClient
@@ -84,6 +85,7 @@ async def _watch(procs: ProcessGroup, state: ServerState, server: uvicorn.Server
 def serve(cfg: EngineConfig, opts: ServerOptions) -> int:
     """Run until SIGINT/SIGTERM (returns 0) or a child's death (returns 1)."""
     cfg.validate()
+    set_process_name("lazyrt-http")  # the children name themselves (ipc.sockets.child_setup)
     logging.basicConfig(level=opts.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     holder: dict = {"server": None}
 
