@@ -4,6 +4,7 @@
 #         | serving [rag_serving.py ARGS...] | roofline [ARGS...] | profile [decode_profile.py ARGS...]
 #         | offline-hf [ARGS...]
 #         | shared-chunk [shared_chunk_bench.py ARGS...] | tp [tp_decode.py ARGS...]
+#         | router [rag_serving.py ARGS...]  (2 GPUs: router over 2 replicas vs one, -> $OUT/router.jsonl)
 # (serving/roofline/offline-hf: dummy llama-3.1-8b, tokenizer from .gpu_carry_tok; results in $OUT)
 # (fi-test needs .gpu_carry_tok: a config.json + tokenizer dir of the default model, for dummy weights)
 # Needs .whl/ (bash ../shared/gpu/make-wheels.sh pyzmq gguf msgpack); restores .jit.tgz if carried.
@@ -56,13 +57,29 @@ run_stage() {
         benchmarks.tp_decode --tensor-parallel-size $n --out "$OUT/tp_decode.jsonl" "${batches[@]}" 2>&1 \
         | grep -v -i warn | tail -6; done
       python3 -m benchmarks.tp_decode --report "$OUT/tp_decode.jsonl" ;;
+    router)  # 2 GPUs: the router over 2 replicas, then one replica on GPU 0, same workload
+             # (rag_serving ARGS, e.g. --rates 160 --num-requests 3600), with each process's CPU
+      LAZYRT_TOKENIZER_DIR="$PWD/.gpu_carry_tok" python3 -m lazyrt.router --dp 2 --dp-devices 0,1 --port 30000 \
+        -- --load-format dummy --model llama-3.1-8b --device cuda --cache-mode lazy > "$OUT/router.log" 2>&1 &
+      local rp=$! i
+      for i in $(seq 300); do curl -s localhost:30000/health | grep -q '"replicas_up": *2' && break; sleep 1; done
+      python3 benchmarks/rag_serving.py --endpoint http://127.0.0.1:30000 --tokenizer-dir "$PWD/.gpu_carry_tok" \
+        --modes lazy-router2 --popularity zipf --warmup 1 --sample-cpu --out "$OUT/router.jsonl" "${batches[@]}" \
+        2>&1 | grep '^\[bench\]'
+      kill "$rp"; wait "$rp"
+      # the replicas exit after the router: wait until GPU 0 is free again (else the next server OOMs)
+      for i in $(seq 60); do [ "$(nvidia-smi -i 0 --query-gpu=memory.used --format=csv,noheader,nounits)" -lt 1000 ] \
+        && break; sleep 1; done
+      CUDA_VISIBLE_DEVICES=0 LAZYRT_TOKENIZER_DIR="$PWD/.gpu_carry_tok" python3 benchmarks/rag_serving.py \
+        --tokenizer-dir "$PWD/.gpu_carry_tok" --modes lazy --popularity zipf --warmup 1 --sample-cpu \
+        --out "$OUT/router.jsonl" "${batches[@]}" 2>&1 | grep '^\[bench\]' ;;
     # in parts under the 16 MB a returned file may have: cat jit.tgz.part.* > .jit.tgz locally
     jit) tar czf - -C .jit . | split -b 15000000 - "$OUT/jit.tgz.part." && ls -la "$OUT"/jit.tgz.part.* ;;
   esac
 }
 for a in "$@"; do
   case "$a" in
-    kernels-test|bench|sweep|engine-test|fi-test|jit|serving|roofline|profile|offline-hf|shared-chunk|tp) [ -n "$stage" ] && run_stage "$stage"; stage="$a"; batches=() ;;
+    kernels-test|bench|sweep|engine-test|fi-test|jit|serving|roofline|profile|offline-hf|shared-chunk|tp|router) [ -n "$stage" ] && run_stage "$stage"; stage="$a"; batches=() ;;
     *) batches+=("$a") ;;
   esac
 done
