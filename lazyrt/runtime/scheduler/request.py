@@ -41,7 +41,7 @@ class Request:
     rid: int
     params: SamplingParams
     prefix: list[int] = field(default_factory=list)
-    docs: list[list[int]] = field(default_factory=list)
+    docs: list[tuple[int, ...]] = field(default_factory=list)  # tuples: see __post_init__
     suffix: list[int] = field(default_factory=list)  # for a plain prompt: the whole prompt
     max_new_tokens: int = 0
     state: RequestState = RequestState.WAITING
@@ -111,6 +111,11 @@ class Request:
     # citations: each document's attention share summed over the generated tokens, and their count
     citation_mass: list[float] = field(default_factory=list)
     citation_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        # Once here: admission keys, lookups and page counts each wanted a tuple of every document
+        # (10k ids a request), and tuple() of a tuple is the same object.
+        self.docs = [d if type(d) is tuple else tuple(d) for d in self.docs]
 
     def add_citation_mass(self, mass: list[float]) -> None:
         if len(self.citation_mass) < len(mass):

@@ -159,7 +159,7 @@ class Scheduler:
             return self.pages_for(req.prompt_len + req.max_new_tokens)
         # attended in the host tier: no device pages
         pinned = self._host_only_docs(req) if on_host is None else on_host
-        doc_pages = sum(self.pages_for(len(d)) for d in req.docs if tuple(d) not in pinned)
+        doc_pages = sum(self.pages_for(len(d)) for d in req.docs if not pinned or d not in pinned)
         return self.pages_for(len(req.prefix)) + doc_pages + self._per_use_pages(req) + own
 
     def recompute_selection(self, req: Request) -> list[list[int]]:
@@ -484,7 +484,7 @@ class Scheduler:
         prefix = tuple(req.prefix)
         if prefix:
             parts.append(PartKey((), prefix))
-        doc_keys = [PartKey(prefix, tuple(d)) for d in req.docs]
+        doc_keys = [PartKey(prefix, d) for d in req.docs]
         parts += doc_keys
         found: dict[tuple, Chunk | None] = {}
         for cond, toks in parts:
