@@ -2,9 +2,10 @@
 in a warm loop: the tokenizer process's `RequestTokenizer.tokenize` of a RAG request whose 5
 documents' tokens are cached, and the msgpack decode of the TokenizedReq the scheduler receives.
 
-Each is timed three ways, median of --iters: back to back (the warm loop a profiler shows), once
-after the process slept --idle-s (a server process between requests: blocked in zmq's poll), and
-once after the process spun --idle-s on other Python code (awake, but its caches full of other work).
+Each is timed four ways, median of --iters: back to back (the warm loop a profiler shows), once
+after the process slept 1 ms, once after it slept --idle-s (a server process between requests at
+1 req/s: blocked in zmq's poll), and once after it spun --idle-s on other Python code (awake, its
+caches and predictors full of other work).
 The served hops of docs/benchmarks.md ("Where an all-cached request's 16.6 ms at the server goes")
 are of the second kind.
 
@@ -67,18 +68,21 @@ def main(argv: list[str] | None = None) -> None:
     def sleep() -> None:
         time.sleep(args.idle_s)
 
+    def nap() -> None:
+        time.sleep(0.001)
+
     def spin() -> None:
         end = time.perf_counter() + args.idle_s
         n = 0
         while time.perf_counter() < end:
             n += 1
 
-    print("| work | warm loop (ms) | after sleeping (ms) | after spinning (ms) |")
-    print("|---|---:|---:|---:|")
+    print(f"| work (ms) | warm loop | after sleeping 1 ms | after sleeping {args.idle_s} s | after a spin |")
+    print("|---|---:|---:|---:|---:|")
     for name, fn in (("tokenize (documents cached)", lambda: rt.tokenize(req)),
                      ("decode TokenizedReq", lambda: decode(wire))):  # fmt: skip
-        row = [timed(fn, max(args.iters, 50), nothing), timed(fn, args.iters, sleep),
-               timed(fn, args.iters, spin)]
+        row = [timed(fn, max(args.iters, 50), nothing), timed(fn, args.iters, nap),
+               timed(fn, args.iters, sleep), timed(fn, args.iters, spin)]
         print(f"| {name} | " + " | ".join(f"{v:.3f}" for v in row) + " |")
 
 
