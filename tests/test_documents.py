@@ -255,7 +255,7 @@ def test_engine_by_id_equals_by_text(engine):
     a, b = ((r.prefix, r.docs, r.suffix) for r in reqs)
     assert a == b
     want = engine.tokenizer(texts[1] + "\n\n", add_special_tokens=False).input_ids
-    assert reqs[1].docs[1] == want
+    assert list(reqs[1].docs[1]) == want
     raw = engine.generate(RagPrompt("Notes: ", [{"id": ids[1]}], " Answer:"), sp)[0]
     same = engine.generate(RagPrompt("Notes: ", [want], " Answer:"), sp)[0]
     assert raw["token_ids"] == same["token_ids"] and same["meta"]["chunk_hits"] == 1
