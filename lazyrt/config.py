@@ -99,6 +99,11 @@ class EngineConfig:
     # on the device, not as it starts, so a request arriving meanwhile joins it (lower time to first
     # token at low load). Device idle is avoided by a measured margin; the outputs are the same.
     late_planning: bool = True
+    # Server only (the offline Engine always calls its worker in process): the model worker runs inside
+    # the scheduler process, called directly instead of over ZMQ: two fewer process hops on every
+    # step's way to the device and back (each costs ~0.5-1 ms when its process was idle; docs/
+    # benchmarks.md, the TTFT split). Off by default until measured on GPUs.
+    worker_in_scheduler: bool = False
     # Tensor parallelism: the model split Megatron-style over this many ranks, one worker process per
     # rank (one GPU each on CUDA over NCCL; gloo on CPU), each holding its share of the KV heads.
     tensor_parallel_size: int = 1

@@ -181,6 +181,13 @@ def build_parser() -> argparse.ArgumentParser:
         "so requests arriving meanwhile join it (same outputs; --no-late-planning plans it at once)",
     )
     p.add_argument(
+        "--worker-in-scheduler",
+        action=argparse.BooleanOptionalAction,
+        default=d.worker_in_scheduler,
+        help="run the model worker inside the scheduler process, called directly rather than over ZMQ "
+        "(two fewer process hops a step; same outputs; experimental)",
+    )
+    p.add_argument(
         "--tensor-parallel-size",
         type=int,
         default=d.tensor_parallel_size,
@@ -255,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         shared_chunk_attention=args.shared_chunk_attention,
         overlap_schedule=args.overlap_schedule,
         late_planning=args.late_planning,
+        worker_in_scheduler=args.worker_in_scheduler,
         tensor_parallel_size=args.tensor_parallel_size,
         tp_peer_all_reduce=args.tp_peer_all_reduce,
         document_store=args.document_store,

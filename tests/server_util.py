@@ -25,6 +25,7 @@ def free_port() -> int:
 class ServerProc:
     def __init__(self, *args: str, port: int | None = None, env: dict | None = None):
         self.port = port or free_port()
+        self.args = args
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="lazyrt-server-", suffix=".log", delete=False)
         cmd = [sys.executable, "-m", "lazyrt.launch", *args]

@@ -1,11 +1,13 @@
-"""A model step that raises inside the server's model worker process (e.g. CUDA out of memory): the
-requests in it get a 5xx JSON error (mid-stream: an SSE error event), nothing leaks, and the server
-serves the next requests as a fresh one does."""
+"""A model step that raises inside the server's model worker (e.g. CUDA out of memory): the requests
+in it get a 5xx JSON error (mid-stream: an SSE error event), nothing leaks, and the server serves the
+next requests as a fresh one does; with the worker in its own process and inside the scheduler's
+(--worker-in-scheduler)."""
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 
 import httpx
 import pytest
@@ -47,16 +49,16 @@ if _FAULT:
 QUESTION = "What is the capital of Arvania?"
 
 
-@pytest.fixture(scope="module")
-def faulty(tmp_path_factory, tiny_model_dir):
-    """(server, arm): arm(kind) makes the worker's next forward fail."""
+@pytest.fixture(scope="module", params=[False, True], ids=["worker process", "worker in scheduler"])
+def faulty(request, tmp_path_factory, tiny_model_dir):
+    """(server, arm, fault file): arm(kind) makes the worker's next forward fail."""
     d = tmp_path_factory.mktemp("fault")
     (d / "sitecustomize.py").write_text(SITECUSTOMIZE)
     fault = d / "fault"
     path = os.pathsep.join(p for p in (str(d), os.environ.get("PYTHONPATH")) if p)
     srv = ServerProc(
         "--model", tiny_model_dir("llama"), "--device", "cpu", "--kv-cache-tokens", "8192",
-        "--log-level", "warning",
+        "--log-level", "warning", *(["--worker-in-scheduler"] if request.param else []),
         env={"PYTHONPATH": path, "LAZYRT_TEST_FAULT_FILE": str(fault)},
     )  # fmt: skip
 
@@ -72,6 +74,16 @@ def faulty(tmp_path_factory, tiny_model_dir):
         srv.stop()
 
 
+def _child_names(pid: int) -> set[str]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        kids = [int(k) for k in f.read().split()]
+    names = set()
+    for k in kids:
+        with open(f"/proc/{k}/comm") as f:
+            names.add(f.read().strip())
+    return {n for n in names if n.startswith("lazyrt-")}  # not multiprocessing's resource tracker
+
+
 def _generate(srv, max_tokens: int = 8, **extra) -> httpx.Response:
     sp = {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
     body = {"text": QUESTION, "docs": DOCS, "sampling_params": sp, **extra}
@@ -80,6 +92,10 @@ def _generate(srv, max_tokens: int = 8, **extra) -> httpx.Response:
 
 def test_a_failed_step_answers_5xx_and_the_server_serves_on(faulty, tiny_model_dir):
     srv, arm, fault = faulty
+    if sys.platform.startswith("linux"):  # the processes by name (lazyrt/process_name.py)
+        in_scheduler = "--worker-in-scheduler" in srv.args
+        want = {"lazyrt-tokenize", "lazyrt-schedule"} | (set() if in_scheduler else {"lazyrt-worker"})
+        assert _child_names(srv.proc.pid) == want
     stats = httpx.get(srv.url + "/cache_stats", timeout=30).json()
     arm("error")
     r = _generate(srv)

@@ -439,7 +439,9 @@ def test_engine_with_a_size_the_heads_do_not_divide_is_refused(tiny_model_dir):
 
 # ---- the launched server: the model worker is rank 0, rank 1 its own process ------------------------
 @pytest.mark.slow
-def test_server_tp2_equals_engine_tp1(tiny_model_dir):
+@pytest.mark.parametrize("in_scheduler", [False, True], ids=["worker process", "worker in scheduler"])
+def test_server_tp2_equals_engine_tp1(tiny_model_dir, in_scheduler):
+    """Rank 0 in the model worker process, or in the scheduler's (--worker-in-scheduler)."""
     from server_util import ServerProc, pid_alive
 
     path = tiny_model_dir("qwen3")
@@ -448,11 +450,13 @@ def test_server_tp2_equals_engine_tp1(tiny_model_dir):
             for _ in range(3)]
     engine = Engine(path, device="cpu", kv_cache_tokens=8192)
     srv = ServerProc("--model", path, "--device", "cpu", "--kv-cache-tokens", "8192",
-                     "--tensor-parallel-size", "2", "--log-level", "info")
+                     "--tensor-parallel-size", "2", "--log-level", "info",
+                     *(["--worker-in-scheduler"] if in_scheduler else []))
     try:
         srv.wait_healthy()
         pids = srv.child_pids()
         assert "model worker rank 1" in pids and pid_alive(pids["model worker rank 1"])
+        assert ("model worker" in pids) != in_scheduler
         sp = {"max_tokens": 6, "ignore_eos": True, "temperature": 0}
         for order in ([0, 1, 2], [2, 0, 1]):  # the second request reuses the documents' chunks
             d = [docs[i] for i in order]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 import zmq
@@ -39,7 +40,7 @@ from lazyrt.runtime.ipc.sockets import (
     send,
     socket,
 )
-from lazyrt.runtime.scheduler.engine_core import EngineCore, NoProgress
+from lazyrt.runtime.scheduler.engine_core import EngineCore, NoProgress, WorkerLink
 from lazyrt.runtime.scheduler.late_planning import LatePlanner, next_step_decode_only
 from lazyrt.runtime.scheduler.request import Request
 from lazyrt.runtime.scheduler.scheduler import RequestRejected, Scheduler
@@ -113,17 +114,36 @@ def run_scheduler_process(cfg: EngineConfig, ipc: IpcPaths, log_level: str) -> N
     inbox = socket(ctx, zmq.PULL, ipc.scheduler_in, bind=True)
     from_worker = socket(ctx, zmq.PULL, ipc.worker_out, bind=True)
     to_worker = socket(ctx, zmq.PUSH, ipc.worker_in, bind=False)
-    to_detok = socket(ctx, zmq.PUSH, ipc.detok_in, bind=False)
     while not poll([from_worker], PARENT_CHECK_MS):
         watch.check()
     ready: WorkerReady = recv(from_worker)
+
+    def link(late: LatePlanner | None) -> ZmqWorkerLink:
+        return ZmqWorkerLink(to_worker, from_worker, watch, late)
+
+    scheduler_loop(cfg, ctx, ipc, inbox, watch, ready, link).run()
+
+
+def scheduler_loop(
+    cfg: EngineConfig,
+    ctx: zmq.Context,
+    ipc: IpcPaths,
+    inbox: zmq.Socket,
+    watch: ParentWatch,
+    ready: WorkerReady,
+    make_link: Callable[[LatePlanner | None], WorkerLink],
+    loop_cls: type[SchedulerLoop] | None = None,
+) -> SchedulerLoop:
+    """The scheduler's loop once its model worker is ready (`ready`, which goes on to the
+    detokenizer): make_link(the late planner or None) gives the link steps run over (ZMQ to the worker
+    process, or the worker itself in this process: server/scheduler_worker_process.py)."""
+    to_detok = socket(ctx, zmq.PUSH, ipc.detok_in, bind=False)
     pool = PagePool(1, ready.num_pages, ready.page_size, 1, 1, torch.float32, "meta")
     sched = Scheduler.from_config(pool, cfg, ready.model_id, ready.host_pages, ready.page_bytes)
     late = LatePlanner() if cfg.overlap_schedule and cfg.late_planning else None
-    link = ZmqWorkerLink(to_worker, from_worker, watch, late)
-    core = EngineCore(sched, link, set(ready.eos_ids), overlap=cfg.overlap_schedule)
+    core = EngineCore(sched, make_link(late), set(ready.eos_ids), overlap=cfg.overlap_schedule)
     send(to_detok, ready)
-    SchedulerLoop(core, cfg.cache_mode, SocketInbox(inbox), to_detok, watch, late).run()
+    return (loop_cls or SchedulerLoop)(core, cfg.cache_mode, SocketInbox(inbox), to_detok, watch, late)
 
 
 class SchedulerLoop:

@@ -3,6 +3,8 @@
 - serve.py: `serve()`, run by `python -m lazyrt.launch`: starts the processes, runs uvicorn, checks
   health, stops everything on a signal or a child's death.
 - processes.py: ProcessGroup, the tokenizer, scheduler and model worker processes.
+- scheduler_worker_process.py: the scheduler's process with the model worker called in it (no
+  worker process; --worker-in-scheduler).
 - app.py: the FastAPI routes (/generate, /score, /v1/*, /health, /metrics, /cache_stats, ...).
 - protocol.py: request bodies -> GenerateReq, with 4xx errors naming the field.
 - constraint_fields.py: response_format / guided_* / sampling_params constraints -> SamplingParams.

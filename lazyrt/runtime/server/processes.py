@@ -1,4 +1,5 @@
-"""ProcessGroup: starts the tokenizer, scheduler and model worker processes and stops them all."""
+"""ProcessGroup: starts the tokenizer, scheduler and model worker processes (with
+--worker-in-scheduler the worker runs inside the scheduler's) and stops them all."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import shutil
 from lazyrt.config import EngineConfig
 from lazyrt.runtime.ipc.sockets import IpcPaths
 from lazyrt.runtime.scheduler.process import run_scheduler_process
+from lazyrt.runtime.server.scheduler_worker_process import run_scheduler_worker_process
 from lazyrt.runtime.tokenizer.process import run_tokenizer_process
 from lazyrt.runtime.worker.process import run_worker_process
 from lazyrt.runtime.worker.tp_follower import follower_processes
@@ -26,21 +28,27 @@ class ProcessGroup:
         tp = TPRendezvous.create(n, self.ipc.dir) if n > 1 else None
         # spawn, not fork: children must not inherit the parent's threads, event loop or sockets.
         ctx = mp.get_context("spawn")
+        member0 = TPMember(tp, 0) if tp else None
         self.procs: dict[str, mp.process.BaseProcess] = {
             "tokenizer": ctx.Process(
                 target=run_tokenizer_process,
                 args=(self.ipc, log_level, cfg.document_store),
                 name="tokenizer",
             ),
-            "scheduler": ctx.Process(
-                target=run_scheduler_process, args=(cfg, self.ipc, log_level), name="scheduler"
-            ),
-            "model worker": ctx.Process(
-                target=run_worker_process,
-                args=(cfg, self.ipc, log_level, TPMember(tp, 0) if tp else None),
-                name="model worker",
-            ),
         }
+        if cfg.worker_in_scheduler:
+            self.procs["scheduler"] = ctx.Process(
+                target=run_scheduler_worker_process,
+                args=(cfg, self.ipc, log_level, member0),
+                name="scheduler",
+            )
+        else:
+            self.procs["scheduler"] = ctx.Process(
+                target=run_scheduler_process, args=(cfg, self.ipc, log_level), name="scheduler"
+            )
+            self.procs["model worker"] = ctx.Process(
+                target=run_worker_process, args=(cfg, self.ipc, log_level, member0), name="model worker"
+            )
         for p in follower_processes(cfg, tp, log_level) if tp else []:
             self.procs[p.name] = p
 

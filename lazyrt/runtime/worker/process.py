@@ -44,7 +44,7 @@ def run_worker_process(cfg: EngineConfig, ipc: IpcPaths, log_level: str, tp: TPM
             # under tensor parallelism a failed step ends the group: fail the step's requests, then
             # exit; the server sees the exit, answers every request left and stops
             logger.exception("model step failed; the tensor-parallel group cannot go on: exiting")
-            send(outbox, StepFailed(_describe(e)))
+            send(outbox, StepFailed(describe_error(e)))
             outbox.close(linger=2000)
             logging.shutdown()
             os._exit(1)  # not through the NCCL process group's destructor: it can wait for the others
@@ -53,11 +53,11 @@ def run_worker_process(cfg: EngineConfig, ipc: IpcPaths, log_level: str, tp: TPM
             # the server: ModelWorker has dropped the step; the scheduler aborts what was in it.
             logger.exception("model step failed; answering StepFailed and serving on")
             oom = isinstance(e, torch.cuda.OutOfMemoryError)
-            answer = StepFailed(_describe(e), "oom" if oom else "error")
+            answer = StepFailed(describe_error(e), "oom" if oom else "error")
         send(outbox, answer)
 
 
-def _describe(e: BaseException, limit: int = 300) -> str:
+def describe_error(e: BaseException, limit: int = 300) -> str:
     """`Type: first line of the message`, short enough for a client's error message."""
     lines = str(e).strip().splitlines()
     text = f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
