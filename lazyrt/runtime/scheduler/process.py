@@ -3,8 +3,11 @@
 Why a separate process from the model worker: the worker must be the only owner of the device and
 the KV tensors, and the scheduler keeps serving control requests and aborts between steps. The
 per-step round trip is one small msgpack message each way (token ids, positions, page ids ->
-sampled token ids), far below a forward pass. The scheduler's PagePool is bookkeeping only: its
-tensors live on the "meta" device (no storage), so the KV memory exists once, in the worker.
+sampled token ids), far below a forward pass, but each crossing wakes a process that may have idled
+(~0.5-1 ms at low load): --worker-in-scheduler runs the worker in this process instead
+(server/scheduler_worker_process.py, through `scheduler_loop`). The scheduler's PagePool is
+bookkeeping only: its tensors live on the "meta" device (no storage), so the KV memory exists once,
+in the worker.
 """
 
 from __future__ import annotations
