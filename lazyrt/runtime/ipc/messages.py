@@ -189,7 +189,7 @@ class StepFailed:
     (and any deferred one) and serves on; the scheduler fails the requests that were in them."""
 
     error: str  # "ExceptionType: message", for the log and the clients' error message
-    kind: str = "error"  # "oom" (device out of memory) | "error"
+    kind: str = "error"  # "oom" (device out of memory) | "error" | "tp_broken" (the worker then exits)
 
 
 @message

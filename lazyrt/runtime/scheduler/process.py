@@ -84,14 +84,18 @@ class ZmqWorkerLink:
             self.late.sent(msg)
         while not poll([self.from_worker], PARENT_CHECK_MS):
             self.watch.check()  # a dead worker is noticed by the parent, which stops us
-        result = recv(self.from_worker)
-        if isinstance(result, StepFailed):
-            if self.late is not None:
-                self.late.dropped()  # the worker dropped the steps in flight
-            raise WorkerStepError(result.error, result.kind)
-        if self.late is not None:
-            self.late.returned(msg, result)
-        return result
+        return step_result(msg, recv(self.from_worker), self.late)
+
+
+def step_result(msg: StepMsg, answer: StepResult | StepFailed, late: LatePlanner | None) -> StepResult:
+    """The worker's answer to msg, told to the late planner; StepFailed raises WorkerStepError."""
+    if isinstance(answer, StepFailed):
+        if late is not None:
+            late.dropped()  # the worker dropped the steps in flight
+        raise WorkerStepError(answer.error, answer.kind)
+    if late is not None:
+        late.returned(msg, answer)
+    return answer
 
 
 class SocketInbox:

@@ -12,7 +12,6 @@ broken group fails them and ends the process (the server then stops, as when the
 from __future__ import annotations
 
 import logging
-import os
 
 import zmq
 
@@ -20,54 +19,33 @@ from lazyrt.config import EngineConfig
 from lazyrt.runtime.ipc.messages import StepMsg, StepResult
 from lazyrt.runtime.ipc.sockets import IpcPaths, child_setup, socket
 from lazyrt.runtime.scheduler.late_planning import LatePlanner
-from lazyrt.runtime.scheduler.process import SchedulerLoop, WorkerStepError, scheduler_loop
+from lazyrt.runtime.scheduler.process import SchedulerLoop, WorkerStepError, scheduler_loop, step_result
 from lazyrt.runtime.worker.cpu_threads import set_worker_cpu_threads
-from lazyrt.runtime.worker.process import describe_error
+from lazyrt.runtime.worker.process import TP_BROKEN, exit_process, run_step
 from lazyrt.runtime.worker.tp_ranks import TPMember
 
 logger = logging.getLogger("lazyrt.scheduler")
 
-TP_BROKEN = "tp_broken"  # WorkerStepError.kind of a step that broke the tensor-parallel group
-
 
 class InProcessWorkerLink:
-    """EngineCore's worker link to a ModelWorker in this process, with the ZMQ link's behaviour: the
-    late planner told when a step went out and came back, a failed step raised as WorkerStepError."""
+    """EngineCore's worker link to a ModelWorker in this process, answering as the worker process
+    does (worker.process.run_step) and telling the late planner as the ZMQ link does."""
 
     def __init__(self, worker, late: LatePlanner | None = None):
         self.worker, self.late = worker, late
 
     def execute(self, msg: StepMsg) -> StepResult:
-        import torch
-
-        from lazyrt.runtime.worker.tp_group import TPGroupBroken
-
         if self.late is not None:
             self.late.sent(msg)
-        try:
-            result = self.worker.execute(msg)
-        except Exception as e:
-            # ModelWorker has dropped the steps in flight, as the worker process's loop relies on
-            if self.late is not None:
-                self.late.dropped()
-            if isinstance(e, TPGroupBroken):
-                logger.exception("model step failed; the tensor-parallel group cannot go on")
-                raise WorkerStepError(describe_error(e), TP_BROKEN) from e
-            logger.exception("model step failed; failing its requests and serving on")
-            oom = isinstance(e, torch.cuda.OutOfMemoryError)
-            raise WorkerStepError(describe_error(e), "oom" if oom else "error") from e
-        if self.late is not None:
-            self.late.returned(msg, result)
-        return result
+        return step_result(msg, run_step(self.worker, msg), self.late)
 
 
 class _Loop(SchedulerLoop):
     def fail_step(self, e: WorkerStepError) -> None:
         super().fail_step(e)
-        if e.kind == TP_BROKEN:  # the ranks' collectives no longer pair up: stop (see worker/process.py)
+        if e.kind == TP_BROKEN:  # the ranks' collectives no longer pair up: stop, as the worker would
             self.to_detok.close(linger=2000)
-            logging.shutdown()
-            os._exit(1)  # not through the NCCL process group's destructor: it can wait for the others
+            exit_process()
 
 
 def run_scheduler_worker_process(

@@ -8,21 +8,20 @@ import os
 import zmq
 
 from lazyrt.config import EngineConfig
-from lazyrt.runtime.ipc.messages import StepFailed
+from lazyrt.runtime.ipc.messages import StepFailed, StepMsg, StepResult
 from lazyrt.runtime.ipc.sockets import PARENT_CHECK_MS, IpcPaths, child_setup, poll, recv, send, socket
 from lazyrt.runtime.worker.cpu_threads import set_worker_cpu_threads
 from lazyrt.runtime.worker.tp_ranks import TPMember
 
 logger = logging.getLogger("lazyrt.worker")
 
+TP_BROKEN = "tp_broken"  # StepFailed.kind of a step that broke the tensor-parallel group
+
 
 def run_worker_process(cfg: EngineConfig, ipc: IpcPaths, log_level: str, tp: TPMember | None = None) -> None:
     """tp: rank 0 of a tensor-parallel group (ranks 1.. are tp_follower processes)."""
     watch = child_setup("worker", log_level)
-    import torch  # heavy imports after setup
-
-    from lazyrt.runtime.worker.model_worker import ModelWorker
-    from lazyrt.runtime.worker.tp_group import TPGroupBroken
+    from lazyrt.runtime.worker.model_worker import ModelWorker  # heavy imports after setup
 
     ctx = zmq.Context()
     inbox = socket(ctx, zmq.PULL, ipc.worker_in, bind=True)
@@ -37,24 +36,39 @@ def run_worker_process(cfg: EngineConfig, ipc: IpcPaths, log_level: str, tp: TPM
         if not poll([inbox], PARENT_CHECK_MS):
             watch.check()
             continue
-        msg = recv(inbox)
-        try:
-            answer = worker.execute(msg)
-        except TPGroupBroken as e:
-            # under tensor parallelism a failed step ends the group: fail the step's requests, then
-            # exit; the server sees the exit, answers every request left and stops
-            logger.exception("model step failed; the tensor-parallel group cannot go on: exiting")
-            send(outbox, StepFailed(describe_error(e)))
-            outbox.close(linger=2000)
-            logging.shutdown()
-            os._exit(1)  # not through the NCCL process group's destructor: it can wait for the others
-        except Exception as e:
-            # A step that raises (e.g. CUDA out of memory on a large batch) fails its requests, not
-            # the server: ModelWorker has dropped the step; the scheduler aborts what was in it.
-            logger.exception("model step failed; answering StepFailed and serving on")
-            oom = isinstance(e, torch.cuda.OutOfMemoryError)
-            answer = StepFailed(describe_error(e), "oom" if oom else "error")
+        answer = run_step(worker, recv(inbox))
         send(outbox, answer)
+        if isinstance(answer, StepFailed) and answer.kind == TP_BROKEN:
+            # the server sees the exit, answers every request left and stops
+            outbox.close(linger=2000)
+            exit_process()
+
+
+def run_step(worker, msg: StepMsg) -> StepResult | StepFailed:
+    """worker.execute(msg), or the StepFailed a raising step answers: a step that raises (e.g. CUDA
+    out of memory on a large batch) fails its requests, not the server (ModelWorker has dropped the
+    steps in flight; the scheduler aborts what was in them); under tensor parallelism it breaks the
+    group (kind TP_BROKEN: the caller fails the step's requests, then exits with exit_process)."""
+    try:
+        return worker.execute(msg)
+    except Exception as e:
+        import torch
+
+        from lazyrt.runtime.worker.tp_group import TPGroupBroken
+
+        if isinstance(e, TPGroupBroken):
+            logger.exception("model step failed; the tensor-parallel group cannot go on: exiting")
+            return StepFailed(describe_error(e), TP_BROKEN)
+        logger.exception("model step failed; answering StepFailed and serving on")
+        oom = isinstance(e, torch.cuda.OutOfMemoryError)
+        return StepFailed(describe_error(e), "oom" if oom else "error")
+
+
+def exit_process() -> None:
+    """Ends a process whose tensor-parallel group broke: not through the NCCL process group's
+    destructor, which can wait for the other ranks."""
+    logging.shutdown()
+    os._exit(1)
 
 
 def describe_error(e: BaseException, limit: int = 300) -> str:
