@@ -218,7 +218,7 @@ class Scheduler:
         # request, and the host for the documents the device does not hold at admission.
         fixed = self.pages_for(len(req.prefix)) + self._own_and_per_use_pages(req)
         on_host = self._host_only_docs(req)
-        docs = {tuple(d) for d in req.docs}
+        docs = set(req.docs)
         largest = max((self.pages_for(len(d)) for d in docs if d not in on_host), default=0)
         if fixed + largest > self.pool.num_pages:
             raise RequestTooLarge(
@@ -267,7 +267,7 @@ class Scheduler:
         if not (self.retrieval and req.is_rag) or req.score_len:
             return []
         prefix = tuple(req.prefix)
-        found = (self.chunks.lookup(prefix, d, record=False) for d in {tuple(d) for d in req.docs})
+        found = (self.chunks.lookup(prefix, d, record=False) for d in set(req.docs))
         return [c for c in found if c is not None and not c.pages and c.host_pages]
 
     def _host_only_docs(self, req: Request) -> set[tuple[int, ...]]:
@@ -375,7 +375,7 @@ class Scheduler:
     def _max_rounds(self, req: Request) -> int:
         # each round computes at least one document and keeps every earlier one (held in the host
         # tier), so more rounds than documents means its documents were lost (e.g. a failed step)
-        return 2 * len({tuple(d) for d in req.docs}) + 2
+        return 2 * len(set(req.docs)) + 2
 
     def _chunk_round(self, req: Request) -> bool:
         """Retrieval attention, a waiting request whose documents do not fit the device together:
@@ -384,7 +384,7 @@ class Scheduler:
         as many of its missing documents as the device holds beside what the request needs (the
         request keeps waiting). Returns whether it was admitted."""
         prefix = tuple(req.prefix)
-        found = {d: self.chunks.lookup(prefix, d, record=False) for d in dict.fromkeys(map(tuple, req.docs))}
+        found = {d: self.chunks.lookup(prefix, d, record=False) for d in dict.fromkeys(req.docs)}
         if any(c is not None and c.pages and not c.ready for c in found.values()):
             return False  # the last round's chunks (or another request's) are still being written
         for c in found.values():
