@@ -46,11 +46,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--idle-s", type=float, default=0.2, help="sleep / spin before each cold call")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--doc-words", type=int, default=700, help="words a document (~2,000 tokens)")
+    p.add_argument("--tokenizer-dir", default=os.environ.get("LAZYRT_TOKENIZER_DIR"),
+                   help="a tokenizer directory (default: $LAZYRT_TOKENIZER_DIR, else the default model's)")
     args = p.parse_args(argv)
 
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(gguf_convert.ensure_converted(loader.default_model_path(), None))
+    tok_dir = args.tokenizer_dir or gguf_convert.ensure_converted(loader.default_model_path(), None)
+    tok = AutoTokenizer.from_pretrained(tok_dir)
     rt = RequestTokenizer(tok, 32768, len(tok))
     rng = random.Random(0)
     words = "alpha beta gamma delta river stone paper light cloud tree apple house".split()
