@@ -58,10 +58,14 @@ run_stage() {
         | grep -v -i warn | tail -6; done
       python3 -m benchmarks.tp_decode --report "$OUT/tp_decode.jsonl" ;;
     router)  # 2 GPUs: the router over 2 replicas, then one replica on GPU 0, same workload
-             # (rag_serving ARGS, e.g. --rates 160 --num-requests 3600), with each process's CPU
+             # (rag_serving ARGS, e.g. --rates 160 --num-requests 3600), with each process's CPU;
+             # a --server-args=STRING among them goes to the router's replicas too
+      local sa="" a rp i
+      for a in "${batches[@]}"; do case "$a" in --server-args=*) sa="${a#--server-args=}" ;; esac; done
+      # shellcheck disable=SC2086
       LAZYRT_TOKENIZER_DIR="$PWD/.gpu_carry_tok" python3 -m lazyrt.router --dp 2 --dp-devices 0,1 --port 30000 \
-        -- --load-format dummy --model llama-3.1-8b --device cuda --cache-mode lazy > "$OUT/router.log" 2>&1 &
-      local rp=$! i
+        -- --load-format dummy --model llama-3.1-8b --device cuda --cache-mode lazy $sa > "$OUT/router.log" 2>&1 &
+      rp=$!
       for i in $(seq 300); do curl -s localhost:30000/health | grep -q '"replicas_up": *2' && break; sleep 1; done
       python3 benchmarks/rag_serving.py --endpoint http://127.0.0.1:30000 --tokenizer-dir "$PWD/.gpu_carry_tok" \
         --modes lazy-router2 --popularity zipf --warmup 1 --sample-cpu --out "$OUT/router.jsonl" "${batches[@]}" \

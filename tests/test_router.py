@@ -1,19 +1,20 @@
 """python -m lazyrt.router (issue 17, data parallelism): the affinity policy on its own, then two real CPU
 replicas behind a real router on loopback: affinity (a document set always lands where its chunks are,
 whatever the order), answers equal to the replica's own, streaming, bad input passed through, the
-metrics union, and failover when a replica dies."""
+metrics union, and failover when a replica dies; `--dp` replicas stop with the router."""
 
 from __future__ import annotations
 
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
 
 import httpx
 import pytest
-from server_util import DOCS, ServerProc, free_port
+from server_util import DOCS, ServerProc, free_port, pid_alive
 
 from lazyrt.cache import ChunkTable
 from lazyrt.router.app import answer_prompt_tokens, label_metrics, request_chars, request_docs
@@ -304,3 +305,67 @@ def test_failover_when_a_replica_dies(cluster):
     assert httpx.get(url + "/health", timeout=5).json()["replicas_up"] == 1
     metrics = httpx.get(url + "/metrics", timeout=30).text
     assert 'lazyrt_router_replica_up{replica="' + dead + '"} 0.0' in metrics
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every live process below pid (from /proc: no psutil in the test dependencies)."""
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d))
+    out, todo = set(), [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.add(c)
+            todo.append(c)
+    return out
+
+
+def _wait_gone(pids: set[int], timeout: float = 60) -> set[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(pid_alive(p) for p in pids):
+        time.sleep(0.2)
+    return {p for p in pids if pid_alive(p)}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; PR_SET_PDEATHSIG is Linux's")
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_dp_replicas_stop_with_the_router(sig):
+    """`--dp` replicas hold a GPU each: stopping the router stops them and their processes (uvicorn
+    re-raises the SIGTERM it shut down on, which killed the router before it stopped them), and a
+    router killed outright takes them with it (they are signalled when their parent dies)."""
+    port, base = free_port(), free_port()
+    replica = ["--device", "cpu", "--kv-cache-tokens", "4096", "--log-level", "warning"]
+    cmd = [sys.executable, "-m", "lazyrt.router", "--dp", "1", "--dp-base-port", str(base)]
+    cmd += ["--port", str(port), "--log-level", "warning", "--", *replica]
+    router = subprocess.Popen(cmd, env=dict(os.environ))
+    below: set[int] = set()
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            assert router.poll() is None, "the router exited while starting"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).json().get("replicas_up") == 1:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        below = _descendants(router.pid)
+        assert len(below) >= 4, below  # the replica's HTTP process, tokenizer, scheduler and worker
+        router.send_signal(sig)
+        rc = router.wait(60)
+        assert rc == (0 if sig == signal.SIGTERM else -signal.SIGKILL)
+        assert _wait_gone(below) == set()
+        with pytest.raises(httpx.TransportError):  # the replica's port is free again
+            httpx.get(f"http://127.0.0.1:{base}/health", timeout=2)
+    finally:
+        for p in [router.pid, *below]:  # a failed run must not leave a server behind
+            if pid_alive(p):
+                os.kill(p, signal.SIGKILL)
+        router.wait()

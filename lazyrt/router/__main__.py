@@ -9,12 +9,14 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import subprocess
 import sys
+from functools import partial
 
 import uvicorn
 
-from lazyrt.process_name import set_process_name
+from lazyrt.process_name import set_process_name, signal_when_parent_dies
 from lazyrt.router.app import Replica, RouterState, create_router_app
 from lazyrt.router.policy import POLICIES, AffinityPolicy
 
@@ -55,8 +57,25 @@ def _start_replicas(n: int, base_port: int, devices: str | None, extra: list[str
     for i in range(n):
         env = dict(os.environ, **({"CUDA_VISIBLE_DEVICES": devs[i]} if devs else {}))
         cmd = [sys.executable, "-m", "lazyrt.launch", "--port", str(base_port + i), *extra]
-        procs.append(subprocess.Popen(cmd, env=env))
+        # SIGTERM when the router dies, even by SIGKILL: a replica holds a GPU and a port
+        on_death = partial(signal_when_parent_dies, signal.SIGTERM)
+        procs.append(subprocess.Popen(cmd, env=env, preexec_fn=on_death))
     return procs
+
+
+def _stop_replicas(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def _interrupt(sig: int, _frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,6 +89,13 @@ def main(argv: list[str] | None = None) -> int:
     fmt = "%(asctime)s %(name)s %(levelname)s %(message)s"
     set_process_name("lazyrt-router")
     logging.basicConfig(level=args.log_level.upper(), format=fmt)
+    if logging.getLogger().level > logging.DEBUG:
+        # httpx logs every proxied request at INFO: a line a request costs the router's one core
+        logging.getLogger("httpx").setLevel(logging.WARNING)
+    # uvicorn re-raises the SIGTERM / SIGINT it shut down on: with the default handler that would kill
+    # this process before it stops its replicas (they would keep their GPUs), so raise instead.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _interrupt)
     procs = _start_replicas(args.dp, args.dp_base_port, args.dp_devices, extra) if args.dp > 0 else []
     urls = list(args.worker) + [f"http://127.0.0.1:{args.dp_base_port + i}" for i in range(args.dp)]
     policy = AffinityPolicy(args.imbalance, args.slack, args.policy)
@@ -77,14 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         app = create_router_app(state)
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(), access_log=False)
+    except KeyboardInterrupt:
+        pass
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        _stop_replicas(procs)
     return 0
 
 
