@@ -12,6 +12,7 @@ import os
 import random
 import signal
 import threading
+import types
 
 import httpx
 import pytest
@@ -627,3 +628,83 @@ def test_ranks_agree_on_the_peer_all_reduce_path(tmp_path, monkeypatch, outcomes
         assert fakes[r].calls == (1 if both else 0)  # only the small tensor, only when both ranks agree
         torch.testing.assert_close(small, vals[0][0] + vals[0][1])
         torch.testing.assert_close(big, vals[1][0] + vals[1][1])
+
+
+@pytest.mark.parametrize("setups", [(1, 0), (0, 2), (-4321, -4321 + 1), (1, 1)])
+def test_peer_set_up_only_between_ranks_with_as_many_set_ups_behind_them(tmp_path, monkeypatch, setups):
+    """torch numbers its symmetric-memory exchanges per process: a rank 0 that set up an earlier group
+    (a second TP Engine in one process) and a fresh follower would wait for each other's keys forever.
+    TPGroup sets up the peer path only when every rank's process has done as many set-ups, and does
+    not even try otherwise (create on one rank alone would hang)."""
+    from lazyrt.runtime.worker.peer_all_reduce import PeerAllReduce
+
+    fakes = {r: _FakePeer() for r in range(2)}
+    created: list[int] = []
+
+    def create(cls, pg, store, name, rank, *a, **k):
+        created.append(rank)
+        return fakes[rank]
+
+    monkeypatch.setattr(PeerAllReduce, "available", staticmethod(lambda device: True))
+    monkeypatch.setattr(PeerAllReduce, "create", classmethod(create))
+    # the ranks are threads of this process here: each answers for the process it stands for
+    def mine(cls) -> int:
+        return setups[int(threading.current_thread().name[-1])]
+
+    monkeypatch.setattr(PeerAllReduce, "setups_in_process", classmethod(mine))
+    rdv = TPRendezvous.create(2, str(tmp_path))
+    vals = [torch.randn(8) for _ in range(2)]
+    out: dict[int, tuple] = {}
+
+    def rank(r: int) -> None:
+        g = TPGroup(rdv, r, torch.device("cpu"), peer_dtype=torch.float32)
+        fakes[r].group = g
+        out[r] = (g.peer, g.all_reduce(vals[r].clone()))
+
+    threads = [threading.Thread(target=rank, args=(r,), name=f"rank{r}") for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    same = setups[0] == setups[1]
+    assert sorted(created) == ([0, 1] if same else [])
+    for r in range(2):
+        peer, total = out[r]
+        assert (peer is fakes[r]) if same else peer is None
+        torch.testing.assert_close(total, vals[0] + vals[1])
+
+
+def test_a_set_up_counts_in_its_process(monkeypatch):
+    """What PeerAllReduce.create leaves behind for the next group's agreement: one more set-up when it
+    went through, -pid (equal to no other process's count) when it failed part-way."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    from lazyrt.runtime.worker import peer_all_reduce as par
+    from lazyrt.runtime.worker.peer_all_reduce import PeerAllReduce
+
+    monkeypatch.setattr(PeerAllReduce, "available", staticmethod(lambda device: True))
+    monkeypatch.setattr(PeerAllReduce, "_setups_in_process", 3)
+    class FakeGroup:  # the named wrapper group; torch's needs a CUDA backend
+        BackendType = types.SimpleNamespace(NCCL=0)
+
+        def __init__(self, *a):
+            self._register_backend = self._set_default_backend = self._set_group_name = lambda *a: None
+
+    monkeypatch.setattr(par.dist, "ProcessGroup", FakeGroup)
+    import torch._C._distributed_c10d as c10d
+
+    monkeypatch.setattr(c10d, "_register_process_group", lambda *a: None)
+    monkeypatch.setattr(c10d._SymmetricMemory, "set_group_info", lambda *a: None, raising=False)
+    monkeypatch.setattr(symm_mem, "empty", lambda n, dtype, device: torch.empty(n, dtype=dtype))
+    monkeypatch.setattr(symm_mem, "rendezvous", lambda buf, name: None)
+    store = par.dist.HashStore()
+    args = (None, store, "g", 0, 2, torch.device("cpu"), torch.bfloat16, 1024)
+    peer = PeerAllReduce.create(*args)
+    assert peer is not None and peer.buf.numel() == 512 and PeerAllReduce.setups_in_process() == 4
+
+    def fail(buf, name):
+        raise RuntimeError("peer access refused")
+
+    monkeypatch.setattr(symm_mem, "rendezvous", fail)
+    assert PeerAllReduce.create(*args) is None
+    assert PeerAllReduce.setups_in_process() == -os.getpid()

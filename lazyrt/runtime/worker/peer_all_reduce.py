@@ -12,6 +12,7 @@ another dtype, go to NCCL.
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 import torch.distributed as dist
@@ -24,8 +25,21 @@ DEFAULT_MAX_BYTES = 1 << 20
 
 
 class PeerAllReduce:
+    # torch numbers the store exchanges of its symmetric-memory set-up per process, across groups (a
+    # static sequence id in each key), so a rank that set up an earlier group and a fresh rank write
+    # and wait for different keys and never meet (a second TP engine in one process hung on 2 H200s).
+    # Ranks therefore set up together only when each has done as many set-ups in its process; after
+    # an attempt that failed part-way the count is unknown: -pid, equal to no other process's.
+    _setups_in_process = 0
+
     def __init__(self, buf: torch.Tensor, group_name: str):
         self.buf, self.group_name = buf, group_name
+
+    @classmethod
+    def setups_in_process(cls) -> int:
+        """How many symmetric-memory set-ups this process has made (-pid: unknown). Ranks may set up
+        a group together only when they all give the same number."""
+        return cls._setups_in_process
 
     @staticmethod
     def available(device: torch.device) -> bool:
@@ -49,6 +63,7 @@ class PeerAllReduce:
         is logged)."""
         if not PeerAllReduce.available(device) or max_bytes <= 0:
             return None
+        setups = PeerAllReduce._setups_in_process
         try:
             import torch.distributed._symmetric_memory as symm_mem
             from torch._C._distributed_c10d import _register_process_group, _SymmetricMemory
@@ -62,7 +77,9 @@ class PeerAllReduce:
             _register_process_group(name, group)
             _SymmetricMemory.set_group_info(name, rank, size, dist.PrefixStore("symm", store))
             buf = symm_mem.empty(max_bytes // dtype.itemsize, dtype=dtype, device=device)
+            PeerAllReduce._setups_in_process = -os.getpid()  # until it has gone through
             symm_mem.rendezvous(buf, name)
+            PeerAllReduce._setups_in_process = setups + 1
         except Exception as e:  # an older torch, no peer access between the GPUs, ...
             log.warning("tensor parallel: NCCL for every all-reduce (symmetric memory unavailable: %s: %s)",
                         type(e).__name__, str(e)[:200])  # fmt: skip

@@ -10,6 +10,7 @@ collective timing out.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import threading
 import time
@@ -24,6 +25,8 @@ from lazyrt.runtime.worker.peer_all_reduce import DEFAULT_MAX_BYTES, PeerAllRedu
 
 if TYPE_CHECKING:
     from lazyrt.runtime.worker.tp_ranks import TPRendezvous
+
+log = logging.getLogger(__name__)
 
 # Collectives and the start-up rendezvous wait this long for the other ranks (loading a large
 # checkpoint on every rank comes first).
@@ -75,6 +78,11 @@ class TPGroup:
         # Every rank must take the same path (a rank on NCCL and one on peer memory would wait for each
         # other forever): the ranks agree before the collective set-up and on its outcome.
         if self.min_int(int(PeerAllReduce.available(self.device))) == 0:
+            return None
+        setups = PeerAllReduce.setups_in_process()
+        if self.min_int(setups) != -self.min_int(-setups):
+            log.warning("tensor parallel: NCCL for every all-reduce (a rank's process set up peer memory "
+                        "for an earlier group, and torch's set-up cannot pair it with a fresh rank)")
             return None
         name = "lazyrt-tp-" + hashlib.sha1(store_path.encode()).hexdigest()[:16]  # unique per group
         peer = PeerAllReduce.create(self.pg, store, name, self.rank, self.size, self.device, dtype, max_bytes)
