@@ -2,11 +2,14 @@
 through one replica that takes seconds per answer. Before: requests past 100 queued inside the
 router, and the health checks waiting behind them timed out and marked the busy replica down, so
 later requests got 503 "no replica is healthy" (seen on two H200s at 80 req/s: 509 of 1,200
-requests). The replica here is a stand-in HTTP server (no model): what is tested is the router."""
+requests). Then the relay's two ends: a client that leaves mid-answer frees the replica's answer, and
+a replica that dies mid-answer ends the client's stream with an error event. The replica here is a
+stand-in HTTP server (no model): what is tested is the router."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 
@@ -115,3 +118,85 @@ def test_slow_health_checks_mark_a_replica_down_only_when_repeated(router_over_s
     assert wait(lambda: not replica.healthy, timeout=3.0)
     assert replica.slow_checks == 0
     assert httpx.get(url + "/health").json()["replicas_up"] == 0
+
+
+def test_a_client_leaving_mid_answer_stops_the_replicas_answer():
+    """The router closes its connection to the replica when the client goes, so the replica stops
+    generating (its streaming answer ends at once, not after its 60 events), and nothing stays counted
+    in flight."""
+    rep_app = stand_in_replica(events=60, interval=0.1)
+    rep = Served(rep_app)
+    state = RouterState([Replica(rep.url)])
+    router = Served(create_router_app(state))
+    try:
+        deadline = time.monotonic() + 20
+        while not state.replicas[0].healthy and time.monotonic() < deadline:
+            time.sleep(0.1)
+        with httpx.Client(timeout=30) as client:
+            with client.stream("POST", router.url + "/generate", json={"text": "hi"}) as r:
+                lines = r.iter_lines()
+                got = [next(lines) for _ in range(3)]
+                assert got[0].startswith("data: ") and rep_app.state.open == 1
+        t0 = time.monotonic()
+        while (rep_app.state.open or state.replicas[0].in_flight) and time.monotonic() - t0 < 3:
+            time.sleep(0.02)
+        assert rep_app.state.open == 0 and state.replicas[0].in_flight == 0  # well before its 6 s
+    finally:
+        router.stop()
+        rep.stop()
+
+
+class _DyingReplica:
+    """A raw HTTP server that starts a chunked SSE answer, sends one event and drops the connection:
+    a replica process killed mid-answer. /health answers 200."""
+
+    def __init__(self):
+        self.port = free_port()
+        self.loop = asyncio.new_event_loop()
+        self.ready = threading.Event()
+        threading.Thread(target=self._run, daemon=True).start()
+        self.ready.wait(10)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        srv = self.loop.run_until_complete(asyncio.start_server(self._serve, "127.0.0.1", self.port))
+        self.ready.set()
+        self.loop.run_until_complete(srv.serve_forever())
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = (await reader.readuntil(b"\r\n\r\n")).decode()
+        sizes = [int(h.split(":")[1]) for h in head.split("\r\n") if h.lower().startswith("content-length")]
+        await reader.readexactly(sizes[0] if sizes else 0)
+        if head.startswith("GET /health"):
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 15\r\n"
+                         b"connection: close\r\n\r\n{\"status\":\"ok\"}")  # fmt: skip
+        else:
+            event = b'data: {"text": " tok"}\n\n'
+            start = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n"
+            start += b"\r\n"
+            writer.write(start + f"{len(event):x}\r\n".encode() + event + b"\r\n")
+            await writer.drain()
+            await asyncio.sleep(0.2)
+        writer.close()  # mid-answer for the stream: no last chunk
+
+
+def test_a_replica_dying_mid_answer_ends_the_stream_with_an_error_event():
+    rep = _DyingReplica()
+    state = RouterState([Replica(f"http://127.0.0.1:{rep.port}")])
+    router = Served(create_router_app(state))
+    try:
+        deadline = time.monotonic() + 20
+        while not state.replicas[0].healthy and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert state.replicas[0].healthy
+        with httpx.Client(timeout=30) as client:
+            with client.stream("POST", router.url + "/generate", json={"text": "hi"}) as r:
+                assert r.status_code == 200
+                events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        assert events[0] == '{"text": " tok"}'  # what came before the failure, untouched
+        assert len(events) == 2 and "the replica failed mid-answer" in events[1]
+        assert json.loads(events[1])["error"]["type"] == "server_error"
+        assert state.replicas[0].in_flight == 0
+    finally:
+        router.stop()
+        rep.loop.call_soon_threadsafe(rep.loop.stop)

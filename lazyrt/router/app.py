@@ -17,6 +17,7 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+import aiohttp
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -129,22 +130,22 @@ def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
 
 
 def create_router_app(state: RouterState) -> FastAPI:
-    # Every answer streams over its own connection for as long as it runs, so the proxy's pools have
-    # no cap (httpx's default of 100 connections queued requests past 100 in flight, and the health
-    # checks behind them timed out, marking busy replicas down). A pool per replica, with few idle
-    # connections kept: httpcore scans its whole pool on each request and response, so one large pool
-    # cost more CPU than the relaying itself (benchmarks/experiments/router_relay.py: at 600 streams
-    # 0.27 -> 0.13 CPU s per 1,000 relayed events with 32 kept instead of 256, with the guard below).
-    def new_pool() -> httpx.AsyncClient:
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=32)
-        return httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), limits=limits)
+    # The answers stream through aiohttp, whose HTTP parser is compiled: relaying an event through
+    # httpx (pure-Python h11 and anyio cancel scopes on every read) was ~55% of the router's CPU
+    # (benchmarks/experiments/router_relay.py). Every answer streams over its own connection for as
+    # long as it runs, so the connections have no cap (a cap queued requests past it, and the health
+    # checks behind them timed out, marking busy replicas down). httpx serves the rest (health checks,
+    # document routes, /metrics and /cache_stats of every replica), where a call's cost does not matter.
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=32)
+    http = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), limits=limits)
+    pools: dict[str, aiohttp.ClientSession] = {}
 
-    http = new_pool()  # document routes, /metrics and /cache_stats of every replica
-    pools: dict[str, httpx.AsyncClient] = {}
-
-    def pool(url: str) -> httpx.AsyncClient:
-        if url not in pools:
-            pools[url] = new_pool()
+    def pool(url: str) -> aiohttp.ClientSession:
+        if url not in pools:  # created on the event loop, by the first request to this replica
+            pools[url] = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, limit_per_host=0),
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0),
+            )
         return pools[url]
 
     probe = httpx.AsyncClient(timeout=httpx.Timeout(10.0, connect=5.0))
@@ -157,8 +158,10 @@ def create_router_app(state: RouterState) -> FastAPI:
             yield
         finally:
             task.cancel()
-            for c in (http, probe, *pools.values()):
+            for c in (http, probe):
                 await c.aclose()
+            for session in pools.values():
+                await session.close()
 
     app = FastAPI(title="lazyrt router", docs_url=None, redoc_url=None, lifespan=lifespan)
 
@@ -216,10 +219,8 @@ def create_router_app(state: RouterState) -> FastAPI:
             replica = state.by_url()[url]
             replica.in_flight += 1
             try:
-                client = pool(url)
-                req = client.build_request("POST", url + path, content=raw, headers=fwd_headers)
-                resp = await client.send(req, stream=True)
-            except httpx.TransportError as e:
+                resp = await pool(url).post(url + path, data=raw, headers=fwd_headers)
+            except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
                 replica.in_flight -= 1
                 replica.healthy = False
                 state.up.labels(url).set(0)
@@ -230,13 +231,10 @@ def create_router_app(state: RouterState) -> FastAPI:
             state.routed.labels(url, reason).inc()
             state.policy.record(url, keys, sizes)
             learn = None
-            h = resp.headers
-            if chars > 0 and resp.status_code == 200 and "json" in h.get("content-type", "") and (
-                h.get("content-encoding", "identity") == "identity"
-            ):
+            if chars > 0 and resp.status == 200 and "json" in resp.headers.get("content-type", ""):
                 learn = lambda answer: state.policy.observe(chars, answer_prompt_tokens(answer))  # noqa: E731
             return StreamingResponse(
-                _relay(resp, replica, learn), status_code=resp.status_code,
+                _relay(resp, replica, learn), status_code=resp.status,
                 media_type=resp.headers.get("content-type"), headers={"x-lazyrt-replica": url},
             )  # fmt: skip
         return _error(503, "every replica failed to answer this request")
@@ -310,14 +308,14 @@ def create_router_app(state: RouterState) -> FastAPI:
 
 
 async def _relay(
-    resp: httpx.Response, replica: Replica, learn: Callable[[object], None] | None = None
+    resp: aiohttp.ClientResponse, replica: Replica, learn: Callable[[object], None] | None = None
 ) -> AsyncIterator[bytes]:
     """The replica's answer as it comes; a connection lost mid-answer ends it with an error event.
     learn: called with a whole JSON answer (kept up to 1 MB; the bytes are relayed untouched)."""
     kept: list[bytes] | None = [] if learn is not None else None
     size = 0
     try:
-        async for chunk in resp.aiter_raw():
+        async for chunk in resp.content.iter_any():  # whatever has arrived: an event or several
             if kept is not None:
                 size += len(chunk)
                 if size <= _LEARN_BYTES:
@@ -330,10 +328,12 @@ async def _relay(
                 learn(json.loads(b"".join(kept)))
             except (ValueError, UnicodeDecodeError):
                 pass
-    except httpx.TransportError as e:
+    except aiohttp.ClientError as e:
         replica.healthy = False
-        err = {"error": {"message": f"the replica failed mid-answer: {e}", "type": "server_error"}}
+        err = {"error": {"message": f"the replica failed mid-answer: {e!r}", "type": "server_error"}}
         yield f"data: {json.dumps(err)}\n\n".encode()
     finally:
         replica.in_flight -= 1
-        await resp.aclose()
+        # read to the end, the connection goes back to the pool; else (the client left) aiohttp closes
+        # it, which tells the replica to stop generating
+        resp.release()
