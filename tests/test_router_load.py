@@ -200,3 +200,28 @@ def test_a_replica_dying_mid_answer_ends_the_stream_with_an_error_event():
     finally:
         router.stop()
         rep.loop.call_soon_threadsafe(rep.loop.stop)
+
+
+def test_router_with_an_api_key_checks_it_and_sends_it_to_the_replicas():
+    """--api-key: the router answers 401 without the key, and sends the key on every call it makes to
+    the replicas (health checks and the relayed answers), which check it too."""
+    from lazyrt.api_key import ApiKeyGuard
+
+    rep_app = stand_in_replica(events=3, interval=0.01)
+    rep_app.add_middleware(ApiKeyGuard, api_key="k-123")
+    rep = Served(rep_app)
+    state = RouterState([Replica(rep.url)], api_key="k-123")
+    router = Served(create_router_app(state))
+    try:
+        deadline = time.monotonic() + 20
+        while not state.replicas[0].healthy and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert state.replicas[0].healthy  # its health check carried the key
+        assert httpx.post(router.url + "/generate", json={"text": "hi"}).status_code == 401
+        key = {"authorization": "Bearer k-123"}
+        r = httpx.post(router.url + "/generate", json={"text": "hi"}, headers=key)
+        assert r.status_code == 200
+        assert r.text.count("data: ") == 4 and r.text.rstrip().endswith("data: [DONE]")
+    finally:
+        router.stop()
+        rep.stop()
