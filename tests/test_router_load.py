@@ -9,9 +9,11 @@ stand-in HTTP server (no model): what is tested is the router."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -46,19 +48,29 @@ class Served:
         self.thread.join(10)
 
 
-@pytest.fixture
-def router_over_slow_replica():
-    rep_app = stand_in_replica(events=1, interval=STREAM_S)
-    rep = Served(rep_app)
-    state = RouterState([Replica(rep.url)])
+@contextlib.contextmanager
+def router_over(replica_url: str, api_key: str | None = None) -> Iterator[tuple[str, RouterState]]:
+    """A router app over one replica, served on loopback once it has seen the replica healthy (or
+    after 20 s): (its URL, its state)."""
+    state = RouterState([Replica(replica_url)], api_key=api_key)
     router = Served(create_router_app(state))
     try:
         deadline = time.monotonic() + 20
         while not state.replicas[0].healthy and time.monotonic() < deadline:
             time.sleep(0.1)
-        yield router.url, rep_app, state, rep
+        yield router.url, state
     finally:
         router.stop()
+
+
+@pytest.fixture
+def router_over_slow_replica():
+    rep_app = stand_in_replica(events=1, interval=STREAM_S)
+    rep = Served(rep_app)
+    try:
+        with router_over(rep.url) as (url, state):
+            yield url, rep_app, state, rep
+    finally:
         rep.stop()
 
 
@@ -126,23 +138,17 @@ def test_a_client_leaving_mid_answer_stops_the_replicas_answer():
     in flight."""
     rep_app = stand_in_replica(events=60, interval=0.1)
     rep = Served(rep_app)
-    state = RouterState([Replica(rep.url)])
-    router = Served(create_router_app(state))
     try:
-        deadline = time.monotonic() + 20
-        while not state.replicas[0].healthy and time.monotonic() < deadline:
-            time.sleep(0.1)
-        with httpx.Client(timeout=30) as client:
-            with client.stream("POST", router.url + "/generate", json={"text": "hi"}) as r:
+        with router_over(rep.url) as (url, state), httpx.Client(timeout=30) as client:
+            with client.stream("POST", url + "/generate", json={"text": "hi"}) as r:
                 lines = r.iter_lines()
                 got = [next(lines) for _ in range(3)]
                 assert got[0].startswith("data: ") and rep_app.state.open == 1
-        t0 = time.monotonic()
-        while (rep_app.state.open or state.replicas[0].in_flight) and time.monotonic() - t0 < 3:
-            time.sleep(0.02)
-        assert rep_app.state.open == 0 and state.replicas[0].in_flight == 0  # well before its 6 s
+            t0 = time.monotonic()
+            while (rep_app.state.open or state.replicas[0].in_flight) and time.monotonic() - t0 < 3:
+                time.sleep(0.02)
+            assert rep_app.state.open == 0 and state.replicas[0].in_flight == 0  # well before its 6 s
     finally:
-        router.stop()
         rep.stop()
 
 
@@ -153,15 +159,22 @@ class _DyingReplica:
     def __init__(self):
         self.port = free_port()
         self.loop = asyncio.new_event_loop()
-        self.ready = threading.Event()
-        threading.Thread(target=self._run, daemon=True).start()
-        self.ready.wait(10)
+        ready = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(ready,), daemon=True)
+        self.thread.start()
+        ready.wait(10)
 
-    def _run(self) -> None:
+    def _run(self, ready: threading.Event) -> None:
         asyncio.set_event_loop(self.loop)
         srv = self.loop.run_until_complete(asyncio.start_server(self._serve, "127.0.0.1", self.port))
-        self.ready.set()
-        self.loop.run_until_complete(srv.serve_forever())
+        ready.set()
+        self.loop.run_forever()  # until stop()
+        srv.close()
+        self.loop.close()
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         head = (await reader.readuntil(b"\r\n\r\n")).decode()
@@ -182,24 +195,18 @@ class _DyingReplica:
 
 def test_a_replica_dying_mid_answer_ends_the_stream_with_an_error_event():
     rep = _DyingReplica()
-    state = RouterState([Replica(f"http://127.0.0.1:{rep.port}")])
-    router = Served(create_router_app(state))
     try:
-        deadline = time.monotonic() + 20
-        while not state.replicas[0].healthy and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert state.replicas[0].healthy
-        with httpx.Client(timeout=30) as client:
-            with client.stream("POST", router.url + "/generate", json={"text": "hi"}) as r:
+        with router_over(f"http://127.0.0.1:{rep.port}") as (url, state), httpx.Client(timeout=30) as client:
+            assert state.replicas[0].healthy
+            with client.stream("POST", url + "/generate", json={"text": "hi"}) as r:
                 assert r.status_code == 200
                 events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
-        assert events[0] == '{"text": " tok"}'  # what came before the failure, untouched
-        assert len(events) == 2 and "the replica failed mid-answer" in events[1]
-        assert json.loads(events[1])["error"]["type"] == "server_error"
-        assert state.replicas[0].in_flight == 0
+            assert events[0] == '{"text": " tok"}'  # what came before the failure, untouched
+            assert len(events) == 2 and "the replica failed mid-answer" in events[1]
+            assert json.loads(events[1])["error"]["type"] == "server_error"
+            assert state.replicas[0].in_flight == 0
     finally:
-        router.stop()
-        rep.loop.call_soon_threadsafe(rep.loop.stop)
+        rep.stop()
 
 
 def test_router_with_an_api_key_checks_it_and_sends_it_to_the_replicas():
@@ -210,18 +217,13 @@ def test_router_with_an_api_key_checks_it_and_sends_it_to_the_replicas():
     rep_app = stand_in_replica(events=3, interval=0.01)
     rep_app.add_middleware(ApiKeyGuard, api_key="k-123")
     rep = Served(rep_app)
-    state = RouterState([Replica(rep.url)], api_key="k-123")
-    router = Served(create_router_app(state))
     try:
-        deadline = time.monotonic() + 20
-        while not state.replicas[0].healthy and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert state.replicas[0].healthy  # its health check carried the key
-        assert httpx.post(router.url + "/generate", json={"text": "hi"}).status_code == 401
-        key = {"authorization": "Bearer k-123"}
-        r = httpx.post(router.url + "/generate", json={"text": "hi"}, headers=key)
-        assert r.status_code == 200
-        assert r.text.count("data: ") == 4 and r.text.rstrip().endswith("data: [DONE]")
+        with router_over(rep.url, api_key="k-123") as (url, state):
+            assert state.replicas[0].healthy  # its health check carried the key
+            assert httpx.post(url + "/generate", json={"text": "hi"}).status_code == 401
+            key = {"authorization": "Bearer k-123"}
+            r = httpx.post(url + "/generate", json={"text": "hi"}, headers=key)
+            assert r.status_code == 200
+            assert r.text.count("data: ") == 4 and r.text.rstrip().endswith("data: [DONE]")
     finally:
-        router.stop()
         rep.stop()
