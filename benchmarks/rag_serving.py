@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import json
 import math
 import os
@@ -432,8 +433,24 @@ def middle_half_throughput(results: list[Result]) -> float | None:
     return total / 2 / (at[1] - at[0]) if at[1] > at[0] else None
 
 
+def others_in_flight(results: list[Result]) -> list[int]:
+    """For each result, how many of the point's other completed requests were in flight (sent, not yet
+    finished) when it was sent: at 1 req/s a request sent beside another's decode joins a step already
+    running (its TTFT includes up to a step more) where one sent alone finds the server idle."""
+    done = [r for r in results if r.ok]
+    starts = sorted(r.send_s for r in done)
+    ends = sorted(r.send_s + r.e2e_s for r in done)
+    # in flight at t: sent at or before t and not finished by t (the request itself when it completed)
+    return [bisect.bisect_right(starts, r.send_s) - bisect.bisect_right(ends, r.send_s) - r.ok
+            for r in results]  # fmt: skip
+
+
 def summarize(results: list[Result], wall: float, before: dict, after: dict, peak: dict, prom: str) -> dict:
     ok = [r for r in results if r.ok]
+    busy = dict(zip((r.index for r in results), others_in_flight(results)))
+    all_hit = [r for r in ok if r.chunk_misses == 0 and r.chunk_hits > 0]
+    alone = [r for r in all_hit if busy[r.index] == 0]
+    beside = [r for r in all_hit if busy[r.index] > 0]
     tpot = [(r.e2e_s - r.ttft_s) / (r.completion_tokens - 1) for r in ok if r.completion_tokens > 1]
     itl = [x for r in ok for x in r.itl_s]
     # Throughput over the span from the first send to the last finish.
@@ -467,6 +484,12 @@ def summarize(results: list[Result], wall: float, before: dict, after: dict, pea
         # / ttft = HTTP receipt to first output back at HTTP), medians over requests, ms
         "server_ttft_split_ms": _split(ok),
         "server_ttft_split_all_hit_ms": _split([r for r in ok if r.chunk_misses == 0 and r.chunk_hits > 0]),
+        # the all-hit requests sent while no other request was in flight, and those sent beside others
+        "ttft_all_hit_alone_ms": _stats([r.ttft_s for r in alone]),
+        "all_hit_alone_requests": len(alone),
+        "server_ttft_split_all_hit_alone_ms": _split(alone),
+        "ttft_all_hit_beside_ms": _stats([r.ttft_s for r in beside]),
+        "server_ttft_split_all_hit_beside_ms": _split(beside),
         "request_throughput": len(ok) / span if span > 0 else None,
         "output_throughput": out_tokens / span if span > 0 else None,
         "output_throughput_middle_half": middle_half_throughput(ok),
@@ -732,6 +755,15 @@ def write_row(args, row: dict) -> None:
         + (f" errors={row['errors']}" if row["failed"] else ""),
         flush=True,
     )
+    if row.get("all_hit_alone_requests") is not None and row["all_hit_requests"]:
+        n_alone = row["all_hit_alone_requests"]
+        print(f"[bench]   all docs cached, sent alone: TTFT p50={_f(row['ttft_all_hit_alone_ms']['p50'])}ms "
+              f"n={n_alone}, server split " + " ".join(f"{k}={_f(v)}" for k, v in
+                                                      row["server_ttft_split_all_hit_alone_ms"].items())
+              + f"; beside others: TTFT p50={_f(row['ttft_all_hit_beside_ms']['p50'])}ms "
+              f"n={row['all_hit_requests'] - n_alone}, server split " + " ".join(
+                  f"{k}={_f(v)}" for k, v in row["server_ttft_split_all_hit_beside_ms"].items()),
+              flush=True)  # fmt: skip
     for r in row.get("replicas", []):
         print(f"[bench]   replica {r['url']}: {r['steps']} steps, {r['doc_uses']} document uses, "
               f"{_f(r['wall_ms_per_step'])} ms of the point's wall a step", flush=True)  # fmt: skip

@@ -142,3 +142,27 @@ def test_end_to_end_point_on_cpu_server(tmp_path):
     # --report-only rebuilds the table from the JSON lines.
     again = rag_serving.main(["--report-only", "--out", str(out), "--plot", ""])
     assert again[0]["ttft_ms"] == row["ttft_ms"]
+
+
+def test_others_in_flight_at_each_send():
+    """How many other completed requests were streaming when each was sent, against a brute-force count
+    over random intervals (with requests sent at the same instant, back to back and failed ones)."""
+    import random
+
+    import rag_serving as rs
+
+    rng = random.Random()
+    results = []
+    for i in range(200):
+        send = rng.choice([round(rng.uniform(0, 20), 1), rng.uniform(0, 20)])  # some equal instants
+        ok = rng.random() > 0.1
+        results.append(rs.Result(i, ok, send_s=send, e2e_s=rng.uniform(0.05, 2) if ok else float("nan")))
+    a, b = results[0], results[1]  # back to back: the second sent the instant the first finished
+    a.ok, b.ok, a.e2e_s, b.e2e_s, b.send_s = True, True, 1.0, 1.0, a.send_s + 1.0
+
+    def brute(r: rs.Result) -> int:
+        return sum(o is not r and o.ok and o.send_s <= r.send_s < o.send_s + o.e2e_s for o in results)
+
+    got = rs.others_in_flight(results)
+    assert got == [brute(r) for r in results]
+    assert 0 in got and max(got) > 2
