@@ -75,9 +75,9 @@ class PeerAllReduce:
             group._set_default_backend(dist.ProcessGroup.BackendType.NCCL)
             group._set_group_name(name)
             _register_process_group(name, group)
+            PeerAllReduce._setups_in_process = -os.getpid()  # until it has gone through
             _SymmetricMemory.set_group_info(name, rank, size, dist.PrefixStore("symm", store))
             buf = symm_mem.empty(max_bytes // dtype.itemsize, dtype=dtype, device=device)
-            PeerAllReduce._setups_in_process = -os.getpid()  # until it has gone through
             symm_mem.rendezvous(buf, name)
             PeerAllReduce._setups_in_process = setups + 1
         except Exception as e:  # an older torch, no peer access between the GPUs, ...
