@@ -369,3 +369,16 @@ def test_dp_replicas_stop_with_the_router(sig):
             if pid_alive(p):
                 os.kill(p, signal.SIGKILL)
         router.wait()
+
+
+@pytest.mark.slow
+def test_dp_router_exits_naming_the_replica_when_none_is_left():
+    """A `--dp` replica that cannot start (here a bad flag) is named with its exit code, and a router
+    with no replica left exits with status 1 instead of answering 503 forever."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "lazyrt.router", "--dp", "1", "--dp-base-port", str(free_port()),
+           "--port", str(port), "--", "--device", "cpu", "--kv-cache-tokens", "-5"]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=dict(os.environ))
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert "--kv-cache-tokens" in r.stderr  # the replica's own error
+    assert "exited with code 2" in r.stderr and "no --dp replica is left" in r.stderr

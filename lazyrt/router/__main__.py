@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from functools import partial
 
 import uvicorn
@@ -19,6 +20,8 @@ import uvicorn
 from lazyrt.process_name import set_process_name, signal_when_parent_dies
 from lazyrt.router.app import Replica, RouterState, create_router_app
 from lazyrt.router.policy import POLICIES, AffinityPolicy
+
+logger = logging.getLogger("lazyrt.router")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,6 +81,23 @@ def _interrupt(sig: int, _frame: object) -> None:
     raise KeyboardInterrupt
 
 
+def _watch_replicas(procs: list[subprocess.Popen], urls: list[str], server: uvicorn.Server,
+                    done: threading.Event, all_died: threading.Event) -> None:  # fmt: skip
+    """Names each `--dp` replica whose process ends on its own (a bad flag, out of memory, killed);
+    when none is left, stops the router (it would only answer 503) with all_died set."""
+    told: set[int] = set()
+    while not done.wait(0.5):
+        for i, p in enumerate(procs):
+            if i not in told and p.poll() is not None:
+                told.add(i)
+                logger.error("replica %s exited with code %s (its output is above)", urls[i], p.returncode)
+        if len(told) == len(procs):
+            logger.error("no --dp replica is left; stopping the router")
+            all_died.set()
+            server.should_exit = True
+            return
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = argv[argv.index("--") + 1 :] if "--" in argv else []
@@ -100,14 +120,21 @@ def main(argv: list[str] | None = None) -> int:
     urls = list(args.worker) + [f"http://127.0.0.1:{args.dp_base_port + i}" for i in range(args.dp)]
     policy = AffinityPolicy(args.imbalance, args.slack, args.policy)
     state = RouterState([Replica(u.rstrip("/")) for u in urls], policy, args.api_key)
+    config = uvicorn.Config(create_router_app(state), host=args.host, port=args.port,
+                            log_level=args.log_level.lower(), access_log=False)  # fmt: skip
+    server = uvicorn.Server(config)
+    done, all_died = threading.Event(), threading.Event()
+    if procs:
+        watch = (procs, urls[len(args.worker) :], server, done, all_died)
+        threading.Thread(target=_watch_replicas, args=watch, name="dp-watch", daemon=True).start()
     try:
-        app = create_router_app(state)
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(), access_log=False)
+        server.run()
     except KeyboardInterrupt:
         pass
     finally:
+        done.set()
         _stop_replicas(procs)
-    return 0
+    return 1 if all_died.is_set() or not server.started else 0
 
 
 if __name__ == "__main__":
