@@ -88,7 +88,7 @@ def _watch_replicas(procs: list[subprocess.Popen], urls: list[str], server: uvic
     told: set[int] = set()
     while not done.wait(0.5):
         for i, p in enumerate(procs):
-            if i not in told and p.poll() is not None:
+            if i not in told and p.poll() is not None and not done.is_set():  # (not our own stop)
                 told.add(i)
                 logger.error("replica %s exited with code %s (its output is above)", urls[i], p.returncode)
         if len(told) == len(procs):
