@@ -58,12 +58,25 @@ def _start_replicas(n: int, base_port: int, devices: str | None, extra: list[str
         raise SystemExit(f"--dp-devices names {len(devs)} devices for --dp {n}")
     procs = []
     for i in range(n):
-        env = dict(os.environ, **({"CUDA_VISIBLE_DEVICES": devs[i]} if devs else {}))
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **({"CUDA_VISIBLE_DEVICES": devs[i]} if devs else {}))
         cmd = [sys.executable, "-m", "lazyrt.launch", "--port", str(base_port + i), *extra]
         # SIGTERM when the router dies, even by SIGKILL: a replica holds a GPU and a port
         on_death = partial(signal_when_parent_dies, signal.SIGTERM)
-        procs.append(subprocess.Popen(cmd, env=env, preexec_fn=on_death))
+        out = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT}  # tagged lines: _tag_output
+        p = subprocess.Popen(cmd, env=env, preexec_fn=on_death, **out)
+        tag = f"[replica {i} :{base_port + i}] ".encode()
+        threading.Thread(target=_tag_output, args=(p, tag), name=f"dp{i}-output", daemon=True).start()
+        procs.append(p)
     return procs
+
+
+def _tag_output(proc: subprocess.Popen, tag: bytes) -> None:
+    """A replica's output, each line tagged with the replica, on the router's stderr: the replicas'
+    logs interleave, and an error must say whose it is."""
+    out = sys.stderr.buffer
+    for line in iter(proc.stdout.readline, b""):
+        out.write(tag + line)
+        out.flush()
 
 
 def _stop_replicas(procs: list[subprocess.Popen]) -> None:
