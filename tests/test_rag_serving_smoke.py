@@ -159,10 +159,12 @@ def test_others_in_flight_at_each_send():
         results.append(rs.Result(i, ok, send_s=send, e2e_s=rng.uniform(0.05, 2) if ok else float("nan")))
     a, b = results[0], results[1]  # back to back: the second sent the instant the first finished
     a.ok, b.ok, a.e2e_s, b.e2e_s, b.send_s = True, True, 1.0, 1.0, a.send_s + 1.0
+    results.append(rs.Result(200, True, send_s=50.0, e2e_s=1.0))  # alone, long after the others
+    results += [rs.Result(201 + k, True, send_s=60.0, e2e_s=1.0) for k in range(4)]  # 4 sent at once
 
     def brute(r: rs.Result) -> int:
         return sum(o is not r and o.ok and o.send_s <= r.send_s < o.send_s + o.e2e_s for o in results)
 
     got = rs.others_in_flight(results)
     assert got == [brute(r) for r in results]
-    assert 0 in got and max(got) > 2
+    assert got[200:] == [0, 3, 3, 3, 3]
