@@ -3,7 +3,7 @@
 # Stages: kernels-test | bench BATCHES... | sweep BATCHES... | engine-test [PYTEST ARGS] | fi-test | jit
 #         | serving [rag_serving.py ARGS...] | roofline [ARGS...] | profile [decode_profile.py ARGS...]
 #         | offline-hf [ARGS...]
-#         | shared-chunk [shared_chunk_bench.py ARGS...] | tp [tp_decode.py ARGS...]
+#         | shared-chunk [shared_chunk_bench.py ARGS...] | tp [tp_decode.py ARGS...] | tp-test [PYTEST ARGS]
 #         | router [rag_serving.py ARGS...]  (2 GPUs: router over 2 replicas vs one, -> $OUT/router.jsonl)
 # (serving/roofline/offline-hf: dummy llama-3.1-8b, tokenizer from .gpu_carry_tok; results in $OUT)
 # (fi-test needs .gpu_carry_tok: a config.json + tokenizer dir of the default model, for dummy weights)
@@ -52,6 +52,11 @@ run_stage() {
                   python3 benchmarks/shared_chunk_bench.py --out "$OUT/shared_chunk.json" "${batches[@]}" 2>&1 | tail -12 ;;
     offline-hf) LAZYRT_TOKENIZER_DIR="$PWD/.gpu_carry_tok" python3 benchmarks/offline_vs_hf.py \
                   --out "$OUT/offline_vs_hf.jsonl" "${batches[@]}" 2>&1 | tail -8 ;;
+    tp-test)  # 2 GPUs: the TP CUDA tests in one process (a hang prints every thread's stack after 90 s;
+              # the run is aborted after 300 s)
+      NCCL_NVLS_ENABLE=0 LAZYRT_TOKENIZER_DIR="$PWD/.gpu_carry_tok" timeout -s ABRT 300 python3 -m pytest -v -p no:cacheprovider \
+        -o faulthandler_timeout=90 tests/test_tensor_parallel.py -k "cuda or peer" "${batches[@]}" 2>&1 \
+        | tee "$OUT/tp_test.log" | grep -E "PASSED|FAILED|ERROR|passed|failed|File " | tail -40 ;;
     tp)  # tensor parallel (2 GPUs): decode step and greedy tokens at TP=1 then TP=2, one process each
       for n in 1 2; do NCCL_NVLS_ENABLE=0 LAZYRT_TOKENIZER_DIR="$PWD/.gpu_carry_tok" timeout 240 python3 -m \
         benchmarks.tp_decode --tensor-parallel-size $n --out "$OUT/tp_decode.jsonl" "${batches[@]}" 2>&1 \
@@ -83,7 +88,7 @@ run_stage() {
 }
 for a in "$@"; do
   case "$a" in
-    kernels-test|bench|sweep|engine-test|fi-test|jit|serving|roofline|profile|offline-hf|shared-chunk|tp|router) [ -n "$stage" ] && run_stage "$stage"; stage="$a"; batches=() ;;
+    kernels-test|bench|sweep|engine-test|fi-test|jit|serving|roofline|profile|offline-hf|shared-chunk|tp|tp-test|router) [ -n "$stage" ] && run_stage "$stage"; stage="$a"; batches=() ;;
     *) batches+=("$a") ;;
   esac
 done
