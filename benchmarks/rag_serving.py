@@ -478,12 +478,12 @@ def summarize(results: list[Result], wall: float, before: dict, after: dict, pea
         "itl_ms": _stats(itl),
         "e2e_ms": _stats([r.e2e_s for r in ok]),
         # requests whose documents were all cached when admitted (the question-prefill path alone)
-        "ttft_all_hit_ms": _stats([r.ttft_s for r in ok if r.chunk_misses == 0 and r.chunk_hits > 0]),
-        "all_hit_requests": sum(r.chunk_misses == 0 and r.chunk_hits > 0 for r in ok),
+        "ttft_all_hit_ms": _stats([r.ttft_s for r in all_hit]),
+        "all_hit_requests": len(all_hit),
         # server-side split of TTFT (tokenize / queue for admission / prefill incl. any step in flight
         # / ttft = HTTP receipt to first output back at HTTP), medians over requests, ms
         "server_ttft_split_ms": _split(ok),
-        "server_ttft_split_all_hit_ms": _split([r for r in ok if r.chunk_misses == 0 and r.chunk_hits > 0]),
+        "server_ttft_split_all_hit_ms": _split(all_hit),
         # the all-hit requests sent while no other request was in flight, and those sent beside others
         "ttft_all_hit_alone_ms": _stats([r.ttft_s for r in alone]),
         "all_hit_alone_requests": len(alone),
@@ -736,6 +736,10 @@ def point_row(args, mode: str, pop: str, rate: float, res: dict, srv: Server, **
     }
 
 
+def _split_text(split: dict) -> str:
+    return " ".join(f"{k}={_f(v)}" for k, v in split.items())
+
+
 def write_row(args, row: dict) -> None:
     if args.out:
         with open(args.out, "a") as f:
@@ -749,21 +753,18 @@ def write_row(args, row: dict) -> None:
         f"(middle half: {_f(row.get('output_throughput_middle_half'))}) "
         f"hit={_f(row['chunk_hit_ratio'], 3)} "
         f"pages peak={row['kv_pages_used_peak']} server TTFT split p50 ms: "
-        + " ".join(f"{k}={_f(v)}" for k, v in row["server_ttft_split_ms"].items())
-        + " (all docs cached: "
-        + " ".join(f"{k}={_f(v)}" for k, v in row["server_ttft_split_all_hit_ms"].items()) + ")"
+        + _split_text(row["server_ttft_split_ms"])
+        + " (all docs cached: " + _split_text(row["server_ttft_split_all_hit_ms"]) + ")"
         + (f" errors={row['errors']}" if row["failed"] else ""),
         flush=True,
     )
-    if row.get("all_hit_alone_requests") is not None and row["all_hit_requests"]:
+    if row["all_hit_requests"]:
         n_alone = row["all_hit_alone_requests"]
         print(f"[bench]   all docs cached, sent alone: TTFT p50={_f(row['ttft_all_hit_alone_ms']['p50'])}ms "
-              f"n={n_alone}, server split " + " ".join(f"{k}={_f(v)}" for k, v in
-                                                      row["server_ttft_split_all_hit_alone_ms"].items())
-              + f"; beside others: TTFT p50={_f(row['ttft_all_hit_beside_ms']['p50'])}ms "
-              f"n={row['all_hit_requests'] - n_alone}, server split " + " ".join(
-                  f"{k}={_f(v)}" for k, v in row["server_ttft_split_all_hit_beside_ms"].items()),
-              flush=True)  # fmt: skip
+              f"n={n_alone}, server split {_split_text(row['server_ttft_split_all_hit_alone_ms'])}; "
+              f"beside others: TTFT p50={_f(row['ttft_all_hit_beside_ms']['p50'])}ms "
+              f"n={row['all_hit_requests'] - n_alone}, server split "
+              f"{_split_text(row['server_ttft_split_all_hit_beside_ms'])}", flush=True)  # fmt: skip
     for r in row.get("replicas", []):
         print(f"[bench]   replica {r['url']}: {r['steps']} steps, {r['doc_uses']} document uses, "
               f"{_f(r['wall_ms_per_step'])} ms of the point's wall a step", flush=True)  # fmt: skip

@@ -63,6 +63,7 @@ def run_scheduler_worker_process(
     ready = worker.ready_info()
     logger.info("model %s loaded on %s in the scheduler process; %d KV pages; %d CPU threads",
                 ready.model_id, ready.device, ready.num_pages, threads)  # fmt: skip
+
     def link(late: LatePlanner | None) -> InProcessWorkerLink:
         return InProcessWorkerLink(worker, late)
 
