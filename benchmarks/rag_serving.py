@@ -378,8 +378,10 @@ def run_async(coro):
 
 SPLIT = ("tokenize", "queue", "prefill", "ttft")
 # the finer split (servers since the stamps were added): tokenize = to_tokenizer + tokenizing, queue =
-# to_scheduler + admission, ttft = tokenize + queue + prefill + to_http
+# to_scheduler + admission, ttft = tokenize + queue + prefill + to_http; prefill = to_step + launch +
+# next_plan + tokens_ready + to_core (engine_core.request_timings), device: the step's device time
 FINE_SPLIT = ("to_tokenizer", "tokenizing", "to_scheduler", "admission", "to_http")
+STEP_SPLIT = ("to_step", "launch", "next_plan", "tokens_ready", "to_core", "device")
 
 
 def _split(results: list) -> dict:
@@ -387,7 +389,7 @@ def _split(results: list) -> dict:
     step in flight / ttft = HTTP receipt to first output back at HTTP, then FINE_SPLIT where the server
     reports it), medians over results, ms."""
     out = {}
-    for k in SPLIT + FINE_SPLIT:
+    for k in SPLIT + FINE_SPLIT + STEP_SPLIT:
         xs = [r.timings_ms[k] for r in results if r.timings_ms.get(k) is not None]
         if xs or k in SPLIT:
             out[k] = _stats(xs, scale=1.0)["p50"]

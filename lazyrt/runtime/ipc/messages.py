@@ -180,6 +180,8 @@ class StepResult:
     # the worker's host time to launch the step this message answers (receipt to kernels queued).
     device_ms: float | None = None
     launch_ms: float | None = None
+    # wall clock when these tokens reached the worker's host memory (the served TTFT split)
+    ready_at: float = 0.0
 
 
 @message

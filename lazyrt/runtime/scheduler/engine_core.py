@@ -104,21 +104,27 @@ class EngineCore:
         outs = self._collect() if not defer and self._in_flight is not None else []
         msg = self._encoder.encode(plan, self._release, defer)
         self._release = []
+        plan.sent_at = plan.collect_sent_at = time.time()
         result = self.worker.execute(msg)
         self._count(result, defer)
         if not defer:
             self.scheduler.on_step_done(plan, result.probe_scores)
             return outs + self._apply(plan, result)
+        plan.launched_at = time.time()
         # Chunks computed by this step are ready for the next ones: the device runs them in order.
         self.scheduler.on_step_done(plan)
         prev, self._in_flight = self._in_flight, plan
-        return self._apply(prev, result) if prev is not None else []
+        if prev is None:
+            return []
+        prev.collect_sent_at = plan.sent_at  # this call brought prev's tokens back
+        return self._apply(prev, result)
 
     def _collect(self) -> list[TokenOut]:
         """Waits for the deferred step in flight and applies its tokens."""
         plan, self._in_flight = self._in_flight, None
         msg = StepMsg([], release=self._release)
         self._release = []
+        plan.collect_sent_at = time.time()
         result = self.worker.execute(msg)
         self.step_counts["shared_chunk_steps"] = result.shared_chunk_steps
         self.step_counts["graph_steps"] = result.graph_steps
@@ -161,7 +167,7 @@ class EngineCore:
                 self.abort(req.rid, reason)
             meta = request_meta(req) if first or reason or req.params.citations else None
             if first and meta is not None and req.received_at:
-                meta["timings_ms"] = request_timings(req, wall)
+                meta["timings_ms"] = request_timings(req, wall, plan, result)
             outs.append(TokenOut(req.rid, [tok], reason, meta, [lp] if lp is not None else None))
         return outs
 
@@ -216,15 +222,24 @@ def host_tier_stats(s: Scheduler) -> dict:
     }
 
 
-def request_timings(req: Request, first_token_at: float) -> dict:
+def request_timings(
+    req: Request, first_token_at: float, plan: StepPlan | None = None, result: StepResult | None = None
+) -> dict:
     """Where a served request's time to first token went (ms, wall clock across processes): HTTP
     receipt -> tokenized, -> admitted by the scheduler (queueing for pages / a running slot), ->
     first token sampled (its prefill steps, and any step in flight when it arrived). The first two
     split further: HTTP -> the tokenizer process (to_tokenizer) + its work (tokenizing); -> read by
     the scheduler process (to_scheduler: it reads its inbox between steps, so a step it waits on
-    counts here) + from there to admitted (admission: pages, a running slot)."""
+    counts here) + from there to admitted (admission: pages, a running slot).
+
+    With the step that sampled the token (plan, result), prefill splits too: admitted -> that step
+    sent to the worker (to_step: planning it, and any earlier steps of its prefill), -> its launch
+    answered (launch: the worker built and queued it; deferred steps), -> the call that brings its
+    tokens back sent (next_plan: the scheduler planned the next step meanwhile), -> the tokens on the
+    worker's host (tokens_ready: the next step's launch, then the rest of this one's device work), ->
+    back in the scheduler (to_core). device: the step's device time (CUDA, deferred steps)."""
     ms = lambda a, b: round((b - a) * 1e3, 3) if a and b else None  # noqa: E731
-    return {
+    out = {
         "tokenize": ms(req.received_at, req.tokenized_at),
         "queue": ms(req.tokenized_at, req.admitted_at),
         "prefill": ms(req.admitted_at, first_token_at),
@@ -233,6 +248,17 @@ def request_timings(req: Request, first_token_at: float) -> dict:
         "to_scheduler": ms(req.tokenized_at, req.queued_at),
         "admission": ms(req.queued_at, req.admitted_at),
     }
+    if plan is not None and result is not None and plan.sent_at and result.ready_at:
+        launched = plan.launched_at or None  # a synchronous step: sent -> its tokens, one call
+        out["to_step"] = ms(req.admitted_at, plan.sent_at)
+        if launched:
+            out["launch"] = ms(plan.sent_at, launched)
+            out["next_plan"] = ms(launched, plan.collect_sent_at)
+        out["tokens_ready"] = ms(plan.collect_sent_at, result.ready_at)
+        out["to_core"] = ms(result.ready_at, first_token_at)
+        if result.device_ms is not None:
+            out["device"] = round(result.device_ms, 3)
+    return out
 
 
 def request_meta(req: Request) -> dict:

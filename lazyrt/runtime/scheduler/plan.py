@@ -61,6 +61,11 @@ class StepPlan:
     # writing no KV; the worker returns each one's per-page K/V deviation. Run after the items.
     probes: list[ForwardItem] = field(default_factory=list)
     probe_for: list[tuple[Request, int]] = field(default_factory=list)  # scheduler side: (request, doc)
+    # Scheduler side, for meta["timings_ms"] (wall clock; EngineCore stamps them): the step was sent
+    # to the worker, its launch answered (a deferred step), the call that brings its tokens back sent.
+    sent_at: float = 0.0
+    launched_at: float = 0.0
+    collect_sent_at: float = 0.0
 
     @property
     def has_copies(self) -> bool:

@@ -336,8 +336,9 @@ class ModelWorker:
             sampled = tokens.tolist() if tokens is not None else []
             lps = logprob_entries(len(sampled), [r.params for r in rows], logprobs)
             result = StepResult(
-                sampled, scores, probe_scores, logprobs=lps, score_top=tops or None, citations=citations
-            )
+                sampled, scores, probe_scores, logprobs=lps, score_top=tops or None, citations=citations,
+                ready_at=time.time(),
+            )  # fmt: skip
             return self._answer(result)
         prev, self._deferred = self._deferred, self._in_flight(rows, tokens, logprobs, start)
         return self._answer_deferred(prev, began)
@@ -443,7 +444,7 @@ class DeferredTokens:
                 device_ms = self.start.elapsed_time(self.event)
         tokens = self.host.tolist() if self.host is not None else []
         lps = logprob_entries(len(tokens), self.params, self.logprobs)
-        return StepResult(tokens, logprobs=lps, device_ms=device_ms)
+        return StepResult(tokens, logprobs=lps, device_ms=device_ms, ready_at=time.time())
 
 
 def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
