@@ -50,13 +50,16 @@ def test_buffer_fills_equal_the_step_arrays_padded(stage):
     runner = SimpleNamespace(device=torch.device("cpu"), rotate_keys=True)
     SnapshotGraphs.captures = 0
     graphs = SnapshotGraphs(runner, 16, 512, scratch_page=7, shared=(256 // ps, 2))
-    graphs._uploads = Uploads(runner.device, stage=stage)
+    if stage:  # the arena's mirrors, copies merged across gaps
+        graphs._uploads = Uploads(runner.device, stage=True, arena=graphs.arena, buffers=graphs.views)
+    else:
+        graphs._uploads = Uploads(runner.device, stage=False)
     captures0 = graphs.captures
     b = Batch(rng, ps)
     for _ in range(5):
         b.join()
     layout, grouping = DecodeLayout(), SharedGrouping()
-    skipped = 0
+    skipped = puts = 0
     for step in range(60):
         if step in (20, 40):
             b.join()  # 6 then 7 requests: still the graph of 8
@@ -76,6 +79,7 @@ def test_buffer_fills_equal_the_step_arrays_padded(stage):
         last = dict(graphs._uploads._last)
         graphs.run(s, arrays)
         skipped += sum(1 for k, v in last.items() if graphs._uploads._last.get(k) is v)
+        puts += sum(1 for k, v in graphs._uploads._last.items() if last.get(k) is not v)
         n, bs = len(s.input_ids), graphs.seen_b
         assert bs == next(x for x in graphs.sizes if x >= n)
         pad = bs - n
@@ -103,3 +107,48 @@ def test_buffer_fills_equal_the_step_arrays_padded(stage):
         b.grow()
     assert graphs.captures == captures0 + 1
     assert skipped > 0  # unchanged arrays of patched steps were not copied again
+    if stage:  # a step's puts went out in fewer copies than one each
+        assert 0 < graphs._uploads.copies < puts / 2, (graphs._uploads.copies, puts)
+    assert torch.equal(graphs.qo_indptr, torch.arange(len(graphs.qo_indptr), dtype=torch.int32))
+
+
+def test_merged_copies_keep_the_buffers_between_them():
+    """Uploads over an arena, through its two host mirrors: buffers A, B, C side by side. A put to A
+    and C goes out as one copy only over a B whose device values are known: never put, B keeps what
+    it was built with (two copies); once put and then left unchanged (not put again) over steps that
+    alternate mirrors, the merged copies carry B's values, not a mirror's stale ones."""
+    from lazyrt.runtime.worker.cuda_graph import arena_views
+
+    rng = np.random.default_rng()
+    specs = [("a", 40, torch.int32), ("b", 24, torch.long), ("c", 40, torch.int32)]
+    arena, views = arena_views(specs, torch.device("cpu"))
+    views["b"].fill_(-7)  # as built (store_pages holds the scratch page)
+    up = Uploads(torch.device("cpu"), stage=True, arena=arena, buffers=views)
+
+    def step(b_values=None) -> dict:
+        want = {k: rng.integers(0, 1000, size=int(rng.integers(1, 40)), dtype=np.int32) for k in ("a", "c")}
+        up.begin()
+        up.put("a", views["a"], want["a"])
+        if b_values is not None:
+            up.put("b", views["b"], b_values)
+        up.put("c", views["c"], want["c"])
+        up.end()
+        for k, v in want.items():
+            assert np.array_equal(views[k].numpy()[: len(v)], v), k
+        return want
+
+    for _ in range(3):
+        before = up.copies
+        step()
+        assert up.copies - before == 2 and (views["b"] == -7).all()  # B was never put: not copied over
+    b_values = rng.integers(0, 1000, size=17).astype(np.int64)
+    step(b_values)
+    for _ in range(5):  # B unchanged: skipped, merged over from either mirror
+        before = up.copies
+        step(b_values)
+        assert up.copies - before == 1
+        assert np.array_equal(views["b"].numpy()[:17], b_values)
+    up.forget("b")  # written by something else: unknown again, so not copied over
+    views["b"][:17] = 5
+    step()
+    assert (views["b"][:17] == 5).all()

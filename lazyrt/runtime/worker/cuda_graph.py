@@ -37,20 +37,35 @@ class DecodeGraphs:
         self.max_entries = max_entries_per_seq
         self.sizes = [b for b in DEFAULT_BATCH_SIZES if b <= max_batch] or [1]
         n, e = self.sizes[-1], self.sizes[-1] * max_entries_per_seq
-        i32 = dict(dtype=torch.int32, device=dev)
-        self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
-        self.store_pages = torch.full((n,), scratch_page, dtype=torch.long, device=dev)
-        self.store_slots = torch.zeros(n, dtype=torch.long, device=dev)
-        self.qo_indptr = torch.arange(n + 1, **i32)
-        self.kv_indptr = torch.zeros(n + 1, **i32)
-        self.kv_indices = torch.zeros(e, **i32)
-        self.pos_base = torch.zeros(e, **i32)
-        self.valid_len = torch.zeros(e, **i32)
-        self.entry_logit_scale = torch.ones(e, dtype=torch.float32, device=dev)
-        self.entry_log_mass = torch.zeros(e, dtype=torch.float32, device=dev)
+        self.qo_indptr = torch.arange(n + 1, dtype=torch.int32, device=dev)  # never put: outside the arena
+        # The buffers a step puts, as views of one arena (cuda_graph.Uploads copies a step's puts in
+        # a few contiguous ranges): the ones every step puts first, the page tables (unchanged
+        # between patched decode steps, often not copied) last.
+        i64, i32, f32 = torch.long, torch.int32, torch.float32
+        p = 0
+        if shared is not None:
+            piece_pages = shared[0]
+            # each row's parts: its pieces (+ one per run cut short of a piece); distinct pages <= E
+            p = n * (max_entries_per_seq // piece_pages + 32)
+        specs = [(k, n, i64) for k in ("input_ids", "positions", "store_pages", "store_slots")]
+        sh_specs = [
+            ("num_work", 1, i32), ("row_part_indptr", n + 1, i32), ("chunk_kv_indptr", p + 1, i32),
+            ("chunk_len", p, i32), ("pair_indptr", p + 1, i32), ("pair_row", p, i32),
+            ("pair_start", p, i32), ("work_chunk", p, i32), ("work_pair", p, i32), ("row_parts", p, i32),
+            ("chunk_kv_indices", e, i32),
+        ] if shared is not None else []  # fmt: skip
+        specs += sh_specs + [("kv_indptr", n + 1, i32), ("kv_indices", e, i32), ("pos_base", e, i32),
+                             ("valid_len", e, i32), ("entry_logit_scale", e, f32),
+                             ("entry_log_mass", e, f32)]  # fmt: skip
+        self.arena, self.views = arena_views(specs, dev)
+        views = self.views
+        for name in ("input_ids", "positions", "store_pages", "store_slots", "kv_indptr", "kv_indices",
+                     "pos_base", "valid_len", "entry_logit_scale", "entry_log_mass"):  # fmt: skip
+            setattr(self, name, views[name])
+        self.store_pages.fill_(scratch_page)
+        self.entry_logit_scale.fill_(1.0)
         self.scratch_page = scratch_page
-        self._uploads = Uploads(dev)
+        self._uploads = Uploads(dev, arena=self.arena, buffers=views)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.doc_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # on first use
         self.shared_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -58,17 +73,8 @@ class DecodeGraphs:
         if shared is not None:
             from lazyrt.kernels.triton_shared_chunk import persistent_programs
 
-            piece_pages, self.shared_block_pairs = shared
-            # each row's parts: its pieces (+ one per run cut short of a piece); distinct pages <= E
-            p = n * (max_entries_per_seq // piece_pages + 32)
-            self.sh = {
-                "chunk_kv_indptr": torch.zeros(p + 1, **i32), "chunk_kv_indices": torch.zeros(e, **i32),
-                "chunk_len": torch.zeros(p, **i32), "pair_indptr": torch.zeros(p + 1, **i32),
-                "pair_row": torch.zeros(p, **i32), "pair_start": torch.zeros(p, **i32),
-                "work_chunk": torch.zeros(p, **i32), "work_pair": torch.zeros(p, **i32),
-                "num_work": torch.zeros(1, **i32), "row_part_indptr": torch.zeros(n + 1, **i32),
-                "row_parts": torch.zeros(p, **i32),
-            }  # fmt: skip
+            self.shared_block_pairs = shared[1]
+            self.sh = {name: views[name] for name, _, _ in sh_specs}
             self.shared_programs = persistent_programs(dev)
         # (no pool off CUDA: benchmarks/experiments/host_step_e2e.py fills the buffers on the CPU)
         self.pool = torch.cuda.graph_pool_handle() if dev.type == "cuda" else None
@@ -175,10 +181,6 @@ class DecodeGraphs:
         up = self._uploads
         up.begin()
         up.put("input_ids", self.input_ids, s.input_ids, pad, 0)
-        if s.fill is not None:  # tokens the previous step is sampling (overlapped scheduling)
-            rows, src, tokens = s.fill
-            self.input_ids[rows] = tokens[src]
-            up.forget("input_ids")  # the buffer now holds more than what was put
         up.put("positions", self.positions, s.positions, pad, 0)
         up.put("store_pages", self.store_pages, s.store_pages, pad, self.scratch_page)
         up.put("store_slots", self.store_slots, s.store_slots, pad, 0)
@@ -197,34 +199,83 @@ class DecodeGraphs:
                 else:
                     up.put(k, self.sh[k], v)
         up.end()
+        if s.fill is not None:  # tokens the previous step is sampling (overlapped scheduling)
+            rows, src, tokens = s.fill
+            self.input_ids[rows] = tokens[src]  # after the copies: they write input_ids
+            up.forget("input_ids")  # the buffer now holds more than what was put
         graph, out = graphs[b]
         graph.replay()
         return out[:n]
 
 
-class Uploads:
-    """Host values into the graphs' static buffers, without a pinned allocation per copy (that and
-    ~19 copies a step were a visible part of a b64 decode step's host time). On CUDA each buffer
-    has a pinned host mirror (two sets, used in turn; an event per set says when the copies out of
-    it are done, so a set is rewritten only after its last copies ran); the CPU buffers are written
-    directly. A buffer whose values are the same array object (and padding) as its last put is not
-    copied again: a decode step patched from the last one (step_inputs.decode_inputs) shares the
-    page-table arrays that did not change. Values must not change in place once put."""
+def arena_views(specs: list[tuple[str, int, torch.dtype]], device: torch.device) -> tuple[torch.Tensor, dict]:
+    """One zeroed uint8 tensor holding a buffer per (name, numel, dtype), each 64-byte aligned: (the
+    arena, name -> its typed view)."""
+    offsets, at = [], 0
+    for _, numel, dtype in specs:
+        offsets.append(at)
+        at += -(-max(numel, 1) * dtype.itemsize // 64) * 64
+    arena = torch.zeros(at, dtype=torch.uint8, device=device)
+    views = {name: arena[off : off + numel * dtype.itemsize].view(dtype)
+             for (name, numel, dtype), off in zip(specs, offsets)}  # fmt: skip
+    return arena, views
 
-    def __init__(self, device: torch.device, stage: bool | None = None):
-        """stage: go through host mirrors (default: on CUDA; tests force it on the CPU)."""
+
+# Dirty ranges of the arena closer than this many bytes go out as one copy (the gap between them
+# copied too): one copy costs ~35 us of host time on the H100 machine, a few KB more of it nothing.
+MERGE_GAP_BYTES = 1 << 16
+
+
+class Uploads:
+    """Host values into the graphs' static buffers, without a pinned allocation per copy, and in few
+    copies: one per buffer cost ~35 us of host time each on the H100 machine (slicing and copy_),
+    ~0.5 ms for a question step's 15 buffers, in front of its first token. On CUDA the buffers are
+    views of one arena (arena_views) with a pinned host mirror (two sets, used in turn; an event per
+    set says when the copies out of it are done, so a set is rewritten only after its last copies
+    ran); `put` writes the mirror and `end` copies the step's written ranges, merged where they are
+    close: the bytes between two ranges are copied too, so the mirror's copy of any buffer there is
+    first brought up to what the device holds (its last put); a range holding a buffer the device
+    holds no known put of (never put, or `forget`: written on the device) is never copied over.
+    A buffer outside the arena is copied on its own. The CPU buffers are written directly. A buffer
+    whose values are the same array object (and padding) as its last put is not copied again: a
+    decode step patched from the last one (step_inputs.decode_inputs) shares the page-table arrays
+    that did not change. Values must not change in place once put."""
+
+    def __init__(
+        self,
+        device: torch.device,
+        stage: bool | None = None,
+        arena: torch.Tensor | None = None,
+        buffers: dict[str, torch.Tensor] | None = None,
+    ):
+        """stage: go through host mirrors (default: on CUDA; tests force it on the CPU). arena: the
+        uint8 tensor the buffers are views of (arena_views), if they are; buffers: all of its views
+        by name (a buffer not yet put is then never copied over)."""
         self.cuda = device.type == "cuda"
         self.stage = self.cuda if stage is None else stage
-        self._stages: list[dict[str, torch.Tensor]] = [{}, {}]
+        self._arena = arena if self.stage else None
+        self._mirrors: list[torch.Tensor] = []
+        if self._arena is not None:
+            self._mirrors = [torch.zeros(arena.numel(), dtype=torch.uint8, pin_memory=self.cuda)
+                             for _ in range(2)]  # fmt: skip
+        self._stages: list[dict[str, torch.Tensor]] = [{}, {}]  # buffers outside the arena
         self._events = [torch.cuda.Event(), torch.cuda.Event()] if self.cuda else []
         self._recorded = [False, False]
         self._set = 0
         self._last: dict[str, tuple] = {}  # name -> (values, pad, pad value) now in the buffer
+        # arena buffers: name -> (byte offset, the two mirrors' numpy views, itemsize), by offset
+        self._places: dict[str, tuple[int, list[np.ndarray], int]] = {}
+        self._mirrored: list[dict[str, tuple]] = [{}, {}]  # each mirror: name -> the put it holds
+        self._dirty: list[tuple[int, int, str]] = []  # this step's written ranges (bytes)
+        self.copies = 0  # arena copies made (tests)
+        for name, t in (buffers or {}).items():
+            self._place(name, t)
 
     def begin(self) -> None:
         """Before a step's puts: the mirror set about to be written has finished its last copies."""
         if self.cuda and self._recorded[self._set]:
             self._events[self._set].synchronize()
+        self._dirty = []
 
     def put(self, name: str, dst: torch.Tensor, values: np.ndarray, pad: int = 0, pad_value=0) -> None:
         """dst[:len(values)] = values, then `pad` entries of pad_value."""
@@ -232,27 +283,77 @@ class Uploads:
         last = self._last.get(name)
         if last is not None and last[0] is values and last[1:] == key[1:]:
             return
-        n = len(values)
-        if self.stage:
+        place = self._place(name, dst)
+        if place is not None:
+            off, views, itemsize = place
+            _write(views[self._set], key)
+            self._mirrored[self._set][name] = key
+            self._dirty.append((off, off + (len(values) + pad) * itemsize, name))
+        elif self.stage:
             stage = self._stages[self._set].get(name)
             if stage is None:
                 stage = torch.empty(dst.shape, dtype=dst.dtype, pin_memory=self.cuda)
                 self._stages[self._set][name] = stage
-            host = stage.numpy()
+            n = _write(stage.numpy(), key)
+            dst[:n].copy_(stage[:n], non_blocking=True)
         else:
-            host = dst.numpy()
-        host[:n] = values
-        host[n : n + pad] = pad_value
-        if self.stage:
-            dst[: n + pad].copy_(stage[: n + pad], non_blocking=True)
+            _write(dst.numpy(), key)
         self._last[name] = key
 
     def end(self) -> None:
-        """After a step's puts (before its replay): mark the set's copies, use the other set next."""
+        """After a step's puts (before its replay): copy them, mark the set's copies, use the other
+        set next."""
+        if self._dirty:
+            mirror = self._mirrors[self._set]
+            for lo, hi in self._ranges():
+                self._arena[lo:hi].copy_(mirror[lo:hi], non_blocking=True)
+                self.copies += 1
+            self._dirty = []
         if self.cuda:
             self._events[self._set].record()
             self._recorded[self._set] = True
         self._set ^= 1
+
+    def _place(self, name: str, dst: torch.Tensor) -> tuple | None:
+        """(byte offset, mirror views, itemsize) of an arena buffer; None: dst is not in the arena."""
+        place = self._places.get(name)
+        if place is None and self._arena is not None:
+            off = dst.data_ptr() - self._arena.data_ptr()
+            if 0 <= off <= self._arena.numel() - dst.numel() * dst.element_size() and dst.is_contiguous():
+                n = dst.numel() * dst.element_size()
+                views = [m[off : off + n].view(dst.dtype).numpy() for m in self._mirrors]
+                place = (off, views, dst.element_size())
+                self._places = dict(sorted({**self._places, name: place}.items(), key=lambda kv: kv[1][0]))
+        return place
+
+    def _ranges(self) -> list[tuple[int, int]]:
+        """This step's dirty ranges merged across gaps under MERGE_GAP_BYTES that hold only buffers
+        whose last put this mirror can be brought up to (then it is)."""
+        written = {name for _, _, name in self._dirty}
+        out: list[list[int]] = []
+        for lo, hi, _ in sorted(self._dirty):
+            if out and lo - out[-1][1] <= MERGE_GAP_BYTES and self._refresh_between(out[-1][1], lo, written):
+                out[-1][1] = max(out[-1][1], hi)
+            else:
+                out.append([lo, hi])
+        return [(lo, hi) for lo, hi in out]
+
+    def _refresh_between(self, lo: int, hi: int, written: set[str]) -> bool:
+        """Makes this mirror hold the device's values of every buffer starting in [lo, hi) (what the
+        device holds past a buffer's put is read by no graph); False if one has no known put."""
+        s = self._set
+        for name, (off, views, itemsize) in self._places.items():
+            if off >= hi:
+                break
+            if off + views[s].size * itemsize <= lo or name in written:
+                continue
+            last = self._last.get(name)
+            if last is None:
+                return False
+            if self._mirrored[s].get(name) is not last:
+                _write(views[s], last)
+                self._mirrored[s][name] = last
+        return True
 
     def forget(self, name: str | None = None) -> None:
         """The buffer (every buffer: None) was written by something else: put it again next time."""
@@ -260,3 +361,13 @@ class Uploads:
             self._last.clear()
         else:
             self._last.pop(name, None)
+
+
+def _write(host: np.ndarray, key: tuple) -> int:
+    """host[:n] = values, then pad entries of pad_value (key: (values, pad, pad_value)); returns
+    the entries written."""
+    values, pad, pad_value = key
+    n = len(values)
+    host[:n] = values
+    host[n : n + pad] = pad_value
+    return n + pad
