@@ -181,3 +181,47 @@ def test_shared_arrays_reuse_the_document_grouping_across_decode_steps():
         for segs in batch.values():
             segs[-1].num_tokens += 1  # the decode step wrote one token
     assert hits >= 8  # only the first step and the batch changes regroup the documents
+
+
+@pytest.mark.parametrize("ps", [1, 4, 16])
+def test_a_lone_step_skips_the_grouping_with_the_same_arrays(ps, monkeypatch):
+    """A step of one item (a question over cached documents, replayed through a shared CUDA graph)
+    takes step_inputs.lone_arrays instead of the grouping: over random documents (partial last pages,
+    runs shorter and longer than a piece), questions of several tokens and a document used twice, its
+    arrays equal the grouping's (lone_arrays switched off) in every field and order."""
+    import numpy as np
+
+    from lazyrt.runtime.worker import step_inputs
+    from lazyrt.runtime.worker.step_inputs import SharedGrouping, shared_arrays
+
+    rng = random.Random()
+    pages = iter(rng.sample(range(1, 10**7), 200_000))
+    lone_calls = []
+    real_lone = step_inputs.lone_arrays
+    for trial in range(40):
+        docs = []
+        for _ in range(rng.randint(0, 6)):
+            n = rng.randint(1, 40 * 16 // ps + 3)
+            docs.append(([next(pages) for _ in range(-(-n // ps))], n))
+        if docs and trial % 4 == 0:
+            docs.append(rng.choice(docs))  # the same document twice: grouped into one segment
+        pos, segs = 0, []
+        for pg, n in docs:
+            segs.append(Segment(pg, pos, n, is_doc=True))
+            pos += n
+        q = rng.randint(1, 20)
+        own = rng.randint(0, 30)  # a prefix of its own (radix pages) before the question
+        segs.append(Segment([next(pages) for _ in range(-(-(own + q) // ps))], pos, own + q))
+        plan = StepPlan(items=[_item(q, segs)])
+        s = StepInputs.from_plan(plan, ps)
+        pt = rng.choice([ps, 2 * ps, 512])
+        monkeypatch.setattr(step_inputs, "SHARED_PIECE_TOKENS", 2 * pt)  # (a lone step: half)
+        monkeypatch.setattr(step_inputs, "lone_arrays", lambda *a: lone_calls.append(a) or real_lone(*a))
+        got = shared_arrays(plan, s, ps, 2, SharedGrouping(), force=True)
+        monkeypatch.setattr(step_inputs, "lone_arrays", lambda *a: None)
+        want = shared_arrays(plan, s, ps, 2, SharedGrouping(), force=True)
+        assert set(got) == set(want)
+        for k in want:
+            assert got[k].dtype == want[k].dtype and np.array_equal(got[k], want[k]), (trial, k)
+    assert len(lone_calls) == 40
+    assert any(real_lone(*a) is None for a in lone_calls), "a document used twice must fall back"

@@ -21,7 +21,7 @@ from lazyrt.kernels.shared_chunk import (
     run_pieces,
     work_items,
 )
-from lazyrt.runtime.scheduler.plan import StepPlan
+from lazyrt.runtime.scheduler.plan import ForwardItem, StepPlan
 from lazyrt.runtime.scheduler.request import Segment
 
 _I32 = np.int32
@@ -446,6 +446,11 @@ def shared_arrays(
         return None
     ps, qo = page_size, s.qo_indptr
     pt = SHARED_PIECE_TOKENS // (2 if s.num_seqs <= SHARED_SMALL_BATCH else 1)
+    if len(plan.items) == 1:  # a lone question step (forced): nothing to group
+        rows = range(int(qo[0]), int(qo[1]))
+        lone = lone_arrays(plan.items[0], rows, ps, pt, len(s.input_ids), block_pairs)
+        if lone is not None:
+            return lone
     patched = layout is not None and layout.hit and layout.s is s  # same batch as the last step
     if not (patched and cache.version == layout.version and cache.key is not None and cache.key[0] == pt):
         rows = [range(int(qo[i]), int(qo[i + 1])) for i in range(len(plan.items))]
@@ -478,6 +483,42 @@ def shared_arrays(
     if cache.per_request + per_request < SHARED_MIN_SAVING * (cache.shared + shared) and not force:
         return None
     return finish_arrays(concat_flat(cache.flat, own_flat), len(s.input_ids), block_pairs)
+
+
+def lone_arrays(
+    item: ForwardItem, rows: range, ps: int, pt: int, num_rows: int, block_pairs: int
+) -> dict[str, np.ndarray] | None:
+    """shared_arrays of a step with one item, in numpy: its runs (documents etc., then its own) cut
+    into pieces of pt tokens, each piece one segment with a pair per query row. This is what the
+    grouping gives when no two pieces are equal, without its Python loops (0.59 ms of host time on
+    the H100 machine for a lone question over 5 documents, in front of its first token); None when
+    two pieces start on the same page (a document twice in the prompt: the grouping decides)."""
+    runs = [g for g in item.segments if g is not item.target and g.num_tokens]
+    if item.target.num_tokens and _holds(item.segments, item.target):
+        runs.append(item.target)
+    pp = max(1, pt // ps)  # pages a piece
+    pages, counts, lens, starts = [], [], [], []
+    for g in runs:
+        n = g.num_tokens
+        n_pages = -(-n // ps)
+        k = np.arange(0, n_pages, pp)
+        pages.append(np.asarray(g.pages[:n_pages], dtype=_I32))
+        counts.append(np.minimum(k + pp, n_pages) - k)
+        lens.append(np.minimum(n, (k + pp) * ps) - k * ps)
+        starts.append(g.start_pos + k * ps)
+    cat = lambda xs: np.concatenate(xs).astype(_I32) if xs else np.zeros(0, _I32)  # noqa: E731
+    indices, counts, lens, starts = cat(pages), cat(counts), cat(lens), cat(starts)
+    kv_indptr = np.concatenate([[0], np.cumsum(counts)]).astype(_I32)
+    if len(np.unique(indices[kv_indptr[:-1]])) != len(lens):
+        return None
+    r, n_pieces = len(rows), len(lens)
+    flat = dict(
+        kv_indptr=kv_indptr, indices=indices, lens=lens,
+        pair_indptr=(np.arange(n_pieces + 1) * r).astype(_I32),
+        rows=np.tile(np.arange(rows.start, rows.stop, dtype=_I32), n_pieces),
+        starts=np.repeat(starts, r).astype(_I32),
+    )  # fmt: skip
+    return finish_arrays(flat, num_rows, block_pairs)
 
 
 @dataclass
