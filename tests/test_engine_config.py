@@ -76,3 +76,42 @@ def test_half_precision_on_cpu_is_warned(tiny_model_dir, caplog):
         assert not [r for r in caplog.records if "on CPU" in r.getMessage()]
         Engine(path, device="cpu", dtype="bfloat16", kv_cache_tokens=256).close()
     assert any("dtype=bfloat16 on CPU" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("where", ["pool", "after the pool"])
+def test_out_of_memory_at_start_up_says_how_the_pool_was_sized(where, tiny_model_dir, monkeypatch):
+    """A device out of memory while the worker sets up (the KV pool itself, or the runner and its CUDA
+    graphs in what the pool left: 2 x H100 with a 70B model did this) ends start-up with an error that
+    says how the pool was sized and which flags leave room, not a bare allocator message."""
+    from lazyrt import Engine
+    from lazyrt.runtime.worker import model_worker
+    from lazyrt.runtime.worker.model_worker import StartupOutOfMemory
+
+    def oom(*a, **k):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 290.00 MiB")
+
+    monkeypatch.setattr(model_worker, "PagePool" if where == "pool" else "ModelRunner", oom)
+    with pytest.raises(StartupOutOfMemory) as e:
+        Engine(tiny_model_dir("llama3"), device="cpu", kv_cache_tokens=4096)
+    msg = str(e.value)
+    assert "ran out of memory at start-up" in msg and "kv_cache_tokens=4096" in msg
+    assert "--kv-cache-memory-fraction" in msg and "--cuda-graph-max-batch 0" in msg
+    if where == "pool":
+        assert "allocating the KV pool" in msg
+    else:  # the pool's size in pages (4096 tokens of 16)
+        assert "after the KV pool took" in msg and "256 pages" in msg
+    assert isinstance(e.value.__cause__, torch.cuda.OutOfMemoryError)
+
+
+def test_start_up_oom_message_with_the_fraction():
+    """Sized from the free memory: the message gives the fraction, what the weights left and what the
+    pool left of it."""
+    from types import SimpleNamespace
+
+    from lazyrt.runtime.worker.model_worker import startup_oom_message
+
+    cfg = EngineConfig(kv_cache_memory_fraction=0.8)
+    pool = SimpleNamespace(kv_all=SimpleNamespace(nbytes=6 << 30), num_pages=1234)
+    msg = startup_oom_message(cfg, pool, 7 << 30)
+    assert "kv_cache_memory_fraction=0.8" in msg and "7.0 GiB free after loading the weights" in msg
+    assert "took 6.0 GiB" in msg and "1234 pages" in msg and "1.0 GiB left" in msg

@@ -44,6 +44,35 @@ def resolve_device(device: str) -> str:
     return "cpu" if dev == "auto" else dev
 
 
+class StartupOutOfMemory(RuntimeError):
+    """The device ran out of memory while the worker set up its KV pool, runner or CUDA graphs."""
+
+
+def startup_oom_message(cfg: EngineConfig, pool: PagePool | None, free_after_weights: int | None) -> str:
+    """What a start-up out-of-memory error says: how the KV pool was sized and which flags leave more
+    room (the memory the pool does not take holds the CUDA graphs and the steps' activations)."""
+    gib = 1 << 30
+    if cfg.kv_cache_tokens is not None:
+        sizing = [f"kv_cache_tokens={cfg.kv_cache_tokens}"]
+    else:
+        sizing = [f"kv_cache_memory_fraction={cfg.kv_cache_memory_fraction} of the free memory"]
+    if free_after_weights:
+        sizing.append(f"{free_after_weights / gib:.1f} GiB free after loading the weights")
+    if pool is None:
+        where = f"allocating the KV pool ({'; '.join(sizing)})"
+    else:
+        took = pool.kv_all.nbytes
+        if free_after_weights:
+            sizing.append(f"{(free_after_weights - took) / gib:.1f} GiB left")
+        sizing.insert(0, f"{pool.num_pages} pages")
+        where = f"setting up after the KV pool took {took / gib:.1f} GiB ({'; '.join(sizing)})"
+    return (
+        f"the device ran out of memory at start-up, {where}: pass a smaller --kv-cache-memory-fraction "
+        "(kv_cache_memory_fraction) or --kv-cache-tokens, a smaller --max-step-tokens, or "
+        "--cuda-graph-max-batch 0 (no CUDA graphs)"
+    )
+
+
 class ModelWorker:
     def __init__(
         self, cfg: EngineConfig, tp: TPMember | None = None, tp_check: Callable[[], None] | None = None
@@ -110,46 +139,14 @@ class ModelWorker:
         if dev.startswith("cuda"):
             torch.cuda.empty_cache()  # the unfused copies: give them back before sizing the KV pool
         self.max_context = min(loaded.config.max_context, cfg.max_model_len or 1 << 62)
-        c = local_config
-        self.pool = PagePool(
-            c.num_layers,
-            self._num_pages(DTYPES[dtype_name], local_config),
-            cfg.page_size,
-            c.num_kv_heads,
-            c.head_dim,
-            DTYPES[dtype_name],
-            dev,
-            scratch_pages=1,
+        self._free_after_weights = (
+            torch.cuda.mem_get_info(self.model.device)[0] if self.model.device.type == "cuda" else None
         )
-        host_pages = cfg.host_kv_cache_tokens // cfg.page_size
-        self.host_kv = HostKVPool(self.pool, host_pages) if host_pages else None
-        self.runner = ModelRunner(
-            self.model,
-            self.pool,
-            self.max_context,
-            rotate_keys=cfg.cache_mode == "lazy",
-            shared_chunk_attention=cfg.shared_chunk_attention,
-            host_kv=self.host_kv,
-            retrieval=RetrievalOptions(
-                cfg.retrieval_top_k, cfg.retrieval_sink, cfg.retrieval_scan, cfg.retrieval_build_threads,
-                str(dev) if torch.device(dev).type == "cuda" else None, cfg.retrieval_share_lists,
-                cfg.retrieval_exact_prefill,
-            )
-            if cfg.retrieval_attention
-            else None,
-            tp_size=cfg.tensor_parallel_size,
-            kv_replicas=kv_replicas(loaded.config, cfg.tensor_parallel_size),
-        )
-        # Under tensor parallelism the graphs capture the NCCL all-reduces too: every rank captures the
-        # same batch sizes in the same order (the warm-up runs before each capture are collectives),
-        # and every rank replays the same graph in each step.
-        if self.model.device.type == "cuda" and cfg.cuda_graph_max_batch > 0:
-            # A server configured with document attention uses it in every step: capture those graphs
-            # now, not on first use mid-traffic (a request's own override still captures on demand).
-            doc_attention = (cfg.doc_attention_temperature, cfg.doc_attention_scale) != (1, 1)
-            self.runner.enable_cuda_graphs(
-                min(cfg.cuda_graph_max_batch, cfg.max_running_requests), self.max_context, doc_attention
-            )
+        try:
+            self._set_up_pool_and_runner(cfg, local_config, loaded.config, DTYPES[dtype_name], dev)
+        except torch.cuda.OutOfMemoryError as e:
+            raise StartupOutOfMemory(startup_oom_message(cfg, getattr(self, "pool", None),
+                                                         self._free_after_weights)) from e  # fmt: skip
         eos = set(loaded.config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -168,6 +165,45 @@ class ModelWorker:
         # computed on the grammar thread meanwhile): (rows, logits, processed logits, prepared masks,
         # the timing event where it began on the device)
         self._unsampled: tuple | None = None
+
+    def _set_up_pool_and_runner(
+        self, cfg: EngineConfig, c: ModelConfig, whole: ModelConfig, dtype: torch.dtype, dev: str
+    ) -> None:
+        """The KV pool (sized from what the weights left), the host tier, the runner and its CUDA
+        graphs: the start-up allocations after the weights."""
+        self.pool = PagePool(
+            c.num_layers, self._num_pages(dtype, c), cfg.page_size, c.num_kv_heads, c.head_dim, dtype, dev,
+            scratch_pages=1,
+        )  # fmt: skip
+        host_pages = cfg.host_kv_cache_tokens // cfg.page_size
+        self.host_kv = HostKVPool(self.pool, host_pages) if host_pages else None
+        self.runner = ModelRunner(
+            self.model,
+            self.pool,
+            self.max_context,
+            rotate_keys=cfg.cache_mode == "lazy",
+            shared_chunk_attention=cfg.shared_chunk_attention,
+            host_kv=self.host_kv,
+            retrieval=RetrievalOptions(
+                cfg.retrieval_top_k, cfg.retrieval_sink, cfg.retrieval_scan, cfg.retrieval_build_threads,
+                str(dev) if torch.device(dev).type == "cuda" else None, cfg.retrieval_share_lists,
+                cfg.retrieval_exact_prefill,
+            )
+            if cfg.retrieval_attention
+            else None,
+            tp_size=cfg.tensor_parallel_size,
+            kv_replicas=kv_replicas(whole, cfg.tensor_parallel_size),
+        )
+        # Under tensor parallelism the graphs capture the NCCL all-reduces too: every rank captures the
+        # same batch sizes in the same order (the warm-up runs before each capture are collectives),
+        # and every rank replays the same graph in each step.
+        if self.model.device.type == "cuda" and cfg.cuda_graph_max_batch > 0:
+            # A server configured with document attention uses it in every step: capture those graphs
+            # now, not on first use mid-traffic (a request's own override still captures on demand).
+            doc_attention = (cfg.doc_attention_temperature, cfg.doc_attention_scale) != (1, 1)
+            self.runner.enable_cuda_graphs(
+                min(cfg.cuda_graph_max_batch, cfg.max_running_requests), self.max_context, doc_attention
+            )
 
     def _num_pages(self, dtype: torch.dtype, model_config: ModelConfig | None = None) -> int:
         """KV pages from the budget for model_config's KV heads (this rank's; default the whole
