@@ -122,6 +122,8 @@ def add_workload_args(p: argparse.ArgumentParser, batches: list[int]) -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks (GPUs) the model is split over")
     p.add_argument("--tp-peer-all-reduce", action=argparse.BooleanOptionalAction, default=True,
                    help="TP on CUDA: small all-reduces via symmetric memory (no: all NCCL)")  # fmt: skip
+    p.add_argument("--tp-fused-all-reduce-norm", action=argparse.BooleanOptionalAction, default=False,
+                   help="TP > 1: each layer's all-reduce, residual add and RMSNorm in one FlashInfer kernel")
     p.add_argument("--cuda-graph-max-batch", type=int, default=64, help="0: every step launches eagerly")
 
 
@@ -149,6 +151,7 @@ def make_workload(args):
         kv_cache_tokens=shared + max_b * (own + args.steps + 16 + headroom),
         tensor_parallel_size=args.tensor_parallel_size,
         tp_peer_all_reduce=getattr(args, "tp_peer_all_reduce", True),  # callers building their own args
+        tp_fused_all_reduce_norm=getattr(args, "tp_fused_all_reduce_norm", False),
         cuda_graph_max_batch=args.cuda_graph_max_batch,
     )
     gen = torch.Generator().manual_seed(0)

@@ -203,6 +203,14 @@ def build_parser() -> argparse.ArgumentParser:
         "takes large ones and all of them where peer memory is unavailable",
     )
     p.add_argument(
+        "--tp-fused-all-reduce-norm",
+        action=argparse.BooleanOptionalAction,
+        default=d.tp_fused_all_reduce_norm,
+        help="CUDA, --tensor-parallel-size > 1, with --tp-peer-all-reduce: each layer's all-reduce, "
+        "residual add and RMSNorm in one FlashInfer kernel for decode-sized steps (experimental: needs "
+        "FlashInfer's trtllm_comm sources; separate kernels where it cannot be set up)",
+    )
+    p.add_argument(
         "--document-store",
         default=d.document_store,
         metavar="PATH|none",
@@ -226,9 +234,9 @@ def flag_error(parser: argparse.ArgumentParser, message: str) -> str:
     return f"{flag}: {message}" if name.isidentifier() and flag in known else message
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    cfg = EngineConfig(
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig the parsed flags describe (every engine flag lands in one field)."""
+    return EngineConfig(
         model=args.model,
         device=args.device,
         dtype=args.dtype,
@@ -265,9 +273,15 @@ def main(argv: list[str] | None = None) -> int:
         worker_in_scheduler=args.worker_in_scheduler,
         tensor_parallel_size=args.tensor_parallel_size,
         tp_peer_all_reduce=args.tp_peer_all_reduce,
+        tp_fused_all_reduce_norm=args.tp_fused_all_reduce_norm,
         document_store=args.document_store,
         seed=args.seed,
     )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    cfg = engine_config(args)
     try:
         cfg.validate()
         check_devices(cfg)

@@ -496,19 +496,111 @@ def test_launch_flag_is_validated_before_anything_starts():
     assert r.returncode == 2 and "--tensor-parallel-size: tensor_parallel_size=0" in r.stderr, r.stderr
 
 
+def test_tensor_parallel_flags_reach_the_engine_config():
+    from lazyrt.launch import build_parser, engine_config
+
+    p = build_parser()
+    default = engine_config(p.parse_args([]))
+    assert default.tp_peer_all_reduce and not default.tp_fused_all_reduce_norm
+    cfg = engine_config(p.parse_args(["--tensor-parallel-size", "2", "--tp-fused-all-reduce-norm"]))
+    assert cfg.tensor_parallel_size == 2 and cfg.tp_peer_all_reduce and cfg.tp_fused_all_reduce_norm
+    cfg = engine_config(p.parse_args(["--no-tp-peer-all-reduce", "--tp-fused-all-reduce-norm"]))
+    with pytest.raises(ValueError, match="tp_fused_all_reduce_norm.*tp_peer_all_reduce"):
+        cfg.validate()
+
+
 # ---- CUDA: NCCL, one GPU per rank (run on a machine with two GPUs) ---------------------------------
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-@pytest.mark.parametrize("mode", ["lazy", "prefix"])
-def test_cuda_tp2_equals_tp1(mode, tiny_model_dir):
+@pytest.mark.parametrize("mode, fused", [("lazy", False), ("prefix", False), ("lazy", True)])
+def test_cuda_tp2_equals_tp1(mode, fused, tiny_model_dir):
+    """fused: FlashInfer's all-reduce + residual add + RMSNorm kernel (tp_fused_all_reduce_norm; its
+    sources carried in .fi_csrc/, benchmarks/fetch_fi_comm_sources.sh), which must have been set up."""
     path = tiny_model_dir("qwen3")
     batches = _batches(random.Random())
     kw = dict(device="cuda", dtype="float32", cache_mode=mode, kv_cache_tokens=8192)
     want = _run(Engine(path, **kw), batches)
-    with Engine(path, tensor_parallel_size=2, **kw) as two:
+    with Engine(path, tensor_parallel_size=2, tp_fused_all_reduce_norm=fused, **kw) as two:
         assert str(two.model.device) == "cuda:0" and two.pool.num_kv_heads == 1
+        assert (two.worker.tp.fused is not None) == fused
         got = _run(two, batches)
     _assert_same(got, want)
+
+
+def _fused_rank(rank: int, rdv: TPRendezvous, rows: list[int], results) -> None:
+    """One rank of test_cuda_fused_all_reduce_norm (inputs from seeds, as _peer_rank)."""
+    from lazyrt.models.layer_ops import rms_norm
+
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    hidden = 4096
+    g = TPGroup(rdv, rank, dev, peer_dtype=torch.bfloat16, fused_norm_hidden=hidden)
+    out = {"fused": g.fused is not None}
+
+    def t(shape, salt: int, scale: float = 1.0) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(salt)
+        return (torch.randn(shape, generator=gen) * scale).to(torch.bfloat16).to(dev)
+
+    def ref(partials, residual, weight):
+        s = residual.float() + sum(p.float() for p in partials)
+        return rms_norm(s, weight.float(), 1e-5), s
+
+    weight = t(hidden, 7, 0.1) + 1
+    for n in rows:
+        partials = [t((n, hidden), 100 * n + r) for r in range(2)]
+        residual = t((n, hidden), 100 * n + 50)
+        got = g.reduce_add_norm(partials[rank], residual, weight, 1e-5)
+        if got is None:
+            out[n] = None
+            continue
+        want = ref(partials, residual, weight)
+        out[n] = max((a.float() - b).abs().max().item() for a, b in zip(got, want))
+    # in a CUDA graph, 4 layers chained: residual <- s, x <- norm(s), partials from x
+    n = 16
+    mixes = [t((hidden,), 900 + k + 10 * r, 0.05) for k in range(4) for r in range(2)]
+    h0, x0 = t((n, hidden), 901), t((n, hidden), 902)
+    want_h, want_x = h0.float(), x0.float()
+    for k in range(4):
+        p = [want_x.to(torch.bfloat16) * mixes[2 * k + r] for r in range(2)]
+        want_x, want_h = ref(p, want_h.to(torch.bfloat16), weight)
+    s = torch.cuda.Stream(dev)
+    s.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(s):
+        g.reduce_add_norm(x0 * mixes[rank], h0, weight, 1e-5)  # warm-up outside the capture
+    torch.cuda.current_stream(dev).wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        x, h = x0, h0
+        for k in range(4):
+            x, h = g.reduce_add_norm(x * mixes[2 * k + rank], h, weight, 1e-5)
+    graph.replay()
+    torch.cuda.synchronize(dev)
+    out["graph"] = max((x.float() - want_x).abs().max().item(), (h.float() - want_h).abs().max().item())
+    results.put((rank, out))
+    g.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_cuda_fused_all_reduce_norm(tmp_path):
+    """FusedAllReduceNorm (FlashInfer's TensorRT-LLM fusion; sources from .fi_csrc/) on 2 GPUs: for
+    1, 16 and 64 rows of a 4,096 hidden size in bf16, (norm(residual + both ranks' partials) * weight,
+    that sum) match a torch reference in fp32, eagerly and in a CUDA graph of 4 chained layers; a step
+    of more rows than its workspace is declined (None: the model runs the three apart)."""
+    import torch.multiprocessing as mp
+
+    rdv = TPRendezvous.create(2, str(tmp_path))
+    rows = [1, 16, 64, 1000]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    mp.start_processes(_fused_rank, args=(rdv, rows, q), nprocs=2, start_method="spawn")
+    res = dict(q.get(timeout=300) for _ in range(2))  # (the kernel's first JIT build takes minutes)
+    for r in range(2):
+        assert res[r]["fused"], "the fused kernel was not set up"
+        for n in rows[:3]:
+            assert res[r][n] is not None and res[r][n] <= 0.06, (r, n, res[r][n])  # bf16 outputs, |x| <~ 8
+        assert res[r][1000] is None
+        assert res[r]["graph"] <= 0.1, res[r]["graph"]
 
 
 def _peer_rank(rank: int, rdv: TPRendezvous, sizes: list[int], steps: int, results) -> None:
@@ -630,6 +722,52 @@ def test_ranks_agree_on_the_peer_all_reduce_path(tmp_path, monkeypatch, outcomes
         torch.testing.assert_close(big, vals[1][0] + vals[1][1])
 
 
+@pytest.mark.parametrize("outcomes", [(True, False), (False, True), (True, True)])
+def test_ranks_agree_on_the_fused_all_reduce_norm(tmp_path, monkeypatch, outcomes):
+    """The fused all-reduce + norm kernel, like the peer path, is kept only where every rank set it up
+    (a rank on it and one on the separate kernels would never meet), and only on top of the peer path;
+    reduce_add_norm then hands it the steps it fits and declines the rest."""
+    from lazyrt.runtime.worker.fused_all_reduce_norm import FusedAllReduceNorm
+    from lazyrt.runtime.worker.peer_all_reduce import PeerAllReduce
+
+    class Fused:
+        def fits(self, t):
+            return t.shape[0] <= 2
+
+        def __call__(self, partial, residual, weight, eps):
+            return "fused", partial.shape[0]
+
+    peers = {r: _FakePeer() for r in range(2)}
+    for p in peers.values():
+        p.group = "named group"
+    fused = {r: Fused() for r in range(2)}
+    monkeypatch.setattr(PeerAllReduce, "_setups_in_process", 0)
+    monkeypatch.setattr(PeerAllReduce, "available", staticmethod(lambda device: True))
+    monkeypatch.setattr(PeerAllReduce, "create", classmethod(lambda cls, pg, st, name, r, *a, **k: peers[r]))
+    monkeypatch.setattr(FusedAllReduceNorm, "available", staticmethod(lambda device: True))
+    made = lambda cls, group, r, *a, **k: fused[r] if outcomes[r] and group == "named group" else None  # noqa: E731
+    monkeypatch.setattr(FusedAllReduceNorm, "create", classmethod(made))
+    rdv = TPRendezvous.create(2, str(tmp_path))
+    out: dict[int, tuple] = {}
+
+    def rank(r: int) -> None:
+        g = TPGroup(rdv, r, torch.device("cpu"), peer_dtype=torch.float32, fused_norm_hidden=8)
+        x, x3 = torch.zeros(2, 8), torch.zeros(3, 8)
+        out[r] = (g.fused, g.reduce_add_norm(x, x, x[0], 1e-5), g.reduce_add_norm(x3, x3, x[0], 1e-5))
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for r in range(2):
+        got, small, big = out[r]
+        if all(outcomes):
+            assert got is fused[r] and small == ("fused", 2) and big is None
+        else:
+            assert got is None and small is None and big is None
+
+
 @pytest.mark.parametrize("setups", [(1, 0), (0, 2), (-4321, -4321 + 1), (1, 1)])
 def test_peer_set_up_only_between_ranks_with_as_many_set_ups_behind_them(tmp_path, monkeypatch, setups):
     """torch numbers its symmetric-memory exchanges per process: a rank 0 that set up an earlier group
@@ -708,3 +846,37 @@ def test_a_set_up_counts_in_its_process(monkeypatch):
     monkeypatch.setattr(symm_mem, "rendezvous", fail)
     assert PeerAllReduce.create(*args) is None
     assert PeerAllReduce.setups_in_process() == -os.getpid()
+
+
+def test_fused_reduce_add_norm_takes_the_partial_sums_where_it_fits(tiny_model_dir):
+    """LlamaModel's reduce_add_norm (under tensor parallelism: FlashInfer's all-reduce + residual add +
+    RMSNorm kernel) gets each block's partial sums, the residual and the next norm's weight, 2 per
+    layer, in the steps it takes; a step it declines (None: too many rows) runs the all-reduce and
+    add_rms_norm apart. A CPU engine's greedy tokens are the same with torch stand-ins (an all-reduce
+    that doubles, as two ranks holding equal partials would sum, and a fused op that doubles the
+    partial it gets), and the fused stand-in saw the decode steps, not the prompt's."""
+    from conftest import cpu_engine
+
+    engine = cpu_engine(tiny_model_dir("llama3"), "lazy")
+    model, calls = engine.worker.model, []
+    model.all_reduce = lambda t: t * 2
+    rng = random.Random()
+    ids = lambda n: [rng.randrange(100, 1000) for _ in range(n)]  # noqa: E731
+    prompts = [RagPrompt(ids(5), [ids(30), ids(22)], ids(6)) for _ in range(2)]
+    sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    want = [o["token_ids"] for o in engine.generate(prompts, sp)]
+    eps = model.config.rms_norm_eps
+
+    def fused(partial, residual, weight, e):
+        assert e == eps and weight.shape == (model.config.hidden_size,) and residual.shape == partial.shape
+        calls.append(partial.shape[0])
+        return model.ops.add_rms_norm(partial * 2, residual, weight, e) if partial.shape[0] <= 2 else None
+
+    model.reduce_add_norm = fused
+    engine.flush_cache()
+    got = [o["token_ids"] for o in engine.generate(prompts, sp)]
+    assert got == want
+    layers = model.config.num_layers
+    taken = [n for n in calls if n <= 2]
+    assert taken and len(taken) % (2 * layers) == 0  # every block of the steps it took
+    assert any(n > 2 for n in calls)  # the prompt steps reached it and were declined

@@ -30,15 +30,20 @@ class LlamaModel:
         all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
         all_gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
         vocab_start: int = 0,
+        reduce_add_norm: Callable[..., tuple[torch.Tensor, torch.Tensor] | None] | None = None,
     ):
         """Takes ownership of `weights` (fusing replaces entries in place). ops / fuse_projections:
         default by device and dtype (CUDA: fused projections, FlashInfer/Triton layer ops).
         all_reduce: tensor parallelism (models/tensor_parallel.py): config and weights are this rank's
         shard, and o_proj / down_proj outputs are partial sums that all_reduce adds up over the ranks.
         all_gather (vocab parallel): the embedding and lm_head hold vocabulary rows [vocab_start,
-        vocab_start + config.vocab_size) only; all_gather(t) returns every rank's t stacked [ranks, ...]."""
+        vocab_start + config.vocab_size) only; all_gather(t) returns every rank's t stacked [ranks, ...].
+        reduce_add_norm(partial, residual, weight, eps): all_reduce, the residual add and the RMSNorm
+        after o_proj / down_proj in one kernel (worker/fused_all_reduce_norm.py), returning what
+        ops.add_rms_norm does, or None for a step it does not take (then the three run apart)."""
         self.config = config
         self.all_reduce = all_reduce
+        self.reduce_add_norm = reduce_add_norm
         self.all_gather, self.vocab_start = all_gather, vocab_start
         missing = [n for n in self._required_names() if n not in weights]
         if missing:
@@ -111,7 +116,7 @@ class LlamaModel:
         q, k, v = self._qkv(i, x)
         q = self.ops.rope(q, meta.positions, rope)
         o = backend.forward(i, q, k, v, meta)  # k goes in unrotated: the backend decides when to rotate
-        return self._reduce(F.linear(o.reshape(n, c.num_heads * c.head_dim), w[p + "o_proj.weight"]))
+        return F.linear(o.reshape(n, c.num_heads * c.head_dim), w[p + "o_proj.weight"])  # a partial sum
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         table = self.w["model.embed_tokens.weight"]
@@ -126,6 +131,16 @@ class LlamaModel:
     def _reduce(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.all_reduce is None else self.all_reduce(x)
 
+    def _reduce_add_norm(
+        self, partial: torch.Tensor, h: torch.Tensor, weight: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(h + sum of the ranks' partial), h + that sum): a block's output joins the residual."""
+        if self.reduce_add_norm is not None:
+            fused = self.reduce_add_norm(partial, h, weight, self.config.rms_norm_eps)
+            if fused is not None:
+                return fused
+        return self.ops.add_rms_norm(self._reduce(partial), h, weight, self.config.rms_norm_eps)
+
     @torch.inference_mode()
     def forward(
         self, input_ids: torch.Tensor, meta: AttentionMetadata, rope: RopeCache, backend: AttentionBackend
@@ -137,10 +152,10 @@ class LlamaModel:
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
             a = self._attention(i, x, meta, rope, backend)
-            x, h = ops.add_rms_norm(a, h, w[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
+            x, h = self._reduce_add_norm(a, h, w[p + "post_attention_layernorm.weight"])
             last = i + 1 == c.num_layers
             nxt = "model.norm.weight" if last else f"model.layers.{i + 1}.input_layernorm.weight"
-            x, h = ops.add_rms_norm(self._mlp(i, x), h, w[nxt], c.rms_norm_eps)
+            x, h = self._reduce_add_norm(self._mlp(i, x), h, w[nxt])
         return x
 
     @torch.inference_mode()
@@ -162,9 +177,9 @@ class LlamaModel:
         for i in range(layer):
             p = f"model.layers.{i}."
             a = self._attention(i, x, meta, rope, backend)
-            x, h = ops.add_rms_norm(a, h, w[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
+            x, h = self._reduce_add_norm(a, h, w[p + "post_attention_layernorm.weight"])
             nxt = f"model.layers.{i + 1}.input_layernorm.weight"
-            x, h = ops.add_rms_norm(self._mlp(i, x), h, w[nxt], c.rms_norm_eps)
+            x, h = self._reduce_add_norm(self._mlp(i, x), h, w[nxt])
         _, k, v = self._qkv(layer, x)
         return k, v
 
@@ -175,7 +190,7 @@ class LlamaModel:
             act = self.ops.silu_and_mul(F.linear(x, gate_up))
         else:
             act = F.silu(F.linear(x, w[p + "gate_proj.weight"])) * F.linear(x, w[p + "up_proj.weight"])
-        return self._reduce(F.linear(act, w[p + "down_proj.weight"]))
+        return F.linear(act, w[p + "down_proj.weight"])  # a partial sum
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

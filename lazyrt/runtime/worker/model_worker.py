@@ -115,9 +115,11 @@ class ModelWorker:
         loaded.weights.clear()  # the model owns (and on CUDA fuses) the weights from here
         # rank 0 forwards each step to the other ranks; every rank joins the group once its shard is in
         self._followers = PlanLinks(tp.rendezvous) if tp is not None and tp.rank == 0 else None
+        fused_hidden = local_config.hidden_size if cfg.tp_fused_all_reduce_norm else None
         self.tp = (
             TPGroup(tp.rendezvous, tp.rank, torch.device(dev), tp_check,
-                    peer_dtype=DTYPES[dtype_name] if cfg.tp_peer_all_reduce else None)  # fmt: skip
+                    peer_dtype=DTYPES[dtype_name] if cfg.tp_peer_all_reduce else None,
+                    fused_norm_hidden=fused_hidden)  # fmt: skip
             if tp is not None
             else None
         )
@@ -134,6 +136,7 @@ class ModelWorker:
             all_reduce=reduce,
             all_gather=self.tp.all_gather if split_vocab else None,
             vocab_start=tp.rank * local_config.vocab_size if split_vocab else 0,
+            reduce_add_norm=self.tp.reduce_add_norm if self.tp is not None and self.tp.fused else None,
         )
         del weights
         if dev.startswith("cuda"):

@@ -32,8 +32,15 @@ class PeerAllReduce:
     # an attempt that failed part-way the count is unknown: -pid, equal to no other process's.
     _setups_in_process = 0
 
-    def __init__(self, buf: torch.Tensor, group_name: str):
-        self.buf, self.group_name = buf, group_name
+    def __init__(self, buf: torch.Tensor, group_name: str, group: dist.ProcessGroup | None = None):
+        """group: the named group the buffer was set up on (FusedAllReduceNorm sets up on it too)."""
+        self.buf, self.group_name, self.group = buf, group_name, group
+
+    @classmethod
+    def record_setups(cls, before: int, added: int | None) -> None:
+        """Another set-up on this process's symmetric memory (FusedAllReduceNorm): `added` rendezvous
+        after the count was `before`; None while it runs or when it failed part-way (unknown)."""
+        cls._setups_in_process = before + added if added is not None and before >= 0 else -os.getpid()
 
     @classmethod
     def setups_in_process(cls) -> int:
@@ -84,7 +91,7 @@ class PeerAllReduce:
             log.warning("tensor parallel: NCCL for every all-reduce (symmetric memory unavailable: %s: %s)",
                         type(e).__name__, str(e)[:200])  # fmt: skip
             return None
-        return cls(buf, name)
+        return cls(buf, name, group)
 
     def close(self) -> None:
         """Takes the group's name out of torch's registry (it holds the NCCL backend), so a process

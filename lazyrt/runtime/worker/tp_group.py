@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from lazyrt.runtime.worker.fused_all_reduce_norm import FusedAllReduceNorm
 from lazyrt.runtime.worker.peer_all_reduce import DEFAULT_MAX_BYTES, PeerAllReduce
 
 if TYPE_CHECKING:
@@ -48,14 +49,18 @@ class TPGroup:
         check: Callable[[], None] | None = None,
         peer_dtype: torch.dtype | None = None,
         peer_max_bytes: int = DEFAULT_MAX_BYTES,
+        fused_norm_hidden: int | None = None,
     ):
         """Blocks until every rank has joined. check: called while waiting for the others; it raises
         to give up (e.g. when a rank's process has died instead of joining). peer_dtype (CUDA): small
         all-reduces of that dtype (up to peer_max_bytes) run torch's one-shot symmetric-memory kernel
         instead of NCCL (peer_all_reduce.py), where every rank can set it up; None: NCCL only (CPU:
-        gloo whatever it is)."""
+        gloo whatever it is). fused_norm_hidden (with the peer path): the model's hidden size, for
+        FlashInfer's all-reduce + residual add + RMSNorm kernel (fused_all_reduce_norm.py) where every
+        rank can set it up."""
         self.rank, self.size, self.device = rank, rendezvous.size, device
         self.peer: PeerAllReduce | None = None
+        self.fused: FusedAllReduceNorm | None = None
         store = dist.FileStore(rendezvous.store_path, self.size)
         store.set_timeout(timedelta(seconds=TIMEOUT_S))
         _wait_for_all(store, rank, self.size, check)
@@ -71,6 +76,8 @@ class TPGroup:
             self.pg = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, self.size, opts)
         if peer_dtype is not None:
             self.peer = self._peer_all_reduce(store, rendezvous.store_path, peer_dtype, peer_max_bytes)
+        if self.peer is not None and fused_norm_hidden:
+            self.fused = self._fused_all_reduce_norm(peer_dtype, fused_norm_hidden)
 
     def _peer_all_reduce(
         self, store: dist.Store, store_path: str, dtype: torch.dtype, max_bytes: int
@@ -88,6 +95,25 @@ class TPGroup:
         peer = PeerAllReduce.create(self.pg, store, name, self.rank, self.size, self.device, dtype, max_bytes)
         return peer if self.min_int(int(peer is not None)) == 1 else None
 
+    def _fused_all_reduce_norm(self, dtype: torch.dtype, hidden: int) -> FusedAllReduceNorm | None:
+        # as the peer path: the ranks agree that each can build the kernel before the collective set-up,
+        # then on its outcome (a rank left unfused would never meet the others' fused kernels)
+        if self.min_int(int(FusedAllReduceNorm.available(self.device))) == 0 or self.peer.group is None:
+            return None
+        before = PeerAllReduce.setups_in_process()
+        PeerAllReduce.record_setups(before, None)  # unknown until it has gone through
+        fused = FusedAllReduceNorm.create(self.peer.group, self.rank, self.size, dtype, hidden)
+        PeerAllReduce.record_setups(before, FusedAllReduceNorm.RENDEZVOUS if fused is not None else None)
+        return fused if self.min_int(int(fused is not None)) == 1 else None
+
+    def reduce_add_norm(
+        self, partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """LlamaModel's reduce_add_norm: the fused kernel for a step it takes, else None."""
+        if self.fused is not None and self.fused.fits(partial):
+            return self.fused(partial, residual, weight, eps)
+        return None
+
     def close(self) -> None:
         """Gives up the NCCL communicator without waiting for the other ranks: left to the process
         group's destructor at exit, it waited for ranks that had already been stopped (seen on 2 H100s:
@@ -98,6 +124,7 @@ class TPGroup:
         """Aborts the NCCL communicator, which also ends this rank's collectives in flight (NCCL would
         wait for a dead peer until its timeout; gloo's collectives fail by themselves when a peer's
         connection closes, so on CPU there is nothing to do)."""
+        self.fused = None
         if self.peer is not None:
             self.peer.close()
             self.peer = None
