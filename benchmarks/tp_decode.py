@@ -38,6 +38,8 @@ def run(args) -> list[dict]:
     rank_gb = sum(t.numel() * t.element_size() for t in unique.values()) / 1e9
     group = getattr(eng.worker, "tp", None)
     all_reduce = "-" if group is None else ("peer" if group.peer is not None else group.pg.name().lower())
+    if group is not None and getattr(group, "fused", None) is not None:
+        all_reduce = "peer + fused norm"  # the all-reduce, residual add and RMSNorm in one kernel
     base = {"model": args.model, "tp": tp, "device": str(eng.model.device), "context": args.context,
             "cache_mode": args.cache_mode, "graphs": args.cuda_graph_max_batch,
             "all_reduce": all_reduce}  # fmt: skip
@@ -76,7 +78,8 @@ def run(args) -> list[dict]:
 
 def _label(r: dict) -> str:
     """TP size, and the all-reduce path where it was not the default peer kernel."""
-    return str(r["tp"]) + (" NCCL" if r.get("all_reduce") == "nccl" else "")
+    path = {"nccl": " NCCL", "peer + fused norm": " fused"}.get(r.get("all_reduce"), "")
+    return str(r["tp"]) + path
 
 
 def report(path: str) -> str:
