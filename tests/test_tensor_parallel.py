@@ -167,6 +167,15 @@ def test_retrieval_attention_is_refused_with_tensor_parallelism():
         cfg.validate()
 
 
+def _run_ranks(rank, n: int = 2) -> None:
+    """rank(r) for r < n, each on a thread named rank{r} (stand-in ranks of one process), joined."""
+    threads = [threading.Thread(target=rank, args=(r,), name=f"rank{r}") for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+
+
 def test_group_collectives_across_threads(tmp_path):
     """TPGroup over gloo, two ranks as threads: sum, minimum (the KV page count), broadcast."""
     rdv = TPRendezvous.create(2, str(tmp_path))
@@ -179,11 +188,7 @@ def test_group_collectives_across_threads(tmp_path):
         b = g.broadcast(torch.tensor([10 + r, 20 + r]))
         out[r] = (s, g.min_int([900, 700][r]), b)
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    _run_ranks(rank)
     for r in range(2):
         s, low, b = out[r]
         torch.testing.assert_close(s, vals[0] + vals[1])
@@ -708,11 +713,7 @@ def test_ranks_agree_on_the_peer_all_reduce_path(tmp_path, monkeypatch, outcomes
         fakes[r].group = g
         out[r] = (g.peer, g.all_reduce(vals[0][r].clone()), g.all_reduce(vals[1][r].clone()))
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    _run_ranks(rank)
     both = all(outcomes)
     for r in range(2):
         peer, small, big = out[r]
@@ -755,11 +756,7 @@ def test_ranks_agree_on_the_fused_all_reduce_norm(tmp_path, monkeypatch, outcome
         x, x3 = torch.zeros(2, 8), torch.zeros(3, 8)
         out[r] = (g.fused, g.reduce_add_norm(x, x, x[0], 1e-5), g.reduce_add_norm(x3, x3, x[0], 1e-5))
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    _run_ranks(rank)
     for r in range(2):
         got, small, big = out[r]
         if all(outcomes):
@@ -799,11 +796,7 @@ def test_peer_set_up_only_between_ranks_with_as_many_set_ups_behind_them(tmp_pat
         fakes[r].group = g
         out[r] = (g.peer, g.all_reduce(vals[r].clone()))
 
-    threads = [threading.Thread(target=rank, args=(r,), name=f"rank{r}") for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    _run_ranks(rank)
     same = setups[0] == setups[1]
     assert sorted(created) == ([0, 1] if same else [])
     for r in range(2):
