@@ -21,6 +21,22 @@ import torch
 from lazyrt import Engine, RagPrompt, SamplingParams
 
 
+def cached_documents(args, device: str, cache_mode: str, graph_batch: int) -> tuple:
+    """A dummy-weight Engine whose args.docs documents of args.doc_tokens are computed and cached
+    (one request ran over them): (engine, rng, prefix, docs, toks(n) -> n random ids, 1-token params).
+    Also benchmarks/experiments/question_launch.py's set-up."""
+    engine = Engine(args.model, load_format="dummy", device=device, cache_mode=cache_mode,
+                    kv_cache_tokens=args.docs * args.doc_tokens * 4,
+                    cuda_graph_max_batch=graph_batch)  # fmt: skip
+    rng = random.Random(0)
+    vocab = engine.model_config.vocab_size
+    toks = lambda n: [rng.randrange(1000, vocab) for _ in range(n)]  # noqa: E731
+    prefix, docs = toks(24), [toks(args.doc_tokens) for _ in range(args.docs)]
+    sp = SamplingParams(max_tokens=1, ignore_eos=True)
+    engine.generate([RagPrompt(prefix, docs, toks(args.question_tokens))], sp)  # computes the chunks
+    return engine, rng, prefix, docs, toks, sp
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="llama-3.1-8b")
@@ -34,15 +50,8 @@ def main(argv=None) -> None:
                    help="0: every step eager (the question step was eager before small-step graphs)")
     args = p.parse_args(argv)
     dev = args.device
-    engine = Engine(args.model, load_format="dummy", device=dev, cache_mode=args.cache_mode,
-                    kv_cache_tokens=args.docs * args.doc_tokens * 4,
-                    cuda_graph_max_batch=args.cuda_graph_max_batch)  # fmt: skip
-    rng = random.Random(0)
-    vocab = engine.model_config.vocab_size
-    toks = lambda n: [rng.randrange(1000, vocab) for _ in range(n)]  # noqa: E731
-    prefix, docs = toks(24), [toks(args.doc_tokens) for _ in range(args.docs)]
-    sp = SamplingParams(max_tokens=1, ignore_eos=True)
-    engine.generate([RagPrompt(prefix, docs, toks(args.question_tokens))], sp)  # computes the chunks
+    graphs = args.cuda_graph_max_batch
+    engine, rng, prefix, docs, toks, sp = cached_documents(args, dev, args.cache_mode, graphs)
     sync = torch.cuda.synchronize if dev.startswith("cuda") else (lambda: None)
     parts: dict[str, list[float]] = {}
     core, worker, runner = engine.core, engine.worker, engine.runner

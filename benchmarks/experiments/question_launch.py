@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import statistics
 import sys
 import time
@@ -26,7 +25,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
-from lazyrt import Engine, RagPrompt, SamplingParams  # noqa: E402
+from benchmarks.ttft_profile import cached_documents  # noqa: E402
+from lazyrt import RagPrompt  # noqa: E402
 from lazyrt.runtime.worker import cuda_graph  # noqa: E402
 
 
@@ -39,14 +39,7 @@ def main(argv=None) -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--idle-s", type=float, nargs="+", default=[0.2, 0.0], help="one table each")
     args = p.parse_args(argv)
-    engine = Engine(args.model, load_format="dummy", device="cuda", cache_mode="lazy",
-                    kv_cache_tokens=args.docs * args.doc_tokens * 4, cuda_graph_max_batch=64)  # fmt: skip
-    rng = random.Random(0)
-    vocab = engine.model_config.vocab_size
-    toks = lambda n: [rng.randrange(1000, vocab) for _ in range(n)]  # noqa: E731
-    prefix, docs = toks(24), [toks(args.doc_tokens) for _ in range(args.docs)]
-    sp = SamplingParams(max_tokens=1, ignore_eos=True)
-    engine.generate([RagPrompt(prefix, docs, toks(args.question_tokens))], sp)  # computes the chunks
+    engine, rng, prefix, docs, toks, sp = cached_documents(args, "cuda", "lazy", 64)
 
     cur: dict[str, float] = {}
     worker, runner = engine.worker, engine.runner
