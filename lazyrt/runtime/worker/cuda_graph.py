@@ -236,7 +236,7 @@ class Uploads:
     close: the bytes between two ranges are copied too, so the mirror's copy of any buffer there is
     first brought up to what the device holds (its last put); a range holding a buffer the device
     holds no known put of (never put, or `forget`: written on the device) is never copied over.
-    A buffer outside the arena is copied on its own. The CPU buffers are written directly. A buffer
+    The CPU buffers are written directly. A buffer
     whose values are the same array object (and padding) as its last put is not copied again: a
     decode step patched from the last one (step_inputs.decode_inputs) shares the page-table arrays
     that did not change. Values must not change in place once put."""
@@ -248,28 +248,33 @@ class Uploads:
         arena: torch.Tensor | None = None,
         buffers: dict[str, torch.Tensor] | None = None,
     ):
-        """stage: go through host mirrors (default: on CUDA; tests force it on the CPU). arena: the
-        uint8 tensor the buffers are views of (arena_views), if they are; buffers: all of its views
-        by name (a buffer not yet put is then never copied over)."""
+        """stage: go through host mirrors (default: on CUDA; tests force it on the CPU; needs the
+        arena). arena: the uint8 tensor the buffers are views of (arena_views); buffers: every view
+        of it by name (one not yet put is then never copied over)."""
         self.cuda = device.type == "cuda"
         self.stage = self.cuda if stage is None else stage
         self._arena = arena if self.stage else None
+        if self.stage and arena is None:
+            raise ValueError("Uploads through host mirrors needs the arena the buffers are views of")
         self._mirrors: list[torch.Tensor] = []
+        # arena buffers: name -> (byte offset, the two mirrors' numpy views, itemsize), by offset
+        self._places: dict[str, tuple[int, list[np.ndarray], int]] = {}
         if self._arena is not None:
             self._mirrors = [torch.zeros(arena.numel(), dtype=torch.uint8, pin_memory=self.cuda)
                              for _ in range(2)]  # fmt: skip
-        self._stages: list[dict[str, torch.Tensor]] = [{}, {}]  # buffers outside the arena
+            for name, t in sorted((buffers or {}).items(), key=lambda kv: kv[1].data_ptr()):
+                off, n = t.data_ptr() - arena.data_ptr(), t.numel() * t.element_size()
+                if not (0 <= off <= arena.numel() - n and t.is_contiguous()):
+                    raise ValueError(f"graph buffer {name} is not a view of the arena")
+                self._places[name] = (off, [m[off : off + n].view(t.dtype).numpy() for m in self._mirrors],
+                                      t.element_size())  # fmt: skip
         self._events = [torch.cuda.Event(), torch.cuda.Event()] if self.cuda else []
         self._recorded = [False, False]
         self._set = 0
         self._last: dict[str, tuple] = {}  # name -> (values, pad, pad value) now in the buffer
-        # arena buffers: name -> (byte offset, the two mirrors' numpy views, itemsize), by offset
-        self._places: dict[str, tuple[int, list[np.ndarray], int]] = {}
         self._mirrored: list[dict[str, tuple]] = [{}, {}]  # each mirror: name -> the put it holds
         self._dirty: list[tuple[int, int, str]] = []  # this step's written ranges (bytes)
         self.copies = 0  # arena copies made (tests)
-        for name, t in (buffers or {}).items():
-            self._place(name, t)
 
     def begin(self) -> None:
         """Before a step's puts: the mirror set about to be written has finished its last copies."""
@@ -283,19 +288,11 @@ class Uploads:
         last = self._last.get(name)
         if last is not None and last[0] is values and last[1:] == key[1:]:
             return
-        place = self._place(name, dst)
-        if place is not None:
-            off, views, itemsize = place
+        if self.stage:
+            off, views, itemsize = self._places[name]
             _write(views[self._set], key)
             self._mirrored[self._set][name] = key
             self._dirty.append((off, off + (len(values) + pad) * itemsize, name))
-        elif self.stage:
-            stage = self._stages[self._set].get(name)
-            if stage is None:
-                stage = torch.empty(dst.shape, dtype=dst.dtype, pin_memory=self.cuda)
-                self._stages[self._set][name] = stage
-            n = _write(stage.numpy(), key)
-            dst[:n].copy_(stage[:n], non_blocking=True)
         else:
             _write(dst.numpy(), key)
         self._last[name] = key
@@ -313,18 +310,6 @@ class Uploads:
             self._events[self._set].record()
             self._recorded[self._set] = True
         self._set ^= 1
-
-    def _place(self, name: str, dst: torch.Tensor) -> tuple | None:
-        """(byte offset, mirror views, itemsize) of an arena buffer; None: dst is not in the arena."""
-        place = self._places.get(name)
-        if place is None and self._arena is not None:
-            off = dst.data_ptr() - self._arena.data_ptr()
-            if 0 <= off <= self._arena.numel() - dst.numel() * dst.element_size() and dst.is_contiguous():
-                n = dst.numel() * dst.element_size()
-                views = [m[off : off + n].view(dst.dtype).numpy() for m in self._mirrors]
-                place = (off, views, dst.element_size())
-                self._places = dict(sorted({**self._places, name: place}.items(), key=lambda kv: kv[1][0]))
-        return place
 
     def _ranges(self) -> list[tuple[int, int]]:
         """This step's dirty ranges merged across gaps under MERGE_GAP_BYTES that hold only buffers
@@ -363,11 +348,9 @@ class Uploads:
             self._last.pop(name, None)
 
 
-def _write(host: np.ndarray, key: tuple) -> int:
-    """host[:n] = values, then pad entries of pad_value (key: (values, pad, pad_value)); returns
-    the entries written."""
+def _write(host: np.ndarray, key: tuple) -> None:
+    """host[:n] = values, then pad entries of pad_value (key: (values, pad, pad_value))."""
     values, pad, pad_value = key
     n = len(values)
     host[:n] = values
     host[n : n + pad] = pad_value
-    return n + pad
