@@ -38,8 +38,9 @@ class PeerAllReduce:
 
     @classmethod
     def record_setups(cls, before: int, added: int | None) -> None:
-        """Another set-up on this process's symmetric memory (FusedAllReduceNorm): `added` rendezvous
-        after the count was `before`; None while it runs or when it failed part-way (unknown)."""
+        """A set-up on this process's symmetric memory (this one's, FusedAllReduceNorm's): `added`
+        rendezvous after the count was `before`; None while it runs or when it failed part-way
+        (unknown from then on)."""
         cls._setups_in_process = before + added if added is not None and before >= 0 else -os.getpid()
 
     @classmethod
@@ -70,7 +71,7 @@ class PeerAllReduce:
         is logged)."""
         if not PeerAllReduce.available(device) or max_bytes <= 0:
             return None
-        setups = PeerAllReduce._setups_in_process
+        setups = cls._setups_in_process
         try:
             import torch.distributed._symmetric_memory as symm_mem
             from torch._C._distributed_c10d import _register_process_group, _SymmetricMemory
@@ -82,11 +83,11 @@ class PeerAllReduce:
             group._set_default_backend(dist.ProcessGroup.BackendType.NCCL)
             group._set_group_name(name)
             _register_process_group(name, group)
-            PeerAllReduce._setups_in_process = -os.getpid()  # until it has gone through
+            cls.record_setups(setups, None)  # unknown until it has gone through
             _SymmetricMemory.set_group_info(name, rank, size, dist.PrefixStore("symm", store))
             buf = symm_mem.empty(max_bytes // dtype.itemsize, dtype=dtype, device=device)
             symm_mem.rendezvous(buf, name)
-            PeerAllReduce._setups_in_process = setups + 1
+            cls.record_setups(setups, 1)
         except Exception as e:  # an older torch, no peer access between the GPUs, ...
             log.warning("tensor parallel: NCCL for every all-reduce (symmetric memory unavailable: %s: %s)",
                         type(e).__name__, str(e)[:200])  # fmt: skip
