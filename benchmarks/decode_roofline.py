@@ -122,8 +122,9 @@ def add_workload_args(p: argparse.ArgumentParser, batches: list[int]) -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks (GPUs) the model is split over")
     p.add_argument("--tp-peer-all-reduce", action=argparse.BooleanOptionalAction, default=True,
                    help="TP on CUDA: small all-reduces via symmetric memory (no: all NCCL)")  # fmt: skip
-    p.add_argument("--tp-fused-all-reduce-norm", action=argparse.BooleanOptionalAction, default=False,
-                   help="TP > 1: each layer's all-reduce, residual add and RMSNorm in one FlashInfer kernel")
+    p.add_argument("--tp-fused-all-reduce-norm", action=argparse.BooleanOptionalAction, default=None,
+                   help="TP > 1: each layer's all-reduce, residual add and RMSNorm in one kernel "
+                   "(default: the engine's, on with the peer all-reduce)")
     p.add_argument("--cuda-graph-max-batch", type=int, default=64, help="0: every step launches eagerly")
 
 
@@ -151,7 +152,7 @@ def make_workload(args):
         kv_cache_tokens=shared + max_b * (own + args.steps + 16 + headroom),
         tensor_parallel_size=args.tensor_parallel_size,
         tp_peer_all_reduce=getattr(args, "tp_peer_all_reduce", True),  # callers building their own args
-        tp_fused_all_reduce_norm=getattr(args, "tp_fused_all_reduce_norm", False),
+        tp_fused_all_reduce_norm=getattr(args, "tp_fused_all_reduce_norm", None),
         cuda_graph_max_batch=args.cuda_graph_max_batch,
     )
     gen = torch.Generator().manual_seed(0)

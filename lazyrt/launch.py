@@ -206,9 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--tp-fused-all-reduce-norm",
         action=argparse.BooleanOptionalAction,
         default=d.tp_fused_all_reduce_norm,
-        help="CUDA, --tensor-parallel-size > 1, with --tp-peer-all-reduce: each layer's all-reduce, "
-        "residual add and RMSNorm in one FlashInfer kernel for decode-sized steps (experimental: needs "
-        "FlashInfer's trtllm_comm sources; separate kernels where it cannot be set up)",
+        help="CUDA, --tensor-parallel-size > 1: each layer's all-reduce, residual add and RMSNorm in "
+        "one kernel for decode-sized steps (FlashInfer's TensorRT-LLM fusion; JIT-built on first use). "
+        "Default: on wherever --tp-peer-all-reduce is; separate kernels where it cannot be set up",
     )
     p.add_argument(
         "--document-store",

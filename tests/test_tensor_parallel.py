@@ -506,9 +506,12 @@ def test_tensor_parallel_flags_reach_the_engine_config():
 
     p = build_parser()
     default = engine_config(p.parse_args([]))
-    assert default.tp_peer_all_reduce and not default.tp_fused_all_reduce_norm
+    assert default.tp_peer_all_reduce and default.tp_fused_all_reduce_norm is None  # None: with the peer path
     cfg = engine_config(p.parse_args(["--tensor-parallel-size", "2", "--tp-fused-all-reduce-norm"]))
-    assert cfg.tensor_parallel_size == 2 and cfg.tp_peer_all_reduce and cfg.tp_fused_all_reduce_norm
+    assert cfg.tensor_parallel_size == 2 and cfg.tp_peer_all_reduce and cfg.tp_fused_all_reduce_norm is True
+    cfg = engine_config(p.parse_args(["--no-tp-fused-all-reduce-norm"]))
+    assert cfg.tp_peer_all_reduce and cfg.tp_fused_all_reduce_norm is False
+    engine_config(p.parse_args(["--no-tp-peer-all-reduce"])).validate()  # the default follows the peer path
     cfg = engine_config(p.parse_args(["--no-tp-peer-all-reduce", "--tp-fused-all-reduce-norm"]))
     with pytest.raises(ValueError, match="tp_fused_all_reduce_norm.*tp_peer_all_reduce"):
         cfg.validate()

@@ -13,7 +13,8 @@ way), laid out as the kernel reads them: every rank's pointer to each buffer (tw
 flags, the Lamport triple buffer), then one pointer to five int32 counters.
 
 Decode-sized steps only (up to max_tokens rows); larger ones take the all-reduce then the add + norm.
-Off by default (`tp_fused_all_reduce_norm`) until measured on GPUs.
+On wherever the peer path is (`tp_fused_all_reduce_norm`): a Llama-3.1-8B-shape TP=2 decode step on 2
+H200s went 4.09 -> 3.69 ms at batch 1, 7.54 -> 7.06 at batch 64 (docs/benchmarks.md).
 """
 
 from __future__ import annotations

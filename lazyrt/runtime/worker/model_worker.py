@@ -115,7 +115,8 @@ class ModelWorker:
         loaded.weights.clear()  # the model owns (and on CUDA fuses) the weights from here
         # rank 0 forwards each step to the other ranks; every rank joins the group once its shard is in
         self._followers = PlanLinks(tp.rendezvous) if tp is not None and tp.rank == 0 else None
-        fused_hidden = local_config.hidden_size if cfg.tp_fused_all_reduce_norm else None
+        fused = cfg.tp_peer_all_reduce and cfg.tp_fused_all_reduce_norm is not False  # None: with peer
+        fused_hidden = local_config.hidden_size if fused else None
         self.tp = (
             TPGroup(tp.rendezvous, tp.rank, torch.device(dev), tp_check,
                     peer_dtype=DTYPES[dtype_name] if cfg.tp_peer_all_reduce else None,
