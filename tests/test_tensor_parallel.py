@@ -892,3 +892,4 @@ def test_fused_all_reduce_norm_reference_is_the_unfused_layer():
     torch.testing.assert_close(norm, want_norm, rtol=1e-5, atol=1e-5)
     assert FusedAllReduceNorm.create(None, 0, 3, torch.bfloat16, hidden) is None
     assert FusedAllReduceNorm.create(None, 0, 2, torch.int8, hidden) is None
+    assert FusedAllReduceNorm.create(None, 0, 2, torch.bfloat16, 60) is None  # rows of 7.5 16-byte vectors

@@ -68,9 +68,11 @@ class FusedAllReduceNorm:
         same named group), or None where it cannot be set up (logged; the caller keeps the unfused
         path). No rank may call the kernel before every rank has returned from here: the caller's
         agreement on the outcome (a collective after these buffers are initialized) is that barrier."""
-        if size not in RANKS or dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        floats = (torch.bfloat16, torch.float16, torch.float32)
+        if size not in RANKS or dtype not in floats or hidden * dtype.itemsize % 16:
             log.warning("tensor parallel: all-reduce and RMSNorm stay separate kernels (the fused kernel "
-                        "takes %s ranks and 16/32-bit floats, not %d ranks of %s)", RANKS, size, dtype)
+                        "takes %s ranks and rows of whole 16-byte vectors of 16/32-bit floats, not %d ranks "
+                        "of %d x %s)", RANKS, size, hidden, dtype)  # fmt: skip
             return None
         try:
             import torch.distributed._symmetric_memory as symm_mem
