@@ -105,6 +105,10 @@ class EngineConfig:
     # benchmarks.md, the TTFT split). Off by default: on an H100 it took 1 ms off the server's share
     # of a cached request's TTFT and nothing the client saw.
     worker_in_scheduler: bool = False
+    # Server: tokenize and detokenize inside the HTTP process instead of a process of their own (one
+    # hop less each way; documents not yet tokenized hold the HTTP event loop while they are).
+    # Experimental, off by default until measured on a GPU.
+    tokenizer_in_http: bool = False
     # Tensor parallelism: the model split Megatron-style over this many ranks, one worker process per
     # rank (one GPU each on CUDA over NCCL; gloo on CPU), each holding its share of the KV heads.
     tensor_parallel_size: int = 1

@@ -188,6 +188,14 @@ def build_parser() -> argparse.ArgumentParser:
         "(two fewer process hops a step; same outputs; experimental)",
     )
     p.add_argument(
+        "--tokenizer-in-http",
+        action=argparse.BooleanOptionalAction,
+        default=d.tokenizer_in_http,
+        help="tokenize and detokenize inside the HTTP process instead of a process of their own (one "
+        "process hop less each way; documents not yet tokenized hold the HTTP event loop while they "
+        "are; same outputs; experimental)",
+    )
+    p.add_argument(
         "--tensor-parallel-size",
         type=int,
         default=d.tensor_parallel_size,
@@ -271,6 +279,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         overlap_schedule=args.overlap_schedule,
         late_planning=args.late_planning,
         worker_in_scheduler=args.worker_in_scheduler,
+        tokenizer_in_http=args.tokenizer_in_http,
         tensor_parallel_size=args.tensor_parallel_size,
         tp_peer_all_reduce=args.tp_peer_all_reduce,
         tp_fused_all_reduce_norm=args.tp_fused_all_reduce_norm,

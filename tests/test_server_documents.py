@@ -26,13 +26,13 @@ def _text(rng: random.Random, n: int) -> str:
 class Served:
     """The module's server; restart() stops it and starts a new one on the same document store."""
 
-    def __init__(self, model: str, store: str):
-        self.model, self.store = model, store
+    def __init__(self, model: str, store: str, flags: tuple[str, ...] = ()):
+        self.model, self.store, self.flags = model, store, flags
         self.srv = self._start()
 
     def _start(self) -> ServerProc:
         srv = ServerProc("--model", self.model, "--device", "cpu", "--kv-cache-tokens", "8192",
-                         "--document-store", self.store, "--log-level", "warning")  # fmt: skip
+                         "--document-store", self.store, "--log-level", "warning", *self.flags)  # fmt: skip
         try:
             srv.wait_healthy()
         except BaseException:
@@ -50,9 +50,10 @@ class Served:
         self.srv = self._start()
 
 
-@pytest.fixture(scope="module")
-def served(tiny_model_dir, tmp_path_factory):
-    s = Served(tiny_model_dir("llama"), str(tmp_path_factory.mktemp("docs") / "store.sqlite"))
+@pytest.fixture(scope="module", params=[(), ("--tokenizer-in-http",)], ids=["tokenizer-process", "in-http"])
+def served(request, tiny_model_dir, tmp_path_factory):
+    """The store lives with the tokenizer: in its own process, or in the HTTP process."""
+    s = Served(tiny_model_dir("llama"), str(tmp_path_factory.mktemp("docs") / "store.sqlite"), request.param)
     try:
         yield s
     finally:
@@ -265,7 +266,7 @@ def test_without_a_store_and_with_another_models_store(served, tmp_path):
     other = str(tmp_path / "other.sqlite")
     DocumentStore(other, "another-model:1").open().close()
     srv = ServerProc("--model", served.model, "--device", "cpu", "--kv-cache-tokens", "1024",
-                     "--document-store", other)  # fmt: skip
+                     "--document-store", other, *served.flags)  # fmt: skip
     try:
         with pytest.raises(RuntimeError, match="exited") as e:
             srv.wait_healthy()

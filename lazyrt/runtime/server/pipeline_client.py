@@ -1,11 +1,18 @@
-"""PipelineClient: the HTTP process's end of the pipeline. Sends requests to the tokenizer process
-and routes what comes back from the detokenizer to one asyncio queue per request."""
+"""PipelineClient: the HTTP process's end of the pipeline. Sends requests to the tokenizer and routes
+what comes back from the detokenizer to one asyncio queue per request.
+
+The tokenizer runs in a process of its own, or (--tokenizer-in-http) in this process: requests are
+then tokenized here and go straight to the scheduler, whose outputs come here to be detokenized (one
+process hop less each way; a request with documents not yet tokenized holds the event loop while
+they are).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
 import logging
+from functools import partial
 from typing import Any
 
 import zmq
@@ -24,25 +31,45 @@ from lazyrt.runtime.ipc.messages import (
     decode,
     encode,
 )
-from lazyrt.runtime.ipc.sockets import IpcPaths, socket
+from lazyrt.runtime.ipc.sockets import IpcPaths, send, socket
+from lazyrt.runtime.tokenizer.process import TokenizerLoop, open_tokenizer_loop
 
 logger = logging.getLogger("lazyrt.http")
 
 
 class PipelineClient:
-    def __init__(self, ipc: IpcPaths):
+    def __init__(self, ipc: IpcPaths, tokenizer_in_process: bool = False, document_store: str | None = None):
+        """tokenizer_in_process: run the tokenizer here (EngineConfig.tokenizer_in_http), with
+        document_store as its store option (EngineConfig.document_store)."""
         # Sends use a plain (blocking-API) socket: with no high-water mark a PUSH never blocks, and
         # an abort can then be sent from a cancelled stream's cleanup without awaiting.
         self._sync_ctx = zmq.Context()
-        self._push = socket(self._sync_ctx, zmq.PUSH, ipc.tokenizer_in, bind=False)
         self._ctx = zmq.asyncio.Context()
-        self._pull = socket(self._ctx, zmq.PULL, ipc.http_in, bind=True)
+        self._in_process, self._document_store = tokenizer_in_process, document_store
+        self._tokenizer: TokenizerLoop | None = None  # in process: built once the worker is ready
+        self._pending: list[Any] = []  # in process: what came from HTTP before that
+        if tokenizer_in_process:
+            self._push = socket(self._sync_ctx, zmq.PUSH, ipc.scheduler_in, bind=False)
+            self._pull = socket(self._ctx, zmq.PULL, ipc.detok_in, bind=True)
+        else:
+            self._push = socket(self._sync_ctx, zmq.PUSH, ipc.tokenizer_in, bind=False)
+            self._pull = socket(self._ctx, zmq.PULL, ipc.http_in, bind=True)
         self._rids = itertools.count()
         self._queues: dict[int, asyncio.Queue] = {}
         self._controls: dict[int, asyncio.Future] = {}
         self.ready_info: WorkerReady | None = None
         self.ready = asyncio.Event()
         self.failed: str | None = None  # set when a child died: everything pending gets this error
+        self.fatal: str | None = None  # set when the in-process tokenizer could not start
+
+    def _upstream(self, msg: Any) -> None:
+        """Towards the scheduler, through the tokenizer (in this process: tokenized here first)."""
+        if not self._in_process:
+            self._push.send(encode(msg))
+        elif self._tokenizer is None:
+            self._pending.append(msg)
+        else:
+            self._tokenizer.on_http(msg)
 
     def new_rid(self) -> int:
         return next(self._rids)
@@ -50,12 +77,12 @@ class PipelineClient:
     def submit(self, req: GenerateReq) -> asyncio.Queue:
         q: asyncio.Queue = asyncio.Queue()
         self._queues[req.rid] = q
-        self._push.send(encode(req))
+        self._upstream(req)
         return q
 
     def abort(self, rid: int) -> None:
         if self._queues.pop(rid, None) is not None:
-            self._push.send(encode(AbortReq(rid)))
+            self._upstream(AbortReq(rid))
 
     def done(self, rid: int) -> None:
         self._queues.pop(rid, None)
@@ -64,7 +91,7 @@ class PipelineClient:
         rid = self.new_rid()
         fut = asyncio.get_running_loop().create_future()
         self._controls[rid] = fut
-        self._push.send(encode(ControlReq(rid, op)))
+        self._upstream(ControlReq(rid, op))
         try:
             return await asyncio.wait_for(fut, timeout)
         finally:
@@ -75,7 +102,7 @@ class PipelineClient:
         req.rid = self.new_rid()
         fut = asyncio.get_running_loop().create_future()
         self._controls[req.rid] = fut
-        self._push.send(encode(req))
+        self._upstream(req)
         try:
             return await asyncio.wait_for(fut, timeout)
         finally:
@@ -83,7 +110,29 @@ class PipelineClient:
 
     async def run(self) -> None:
         while True:
-            self.dispatch(decode(await self._pull.recv()))
+            msg = decode(await self._pull.recv())
+            if not self._in_process:
+                self.dispatch(msg)
+            elif self._tokenizer is not None:
+                self._tokenizer.on_scheduler(msg)  # outputs come back through self.dispatch
+            elif isinstance(msg, WorkerReady):
+                await self._start_tokenizer(msg)
+
+    async def _start_tokenizer(self, ready: WorkerReady) -> None:
+        to_sched = partial(send, self._push)
+        try:  # (loading the tokenizer takes a while: off the event loop)
+            self._tokenizer = await asyncio.to_thread(
+                open_tokenizer_loop, ready, self._document_store, to_sched, self.dispatch
+            )
+        except (Exception, SystemExit) as e:  # SystemExit: the document store cannot be opened
+            self.fatal = f"the tokenizer could not start ({type(e).__name__}: {e})"
+            logger.error("%s", self.fatal)
+            self.fail_all(self.fatal)  # serve() sees `fatal` and shuts the server down
+            return
+        self.dispatch(ready)
+        pending, self._pending = self._pending, []
+        for msg in pending:
+            self._tokenizer.on_http(msg)
 
     def dispatch(self, msg: Any) -> None:
         if isinstance(msg, TextBatch):

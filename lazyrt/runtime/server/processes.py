@@ -1,5 +1,6 @@
 """ProcessGroup: starts the tokenizer, scheduler and model worker processes (with
---worker-in-scheduler the worker runs inside the scheduler's) and stops them all."""
+--worker-in-scheduler the worker runs inside the scheduler's, with --tokenizer-in-http the tokenizer
+inside the HTTP process) and stops them all."""
 
 from __future__ import annotations
 
@@ -29,13 +30,11 @@ class ProcessGroup:
         # spawn, not fork: children must not inherit the parent's threads, event loop or sockets.
         ctx = mp.get_context("spawn")
         member0 = TPMember(tp, 0) if tp else None
-        self.procs: dict[str, mp.process.BaseProcess] = {
-            "tokenizer": ctx.Process(
-                target=run_tokenizer_process,
-                args=(self.ipc, log_level, cfg.document_store),
-                name="tokenizer",
-            ),
-        }
+        self.procs: dict[str, mp.process.BaseProcess] = {}
+        if not cfg.tokenizer_in_http:  # else the HTTP process tokenizes (server/pipeline_client.py)
+            self.procs["tokenizer"] = ctx.Process(
+                target=run_tokenizer_process, args=(self.ipc, log_level, cfg.document_store), name="tokenizer"
+            )
         if cfg.worker_in_scheduler:
             self.procs["scheduler"] = ctx.Process(
                 target=run_scheduler_worker_process,

@@ -67,6 +67,11 @@ async def _warmup(state: ServerState) -> None:
 
 async def _watch(procs: ProcessGroup, state: ServerState, server: uvicorn.Server, status: dict) -> None:
     while not server.should_exit:
+        if state.client.fatal:  # the in-process tokenizer could not start
+            state.healthy = False
+            status["code"] = 1
+            server.should_exit = True
+            return
         dead = procs.dead()
         if dead:
             if len(dead) == 1:
@@ -114,7 +119,7 @@ def serve(cfg: EngineConfig, opts: ServerOptions) -> int:
 async def _main(
     cfg: EngineConfig, opts: ServerOptions, procs: ProcessGroup, holder: dict, status: dict
 ) -> None:
-    client = PipelineClient(procs.ipc)
+    client = PipelineClient(procs.ipc, cfg.tokenizer_in_http, cfg.document_store)
     state = ServerState(client, opts.served_model_name or served_name(cfg), opts.api_key)
     app = create_app(state)
     config = uvicorn.Config(

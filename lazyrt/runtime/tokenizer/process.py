@@ -1,5 +1,7 @@
-"""Tokenizer/detokenizer process: turns requests into token ids on the way in and sampled tokens
-into text on the way out (incremental, whole characters only, stop strings never emitted).
+"""Tokenizer/detokenizer: turns requests into token ids on the way in and sampled tokens into text on
+the way out (incremental, whole characters only, stop strings never emitted). TokenizerLoop runs in
+a process of its own (run_tokenizer_process) or, with --tokenizer-in-http, inside the HTTP process
+(server/pipeline_client.py), which saves a process hop each way.
 
 When it sees a stop string it finishes the request towards HTTP and sends an abort upstream so the
 scheduler frees the pages; tokens the scheduler produced meanwhile are dropped here.
@@ -11,7 +13,9 @@ import logging
 import os
 import sqlite3
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import zmq
 
@@ -50,10 +54,11 @@ class TokenizerLoop:
         self,
         tokenizer,
         ready: WorkerReady,
-        to_sched: zmq.Socket,
-        to_http: zmq.Socket,
+        to_sched: Callable[[object], None],
+        to_http: Callable[[object], None],
         store: DocumentStore | None = None,
     ):
+        """to_sched / to_http: where messages go (a socket's send, or the HTTP process's dispatch)."""
         self.tokenizer = tokenizer
         self.req_tokenizer = RequestTokenizer(tokenizer, ready.max_context, ready.vocab_size, store=store)
         self.store = store
@@ -68,11 +73,11 @@ class TokenizerLoop:
                 tok = self.req_tokenizer.tokenize(msg)
             except InvalidRequest as e:
                 kind = "not_found_error" if e.status == 404 else "invalid_request_error"
-                send(self.to_http, ErrorOut(msg.rid, str(e), e.param, e.status, kind))
+                self.to_http(ErrorOut(msg.rid, str(e), e.param, e.status, kind))
                 return
             except Exception as e:  # a tokenizer bug must fail one request, not the server
                 logger.exception("tokenizing request %d failed", msg.rid)
-                send(self.to_http, ErrorOut(msg.rid, f"tokenization failed: {e}", None, 500, "server_error"))
+                self.to_http(ErrorOut(msg.rid, f"tokenization failed: {e}", None, 500, "server_error"))
                 return
             sp = msg.sampling
             detok = IncrementalDetokenizer(self.tokenizer, sp.stop, sp.stop_token_ids)
@@ -81,26 +86,26 @@ class TokenizerLoop:
                 text = msg.text if msg.text is not None else self.tokenizer.decode(tok.suffix)
                 live.echo = (text, list(tok.suffix))
             tok.received_at, tok.tokenizing_at, tok.tokenized_at = msg.received_at, got, time.time()
-            send(self.to_sched, tok)
+            self.to_sched(tok)
         elif isinstance(msg, AbortReq):
             self.live.pop(msg.rid, None)
-            send(self.to_sched, msg)
+            self.to_sched(msg)
         elif isinstance(msg, ControlReq):
-            send(self.to_sched, msg)
+            self.to_sched(msg)
         elif isinstance(msg, DocumentReq):
             rt = self.req_tokenizer
-            send(self.to_http, handle_document_req(msg, self.store, rt.doc_cache.get, rt.max_context))
+            self.to_http(handle_document_req(msg, self.store, rt.doc_cache.get, rt.max_context))
 
     def on_scheduler(self, msg: object) -> None:
         if isinstance(msg, TokenBatch):
             outs = [o for o in (self._detokenize(t) for t in msg.outs) if o is not None]
             if outs:
-                send(self.to_http, TextBatch(outs))
+                self.to_http(TextBatch(outs))
         elif isinstance(msg, ErrorOut):
             self.live.pop(msg.rid, None)
-            send(self.to_http, msg)
+            self.to_http(msg)
         elif isinstance(msg, (ControlResp, WorkerReady)):
-            send(self.to_http, msg)
+            self.to_http(msg)
 
     def _detokenize(self, out) -> TextOut | None:
         live = self.live.get(out.rid)
@@ -114,7 +119,7 @@ class TokenizerLoop:
         reason = out.finish_reason
         if d.stopped:
             if reason is None:
-                send(self.to_sched, AbortReq(out.rid, "stop"))
+                self.to_sched(AbortReq(out.rid, "stop"))
             reason = "stop"
         final = reason is not None
         text = d.take(final=final)
@@ -137,6 +142,30 @@ class TokenizerLoop:
         return [first, *self.token_texts.logprobs(ids[1:], [list(x) for x in zip(lps, top_ids, top_lps)])]
 
 
+def open_tokenizer_loop(
+    ready: WorkerReady,
+    document_store: str | None,
+    to_sched: Callable[[object], None],
+    to_http: Callable[[object], None],
+) -> TokenizerLoop:
+    """The loop for the model the worker reported ready (it says where its tokenizer lives, so only
+    the worker resolves and loads the model); sets ready.tool_format. document_store:
+    EngineConfig.document_store (None = the model's default file, "none" = off). Raises SystemExit
+    when the store cannot be opened (another model's file, say)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(ready.tokenizer_path)
+    store = open_store(document_store, ready.model_id)
+    if store is not None and os.path.exists(store.path):  # else created by the first registration
+        try:
+            logger.info("document store %s (%d documents)", store.path, len(store.open()))
+        except (OSError, ValueError, sqlite3.Error) as e:
+            logger.error("cannot open the document store: %s", e)
+            raise SystemExit(1) from e
+    ready.tool_format = tool_format(getattr(tokenizer, "chat_template", None))
+    return TokenizerLoop(tokenizer, ready, to_sched, to_http, store)
+
+
 def run_tokenizer_process(ipc: IpcPaths, log_level: str, document_store: str | None = None) -> None:
     """document_store: EngineConfig.document_store (None = the model's default file, "none" = off)."""
     watch = child_setup("tokenizer", log_level)
@@ -145,22 +174,10 @@ def run_tokenizer_process(ipc: IpcPaths, log_level: str, document_store: str | N
     from_sched = socket(ctx, zmq.PULL, ipc.detok_in, bind=True)
     to_sched = socket(ctx, zmq.PUSH, ipc.scheduler_in, bind=False)
     to_http = socket(ctx, zmq.PUSH, ipc.http_in, bind=False)
-    # The worker reports where its tokenizer lives, so only the worker resolves and loads the model.
     while not poll([from_sched], PARENT_CHECK_MS):
         watch.check()
     ready = recv(from_sched)
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(ready.tokenizer_path)
-    store = open_store(document_store, ready.model_id)
-    if store is not None and os.path.exists(store.path):  # else created by the first registration
-        try:
-            logger.info("document store %s (%d documents)", store.path, len(store.open()))
-        except (OSError, ValueError, sqlite3.Error) as e:  # another model's file, say: stop
-            logger.error("cannot open the document store: %s", e)
-            raise SystemExit(1) from e
-    loop = TokenizerLoop(tokenizer, ready, to_sched, to_http, store)
-    ready.tool_format = tool_format(getattr(tokenizer, "chat_template", None))
+    loop = open_tokenizer_loop(ready, document_store, partial(send, to_sched), partial(send, to_http))
     send(to_http, ready)
     while True:
         ready_socks = poll([from_sched, from_http], PARENT_CHECK_MS)
