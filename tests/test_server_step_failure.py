@@ -1,7 +1,7 @@
 """A model step that raises inside the server's model worker (e.g. CUDA out of memory): the requests
 in it get a 5xx JSON error (mid-stream: an SSE error event), nothing leaks, and the server serves the
 next requests as a fresh one does; with the worker in its own process and inside the scheduler's
-(--worker-in-scheduler)."""
+(--worker-in-scheduler), and with the tokenizer inside the HTTP process as well (--tokenizer-in-http)."""
 
 from __future__ import annotations
 
@@ -49,7 +49,14 @@ if _FAULT:
 QUESTION = "What is the capital of Arvania?"
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["worker process", "worker in scheduler"])
+LAYOUTS = {
+    "worker process": (),
+    "worker in scheduler": ("--worker-in-scheduler",),
+    "two processes": ("--worker-in-scheduler", "--tokenizer-in-http"),
+}
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS.values()), ids=list(LAYOUTS))
 def faulty(request, tmp_path_factory, tiny_model_dir):
     """(server, arm, fault file): arm(kind) makes the worker's next forward fail."""
     d = tmp_path_factory.mktemp("fault")
@@ -58,7 +65,7 @@ def faulty(request, tmp_path_factory, tiny_model_dir):
     path = os.pathsep.join(p for p in (str(d), os.environ.get("PYTHONPATH")) if p)
     srv = ServerProc(
         "--model", tiny_model_dir("llama"), "--device", "cpu", "--kv-cache-tokens", "8192",
-        "--log-level", "warning", *(["--worker-in-scheduler"] if request.param else []),
+        "--log-level", "warning", *request.param,
         env={"PYTHONPATH": path, "LAZYRT_TEST_FAULT_FILE": str(fault)},
     )  # fmt: skip
 
@@ -93,8 +100,9 @@ def _generate(srv, max_tokens: int = 8, **extra) -> httpx.Response:
 def test_a_failed_step_answers_5xx_and_the_server_serves_on(faulty, tiny_model_dir):
     srv, arm, fault = faulty
     if sys.platform.startswith("linux"):  # the processes by name (lazyrt/process_name.py)
-        in_scheduler = "--worker-in-scheduler" in srv.args
-        want = {"lazyrt-tokenize", "lazyrt-schedule"} | (set() if in_scheduler else {"lazyrt-worker"})
+        want = {"lazyrt-schedule"}
+        want |= set() if "--worker-in-scheduler" in srv.args else {"lazyrt-worker"}
+        want |= set() if "--tokenizer-in-http" in srv.args else {"lazyrt-tokenize"}
         assert _child_names(srv.proc.pid) == want
     stats = httpx.get(srv.url + "/cache_stats", timeout=30).json()
     arm("error")
