@@ -8,6 +8,8 @@ and is tested against it; the CPU path runs the references.
 - backend.py: the per-layer backend the model calls: store this step's K/V, then attend.
 - metadata.py: AttentionMetadata, the per-step CSR page tables with pos_base and valid_len.
 - rope.py: the cos/sin cache and the torch RoPE.
+- all_reduce_add_rms_norm.py (+ csrc/): a tensor-parallel all-reduce, residual add and RMSNorm in
+  one CUDA kernel (FlashInfer's TensorRT-LLM fusion, JIT-built for that pattern) and its torch math.
 
 May import: nothing from lazyrt (model configs are seen through the RopeConfig protocol).
 """

@@ -2,7 +2,8 @@
 
 - serve.py: `serve()`, run by `python -m lazyrt.launch`: starts the processes, runs uvicorn, checks
   health, stops everything on a signal or a child's death.
-- processes.py: ProcessGroup, the tokenizer, scheduler and model worker processes.
+- processes.py: ProcessGroup, the tokenizer, scheduler and model worker processes (the tokenizer
+  runs in this process instead with --tokenizer-in-http).
 - scheduler_worker_process.py: the scheduler's process with the model worker called in it (no
   worker process; --worker-in-scheduler).
 - app.py: the FastAPI routes (/generate, /score, /v1/*, /health, /metrics, /cache_stats, ...).
@@ -11,11 +12,12 @@
 - tool_grammar.py: tool_choice 'required' / a named function as a grammar in the tool-call format.
 - errors.py: ApiError, the 4xx/5xx with OpenAI's error body.
 - document_routes.py: /v1/documents routes (the store itself lives in the tokenizer process).
-- pipeline_client.py: sends GenerateReqs to the tokenizer process, routes TextOuts back per request.
+- pipeline_client.py: sends GenerateReqs to the tokenizer (its process, or its loop in this one),
+  routes TextOuts back per request.
 - metrics.py: Prometheus metrics in the server's own registry.
 
 The top of the process tree: it may start every process, but it never touches the model or the
-caches itself (the scheduler and worker run elsewhere).
+caches itself (the scheduler and worker run elsewhere; with --tokenizer-in-http it tokenizes).
 
 May import: lazyrt.api_key, lazyrt.config, lazyrt.constraint, lazyrt.documents (request checks only),
 lazyrt.process_name, lazyrt.sampling_params, lazyrt.runtime.ipc, and the process entry points

@@ -1,7 +1,8 @@
-"""The tokenizer process: text in, token ids out; sampled tokens in, text out.
+"""The tokenizer: text in, token ids out; sampled tokens in, text out. It runs in a process of its own,
+or (--tokenizer-in-http) inside the HTTP process.
 
-- process.py: the process loop (TokenizerLoop): GenerateReq -> TokenizedReq towards the scheduler,
-  TokenBatch -> TextBatch towards HTTP; finishes a request when a stop string appears.
+- process.py: TokenizerLoop: GenerateReq -> TokenizedReq towards the scheduler, TokenBatch ->
+  TextBatch towards HTTP; finishes a request when a stop string appears; and its process loop.
 - request_tokenizer.py: RequestTokenizer (validation, limits, errors that name the field).
 - rag_template.py: chat templates with documents (the prompt as prefix, documents, question).
 - doc_token_cache.py: a popular document's text is tokenized once.
