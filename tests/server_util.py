@@ -92,9 +92,11 @@ DOCS = [
 ]
 
 
-def serve_cpu(kv_cache_tokens: int):
-    """Generator for a module fixture: a healthy CPU server with the default model, stopped after."""
-    srv = ServerProc("--device", "cpu", "--kv-cache-tokens", str(kv_cache_tokens), "--log-level", "warning")
+def serve_cpu(kv_cache_tokens: int, *args: str):
+    """Generator for a module fixture: a healthy CPU server with the default model (and `args`),
+    stopped after."""
+    srv = ServerProc("--device", "cpu", "--kv-cache-tokens", str(kv_cache_tokens), "--log-level", "warning",
+                     *args)  # fmt: skip
     try:
         srv.wait_healthy()
         yield srv

@@ -11,7 +11,7 @@ import sys
 import httpx
 import pytest
 import test_server as base
-from server_util import ServerProc
+from server_util import serve_cpu
 from test_server_step_failure import _child_names
 
 pytestmark = pytest.mark.slow
@@ -36,13 +36,7 @@ for _name in (
 
 @pytest.fixture(scope="module")
 def server():
-    srv = ServerProc("--device", "cpu", "--kv-cache-tokens", "32768", "--log-level", "warning",
-                     "--tokenizer-in-http", "--worker-in-scheduler")  # fmt: skip
-    try:
-        srv.wait_healthy()
-        yield srv
-    finally:
-        srv.stop()
+    yield from serve_cpu(32768, "--tokenizer-in-http", "--worker-in-scheduler")
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
