@@ -40,6 +40,13 @@ class FusedAllReduceNorm:
         self.rank, self.size, self.max_tokens, self.hidden, self.dtype = rank, size, max_tokens, hidden, dtype
 
     @staticmethod
+    def supports(size: int, dtype: torch.dtype, hidden: int) -> bool:
+        """Whether the built module has a kernel for this group (checked before building it): 2, 4 or
+        8 ranks, 16/32-bit floats, rows of whole 16-byte vectors."""
+        floats = (torch.bfloat16, torch.float16, torch.float32)
+        return size in RANKS and dtype in floats and hidden * dtype.itemsize % 16 == 0
+
+    @staticmethod
     def available(device: torch.device) -> bool:
         """Whether this rank can run the kernel: CUDA, and its module builds (the JIT compile happens
         here, before any collective; logged when it fails)."""
@@ -68,8 +75,7 @@ class FusedAllReduceNorm:
         same named group), or None where it cannot be set up (logged; the caller keeps the unfused
         path). No rank may call the kernel before every rank has returned from here: the caller's
         agreement on the outcome (a collective after these buffers are initialized) is that barrier."""
-        floats = (torch.bfloat16, torch.float16, torch.float32)
-        if size not in RANKS or dtype not in floats or hidden * dtype.itemsize % 16:
+        if not FusedAllReduceNorm.supports(size, dtype, hidden):
             log.warning("tensor parallel: all-reduce and RMSNorm stay separate kernels (the fused kernel "
                         "takes %s ranks and rows of whole 16-byte vectors of 16/32-bit floats, not %d ranks "
                         "of %d x %s)", RANKS, size, hidden, dtype)  # fmt: skip

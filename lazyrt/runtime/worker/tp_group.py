@@ -98,6 +98,10 @@ class TPGroup:
     def _fused_all_reduce_norm(self, dtype: torch.dtype, hidden: int) -> FusedAllReduceNorm | None:
         # as the peer path: the ranks agree that each can build the kernel before the collective set-up,
         # then on its outcome (a rank left unfused would never meet the others' fused kernels)
+        if not FusedAllReduceNorm.supports(self.size, dtype, hidden):  # the same on every rank
+            log.info("tensor parallel: all-reduce and RMSNorm stay separate kernels (no fused kernel for "
+                     "%d ranks of %d x %s)", self.size, hidden, dtype)  # fmt: skip
+            return None
         if self.min_int(int(FusedAllReduceNorm.available(self.device))) == 0 or self.peer.group is None:
             return None
         before = PeerAllReduce.setups_in_process()
