@@ -626,3 +626,34 @@ def test_80_concurrent_mixed_requests_complete_and_leak_nothing(server):
     streaming_hangups = sum(1 for i in range(n) if i % 10 == 9 and i % 4 >= 2)
     assert _metric(server, "lazyrt_requests_aborted_total") - aborted_before >= streaming_hangups
     print(f"{n} concurrent requests in {elapsed:.1f}s")
+
+
+def test_an_idle_keep_alive_connection_outlives_the_clients_expiry(server):
+    """A client's pooled connection, idle for 6 s (past httpx's and the OpenAI client's 5 s expiry, and
+    uvicorn's default keep-alive), still answers its next request: the server keeps idle connections
+    longer than clients do, so a client never reuses one the server is closing at that moment (seen as
+    'Server disconnected without sending a response' in a test that paused between requests)."""
+    import socket as sock
+    from urllib.parse import urlparse
+
+    u = urlparse(server.url)
+    req = f"GET /health HTTP/1.1\r\nHost: {u.hostname}\r\nConnection: keep-alive\r\n\r\n".encode()
+
+    def answer(s: sock.socket) -> bytes:
+        got = b""
+        while b"\r\n\r\n" not in got or len(got.split(b"\r\n\r\n", 1)[1]) < length(got):
+            chunk = s.recv(4096)
+            assert chunk, "the server closed the idle keep-alive connection"
+            got += chunk
+        return got
+
+    def length(got: bytes) -> int:
+        head = got.split(b"\r\n\r\n", 1)[0].lower()
+        return int(head.split(b"content-length:", 1)[1].split(b"\r\n", 1)[0])
+
+    with sock.create_connection((u.hostname, u.port), timeout=30) as s:
+        s.sendall(req)
+        assert answer(s).startswith(b"HTTP/1.1 200")
+        time.sleep(random.uniform(6.0, 7.0))
+        s.sendall(req)
+        assert answer(s).startswith(b"HTTP/1.1 200")

@@ -133,8 +133,10 @@ def main(argv: list[str] | None = None) -> int:
     urls = list(args.worker) + [f"http://127.0.0.1:{args.dp_base_port + i}" for i in range(args.dp)]
     policy = AffinityPolicy(args.imbalance, args.slack, args.policy)
     state = RouterState([Replica(u.rstrip("/")) for u in urls], policy, args.api_key)
+    # idle keep-alive past the clients' own expiry, as the server's (runtime/server/serve.py KEEP_ALIVE_S)
     config = uvicorn.Config(create_router_app(state), host=args.host, port=args.port,
-                            log_level=args.log_level.lower(), access_log=False)  # fmt: skip
+                            log_level=args.log_level.lower(), access_log=False,
+                            timeout_keep_alive=30)  # fmt: skip
     server = uvicorn.Server(config)
     done, all_died = threading.Event(), threading.Event()
     if procs:

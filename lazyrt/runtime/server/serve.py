@@ -25,6 +25,10 @@ from lazyrt.sampling_params import SamplingParams
 
 logger = logging.getLogger("lazyrt")
 _WATCH_S = 0.5
+# An idle keep-alive connection stays open this long: past the clients' own expiry (httpx / the OpenAI
+# client 5 s, aiohttp, the router's relay, 15 s), so a client never reuses a connection the server is
+# closing at that moment ("Server disconnected without sending a response"; uvicorn's default is 5 s).
+KEEP_ALIVE_S = 30
 
 
 @dataclass
@@ -129,6 +133,7 @@ async def _main(
         log_level=opts.log_level.lower(),
         access_log=False,
         timeout_graceful_shutdown=2,
+        timeout_keep_alive=KEEP_ALIVE_S,
     )
     server = uvicorn.Server(config)
     holder["server"] = server
