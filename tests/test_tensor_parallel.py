@@ -528,11 +528,33 @@ def test_cuda_tp2_equals_tp1(mode, fused, tiny_model_dir):
     batches = _batches(random.Random())
     kw = dict(device="cuda", dtype="float32", cache_mode=mode, kv_cache_tokens=8192)
     want = _run(Engine(path, **kw), batches)
-    with Engine(path, tensor_parallel_size=2, tp_fused_all_reduce_norm=fused, **kw) as two:
-        assert str(two.model.device) == "cuda:0" and two.pool.num_kv_heads == 1
-        assert (two.worker.tp.fused is not None) == fused
-        got = _run(two, batches)
+    import torch.multiprocessing as mp
+
+    # rank 0 in a fresh process: torch's symmetric memory cannot pair a process that set up an earlier
+    # group with a fresh rank, so in this process a second TP engine would fall back to NCCL
+    q = mp.get_context("spawn").Queue()
+    p = mp.get_context("spawn").Process(target=_tp2_engine_run, args=(path, kw, fused, batches, q))
+    p.start()
+    paths, got = q.get(timeout=280)
+    p.join(30)
+    assert paths is not None, got
+    assert paths == {"device": "cuda:0", "kv_heads": 1, "peer": True, "fused": fused}
     _assert_same(got, want)
+
+
+def _tp2_engine_run(path: str, kw: dict, fused: bool, batches, q) -> None:
+    """test_cuda_tp2_equals_tp1's TP=2 engine, in its own process: (what it set up, its outputs)."""
+    import traceback
+
+    try:
+        with Engine(path, tensor_parallel_size=2, tp_fused_all_reduce_norm=fused, **kw) as two:
+            tp = two.worker.tp
+            paths = {"device": str(two.model.device), "kv_heads": two.pool.num_kv_heads,
+                     "peer": tp.peer is not None, "fused": tp.fused is not None}  # fmt: skip
+            q.put((paths, _run(two, batches)))
+    except BaseException:
+        q.put((None, traceback.format_exc()))  # the failure, not a wait for the queue's timeout
+        raise
 
 
 def _fused_rank(rank: int, rdv: TPRendezvous, rows: list[int], results) -> None:
