@@ -40,7 +40,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("decode_splits.py needs CUDA")
     gen = torch.Generator(device="cuda").manual_seed(0)
-    rope = RopeCache.build(ModelConfig(**PRESETS["llama-3.1-8b"]), 16384, torch.device("cuda"))
+    rope = RopeCache.build(ModelConfig.from_hf(PRESETS["llama-3.1-8b"]), 16384, torch.device("cuda"))
     scale = HEAD_DIM**-0.5
     print(f"{torch.cuda.get_device_name()}; us per call (kernel + merge), CUDA-graph replay")
     forced = " | ".join(f"{s} splits" for s in args.splits)
