@@ -244,14 +244,12 @@ except Exception as e:  # noqa: BLE001
         (4, 2, 16, None, 16, torch.float16, (1, 1), False, 16, 32, 64),  # tiny head: padded halves
     ],
 )
-@pytest.mark.parametrize("merge_heads,merge_parts,key_tables", [(1, 2, "fp32"), (4, 8, "half"), (2, 4, "kv")])
+@pytest.mark.parametrize("merge_heads,key_tables", [(1, "fp32"), (4, "half"), (2, "kv")])
 def test_triton_matches_reference(group, kv_heads, head_dim, rotary_dim, page_size, dtype, q_len, inside,
-                                  block_pairs, block_n, programs, merge_heads, merge_parts,
-                                  key_tables):  # fmt: skip
+                                  block_pairs, block_n, programs, merge_heads, key_tables):  # fmt: skip
     """The Triton kernel (persistent grids of 1..64 programs over the work items; keys turned with
     fp32 tables, the per-request kernel's fp16 [cos|sin] table, or it in the KV dtype with 16-bit
-    math) = the reference, and the Triton merge (1, 2 or 4 heads a program; a row's parts 2, 4 or 8 at a
-    time) = merge_parts_ref."""
+    math) = the reference, and the Triton merge (1, 2 or 4 heads a program) = merge_parts_ref."""
     if shared_chunk_attention_triton is None:
         pytest.fail(f"triton is not importable: {TRITON_ERROR}")
     kv, positions, _, _, segments = make_step(page_size, kv_heads, head_dim, dtype, n_chunks=5,
@@ -267,15 +265,14 @@ def test_triton_matches_reference(group, kv_heads, head_dim, rotary_dim, page_si
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(lse, lse_ref, **tol)
     torch.testing.assert_close(o, o_ref, **tol)
-    merged = merge_parts_triton(o, lse, meta, dtype, heads_per_program=merge_heads,
-                                parts_per_load=merge_parts)
+    merged = merge_parts_triton(o, lse, meta, dtype, heads_per_program=merge_heads)
     assert merged.dtype == dtype
     torch.testing.assert_close(merged.float(), merge_parts_ref(o, lse, meta), **tol)
 
 
-@pytest.mark.parametrize("parts_per_load", [1, 2, 8])
-def test_triton_merge_rows_of_many_parts(parts_per_load):
-    """The Triton merge over rows of 0..19 parts (none, one load, several, a partial last load), pairs in
+@pytest.mark.parametrize("heads_per_program", [4, 8])
+def test_triton_merge_rows_of_many_parts(heads_per_program):
+    """The Triton merge (a partial last block of heads, or none) over rows of 0..19 parts, pairs in
     shuffled order, some parts seeing no key (lse -inf) and a row whose parts all see none (zeros) =
     merge_parts_ref."""
     if merge_parts_triton is None:
@@ -286,7 +283,7 @@ def test_triton_merge_rows_of_many_parts(parts_per_load):
 
     from lazyrt.kernels.shared_chunk import row_index
 
-    counts = [0, 1, 3, parts_per_load, parts_per_load + 1, 19, 2]
+    counts = [0, 1, 3, 8, 9, 19, 2]
     rows = np.repeat(np.arange(len(counts)), counts)
     rows = rows[np.random.permutation(len(rows))]
     heads, head_dim = 6, 24
@@ -300,5 +297,5 @@ def test_triton_merge_rows_of_many_parts(parts_per_load):
                                  row_part_indptr=torch.from_numpy(row_part_indptr))  # what the merges read
     want = merge_parts_ref(o, lse, meta)
     assert want[6].abs().sum() == 0 and want[0].abs().sum() == 0
-    got = merge_parts_triton(o, lse, meta, torch.float32, heads_per_program=4, parts_per_load=parts_per_load)
+    got = merge_parts_triton(o, lse, meta, torch.float32, heads_per_program=heads_per_program)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -213,10 +213,7 @@ def _merge_parts_kernel(
     o_parts_ptr, lse_parts_ptr, row_part_indptr_ptr, row_parts_ptr, out_ptr,
     stride_pp, stride_ph, stride_lp, stride_ot, stride_oh,
     HEADS: tl.constexpr, HEADS_P: tl.constexpr, HEAD: tl.constexpr, HEAD_P: tl.constexpr,
-    PARTS: tl.constexpr,
 ):
-    # PARTS of a row's parts at a time, their loads all in flight at once: one part per iteration made
-    # the merge a chain of dependent loads (~10 us a layer for a batch-64 decode step)
     t = tl.program_id(0)
     h = tl.program_id(1) * HEADS_P + tl.arange(0, HEADS_P)
     d = tl.arange(0, HEAD_P)
@@ -227,20 +224,16 @@ def _merge_parts_kernel(
     m = tl.full([HEADS_P], float("-inf"), tl.float32)
     den = tl.zeros([HEADS_P], tl.float32)
     acc = tl.zeros([HEADS_P, HEAD_P], tl.float32)
-    for start in range(lo, hi, PARTS):
-        i = start + tl.arange(0, PARTS)
-        i_ok = i < hi
-        p = tl.load(row_parts_ptr + i, mask=i_ok, other=0).to(tl.int64)
-        lse = tl.load(lse_parts_ptr + p[:, None] * stride_lp + h[None, :],
-                      mask=i_ok[:, None] & h_ok[None, :], other=float("-inf"))  # [PARTS, HEADS_P]
-        o_off = p[:, None, None] * stride_pp + h[None, :, None] * stride_ph + d[None, None, :]
-        o = tl.load(o_parts_ptr + o_off, mask=i_ok[:, None, None] & hd_ok[None, :, :], other=0.0)
-        m_new = tl.maximum(m, tl.max(lse, axis=0))
+    for i in range(lo, hi):
+        p = tl.load(row_parts_ptr + i).to(tl.int64)
+        lse = tl.load(lse_parts_ptr + p * stride_lp + h, mask=h_ok, other=float("-inf"))
+        o = tl.load(o_parts_ptr + p * stride_pp + h[:, None] * stride_ph + d[None, :], mask=hd_ok, other=0.0)
+        m_new = tl.maximum(m, lse)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: weights stay 0
         a = tl.exp(m - m_safe)
-        w = tl.exp(lse - m_safe[None, :])
-        den = den * a + tl.sum(w, axis=0)
-        acc = acc * a[:, None] + tl.sum(o * w[:, :, None], axis=0)
+        b = tl.exp(lse - m_safe)
+        den = den * a + b
+        acc = acc * a[:, None] + o * b[:, None]
         m = m_new
     out = tl.where((den > 0)[:, None], acc / tl.where(den > 0, den, 1.0)[:, None], 0.0)
     tl.store(out_ptr + t * stride_ot + h[:, None] * stride_oh + d[None, :], out, mask=hd_ok)
@@ -251,25 +244,18 @@ def merge_parts_triton(
     lse_parts: torch.Tensor,
     meta: SharedChunkMeta,
     out_dtype: torch.dtype,
-    heads_per_program: int = 2,
-    parts_per_load: int = 8,
+    heads_per_program: int = 4,
 ) -> torch.Tensor:
     """Same as shared_chunk.merge_parts_ref, in out_dtype: one program per query row and block of
-    heads_per_program heads (a row alone leaves most SMs idle in a decode step: 2 heads ran the
-    merge of a batch-16/32 decode step in 7 us vs 16 us for all 32 heads on the H100), loading
-    parts_per_load of the row's parts at once (a RAG decode row has one per document plus its own
-    pages)."""
+    heads_per_program heads (a row alone leaves most SMs idle in a decode step). H100, Zipf decode
+    steps, us a layer for 1 / 2 / 4 / 8 heads a program (shared_chunk_bench.py --variants, 2026-11-27):
+    batch 64 9.5 / 6.7 / 4.8 / 5.1, batch 16 7.0 / 7.4 / 7.1 / 7.7; a TP=2 rank's half of the heads
+    at batch 64 5.9 / 4.8 / 4.6 / 5.0. (Loading 8 or 16 of a row's parts at once, [parts, heads,
+    head_dim] tiles, was 1.5-2x slower than this loop.)"""
     _, heads, head_dim = o_parts.shape
     out = torch.empty(meta.num_rows, heads, head_dim, dtype=out_dtype, device=o_parts.device)
     if meta.num_rows == 0:
         return out
-    hb = min(_pow2(heads), _pow2(heads_per_program))
-    _merge_parts_kernel[(meta.num_rows, triton.cdiv(heads, hb))](
-        o_parts, lse_parts, meta.row_part_indptr, meta.row_parts, out,
-        o_parts.stride(0), o_parts.stride(1), lse_parts.stride(0), out.stride(0), out.stride(1),
-        HEADS=heads, HEADS_P=hb, HEAD=head_dim, HEAD_P=_pow2(head_dim), PARTS=_pow2(parts_per_load),
-    )  # fmt: skip
-    return out
     hb = min(_pow2(heads), _pow2(heads_per_program))
     _merge_parts_kernel[(meta.num_rows, triton.cdiv(heads, hb))](
         o_parts, lse_parts, meta.row_part_indptr, meta.row_parts, out,
