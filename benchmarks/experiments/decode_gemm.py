@@ -11,7 +11,7 @@ at bf16 rounding). GPU only; CUDA-graph replay.
 
 Caveat: each shape's weights are read over and over, so those that fit the L2 (50 MB on the H100:
 qkv and o_proj of a TP=2 rank, o_proj at TP=1) run above HBM speed here and not in a model.
-H100, 2026-11-27 (commit 0cc1f4c's tree): the large shapes, where the L2 does not help, run at
+H100, 2026-11-27 (commit f83cc77): the large shapes, where the L2 does not help, run at
 2.6-2.9 TB/s through cuBLAS (the copy bandwidth is 2.99), and the best of these Triton tiles is within
 2-4% of that (gate_up equal, down 4% faster) except lm_head (9% faster at 1 row: 341 vs 376 us);
 cuBLASLt equals cuBLAS. So the decode GEMMs are at the weights' floor, and at TP=2 they halve.
