@@ -943,4 +943,7 @@ def main(argv=None) -> list[dict]:
 
 
 if __name__ == "__main__":
+    # the servers run in their own sessions (Ctrl-C raises KeyboardInterrupt here and unwinds); a SIGTERM
+    # to this process alone (`timeout`, a job runner) unwinds through run_mode's finally, which stops them
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     main()

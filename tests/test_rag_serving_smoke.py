@@ -144,6 +144,53 @@ def test_end_to_end_point_on_cpu_server(tmp_path):
     assert again[0]["ttft_ms"] == row["ttft_ms"]
 
 
+@pytest.mark.slow
+def test_a_sigterm_to_the_benchmark_stops_the_server_it_launched(tmp_path):
+    """The servers run in their own sessions, so `timeout` or a job runner signalling the benchmark alone
+    left them holding the GPU (the next point's server then ran out of memory): SIGTERM mid-point must
+    stop the server too."""
+    import re
+    import signal
+    import subprocess
+    import time
+
+    import httpx
+
+    cmd = [sys.executable, os.path.join(BENCH, "rag_serving.py"), "--model", "default",
+           "--load-format", "auto", "--device", "cpu", "--docs", "4", "--doc-tokens", "24",
+           "--docs-per-request", "2", "--num-requests", "200", "--rates", "0.2", "--modes", "lazy",
+           "--output-tokens", "3", "--warmup", "0", "--out", str(tmp_path / "r.jsonl"), "--md", "",
+           "--plot", "", "--startup-timeout", "240"]  # fmt: skip
+    bench = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        port = None
+        for line in bench.stdout:
+            if m := re.search(r"launching: .* --port (\d+)", line):
+                port = int(m.group(1))
+                break
+        assert port, "the benchmark printed no launch line"
+        url = f"http://127.0.0.1:{port}/health"
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url, timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.5)
+        else:
+            pytest.fail("the server never came up")
+        time.sleep(2)  # the point is under way
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(90) == 143
+        with pytest.raises(httpx.TransportError):
+            httpx.get(url, timeout=5)  # nobody listens on the port any more
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+        if port:  # a server left behind by a failure here must not outlive the test
+            subprocess.run(["pkill", "-f", f"lazyrt.launch --port {port} "], check=False)
+
+
 def test_others_in_flight_at_each_send():
     """How many other completed requests were streaming when each was sent, against a brute-force count
     over random intervals (with requests sent at the same instant, back to back and failed ones)."""
