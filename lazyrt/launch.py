@@ -192,8 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         default=d.tokenizer_in_http,
         help="tokenize and detokenize inside the HTTP process instead of a process of their own (one "
-        "process hop less each way; documents not yet tokenized hold the HTTP event loop while they "
-        "are; same outputs; experimental)",
+        "process hop less each way; requests are tokenized on a thread of the HTTP process; same "
+        "outputs; experimental)",
     )
     p.add_argument(
         "--tensor-parallel-size",

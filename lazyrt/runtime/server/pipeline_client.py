@@ -2,9 +2,10 @@
 what comes back from the detokenizer to one asyncio queue per request.
 
 The tokenizer runs in a process of its own, or (--tokenizer-in-http) in this process: requests are
-then tokenized here and go straight to the scheduler, whose outputs come here to be detokenized (one
-process hop less each way; a request with documents not yet tokenized holds the event loop while
-they are).
+then tokenized here, on a thread of their own in arrival order (a request whose documents are not
+yet tokenized must not hold the event loop that streams every other request), and go straight to
+the scheduler, whose outputs come back here and are detokenized on the event loop (one process hop
+less each way).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any
 
@@ -48,7 +51,15 @@ class PipelineClient:
         self._in_process, self._document_store = tokenizer_in_process, document_store
         self._tokenizer: TokenizerLoop | None = None  # in process: built once the worker is ready
         self._pending: list[Any] = []  # in process: what came from HTTP before that
+        # in process: TokenizerLoop.on_http runs here, one message at a time in arrival order (an
+        # abort never overtakes its request); the push socket is shared with the event loop's
+        # detokenizer (a stop string's abort), hence the lock
+        self._tokenize_thread: ThreadPoolExecutor | None = None
+        self._push_lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: int | None = None
         if tokenizer_in_process:
+            self._tokenize_thread = ThreadPoolExecutor(1, thread_name_prefix="lazyrt-tokenize")
             self._push = socket(self._sync_ctx, zmq.PUSH, ipc.scheduler_in, bind=False)
             self._pull = socket(self._ctx, zmq.PULL, ipc.detok_in, bind=True)
         else:
@@ -69,7 +80,34 @@ class PipelineClient:
         elif self._tokenizer is None:
             self._pending.append(msg)
         else:
+            self._submit(msg)
+
+    def _submit(self, msg: Any) -> None:
+        try:
+            self._tokenize_thread.submit(self._on_http, msg)
+        except RuntimeError:  # shut down: the server is closing (a stream's cleanup sending an abort)
+            pass
+
+    def _on_http(self, msg: Any) -> None:
+        """On the tokenize thread."""
+        try:
             self._tokenizer.on_http(msg)
+        except Exception as e:  # (on_http answers bad requests itself; this is a bug: fail the one)
+            logger.exception("tokenizer: %s failed", type(msg).__name__)
+            if isinstance(msg, GenerateReq):
+                self._to_http(ErrorOut(msg.rid, f"tokenization failed: {e}", None, 500, "server_error"))
+
+    def _to_sched(self, msg: Any) -> None:
+        with self._push_lock:
+            send(self._push, msg)
+
+    def _to_http(self, msg: Any) -> None:
+        """The tokenizer's answers: dispatched on the event loop (its queues and futures are not
+        thread-safe)."""
+        if threading.get_ident() == self._loop_thread:
+            self.dispatch(msg)
+        else:
+            self._loop.call_soon_threadsafe(self.dispatch, msg)
 
     def new_rid(self) -> int:
         return next(self._rids)
@@ -109,6 +147,7 @@ class PipelineClient:
             self._controls.pop(req.rid, None)
 
     async def run(self) -> None:
+        self._loop, self._loop_thread = asyncio.get_running_loop(), threading.get_ident()
         while True:
             msg = decode(await self._pull.recv())
             if not self._in_process:
@@ -119,11 +158,10 @@ class PipelineClient:
                 await self._start_tokenizer(msg)
 
     async def _start_tokenizer(self, ready: WorkerReady) -> None:
-        to_sched = partial(send, self._push)
+        build = partial(open_tokenizer_loop, ready, self._document_store, self._to_sched, self._to_http,
+                        separate_encoder=True)  # fmt: skip
         try:  # (loading the tokenizer takes a while: off the event loop)
-            self._tokenizer = await asyncio.to_thread(
-                open_tokenizer_loop, ready, self._document_store, to_sched, self.dispatch
-            )
+            self._tokenizer = await self._loop.run_in_executor(self._tokenize_thread, build)
         except (Exception, SystemExit) as e:  # SystemExit: the document store cannot be opened
             self.fatal = f"the tokenizer could not start ({type(e).__name__}: {e})"
             logger.error("%s", self.fatal)
@@ -132,7 +170,7 @@ class PipelineClient:
         self.dispatch(ready)
         pending, self._pending = self._pending, []
         for msg in pending:
-            self._tokenizer.on_http(msg)
+            self._submit(msg)
 
     def dispatch(self, msg: Any) -> None:
         if isinstance(msg, TextBatch):
@@ -170,7 +208,10 @@ class PipelineClient:
                 fut.set_exception(RuntimeError(why))
 
     def close(self) -> None:
-        self._push.close()
+        if self._tokenize_thread is not None:
+            self._tokenize_thread.shutdown(wait=False, cancel_futures=True)
+        with self._push_lock:  # not while the tokenize thread sends
+            self._push.close()
         self._pull.close()
         self._ctx.term()
         self._sync_ctx.term()

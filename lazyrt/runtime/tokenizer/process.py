@@ -1,7 +1,8 @@
 """Tokenizer/detokenizer: turns requests into token ids on the way in and sampled tokens into text on
 the way out (incremental, whole characters only, stop strings never emitted). TokenizerLoop runs in
 a process of its own (run_tokenizer_process) or, with --tokenizer-in-http, inside the HTTP process
-(server/pipeline_client.py), which saves a process hop each way.
+(server/pipeline_client.py), which saves a process hop each way: there on_http runs on a thread of
+its own, on_scheduler on the event loop.
 
 When it sees a stop string it finishes the request towards HTTP and sends an abort upstream so the
 scheduler frees the pages; tokens the scheduler produced meanwhile are dropped here.
@@ -57,10 +58,15 @@ class TokenizerLoop:
         to_sched: Callable[[object], None],
         to_http: Callable[[object], None],
         store: DocumentStore | None = None,
+        encoder=None,
     ):
-        """to_sched / to_http: where messages go (a socket's send, or the HTTP process's dispatch)."""
+        """to_sched / to_http: where messages go (a socket's send, or the HTTP process's dispatch).
+        encoder: the tokenizer on_http encodes with, where on_http runs on another thread than
+        on_scheduler's decoding (a HF fast tokenizer used from two threads at once can fail with
+        'Already borrowed'); default: `tokenizer`."""
         self.tokenizer = tokenizer
-        self.req_tokenizer = RequestTokenizer(tokenizer, ready.max_context, ready.vocab_size, store=store)
+        encoder = tokenizer if encoder is None else encoder
+        self.req_tokenizer = RequestTokenizer(encoder, ready.max_context, ready.vocab_size, store=store)
         self.store = store
         self.to_sched, self.to_http = to_sched, to_http
         self.live: dict[int, _Live] = {}
@@ -83,7 +89,7 @@ class TokenizerLoop:
             detok = IncrementalDetokenizer(self.tokenizer, sp.stop, sp.stop_token_ids)
             live = self.live[msg.rid] = _Live(detok)
             if msg.echo:
-                text = msg.text if msg.text is not None else self.tokenizer.decode(tok.suffix)
+                text = msg.text if msg.text is not None else self.req_tokenizer.tokenizer.decode(tok.suffix)
                 live.echo = (text, list(tok.suffix))
             tok.received_at, tok.tokenizing_at, tok.tokenized_at = msg.received_at, got, time.time()
             self.to_sched(tok)
@@ -125,7 +131,7 @@ class TokenizerLoop:
         text = d.take(final=final)
         if not final:
             return TextOut(out.rid, text, used, logprobs=lps)
-        del self.live[out.rid]
+        self.live.pop(out.rid, None)  # (an abort on on_http's thread may have taken it meanwhile)
         meta = {**live.meta, "completion_tokens": len(d.ids), "finish_reason": reason}
         if live.echo is not None:
             meta["echo_text"] = live.echo[0]
@@ -147,14 +153,18 @@ def open_tokenizer_loop(
     document_store: str | None,
     to_sched: Callable[[object], None],
     to_http: Callable[[object], None],
+    separate_encoder: bool = False,
 ) -> TokenizerLoop:
     """The loop for the model the worker reported ready (it says where its tokenizer lives, so only
     the worker resolves and loads the model); sets ready.tool_format. document_store:
-    EngineConfig.document_store (None = the model's default file, "none" = off). Raises SystemExit
-    when the store cannot be opened (another model's file, say)."""
+    EngineConfig.document_store (None = the model's default file, "none" = off). separate_encoder:
+    a second tokenizer instance for on_http (TokenizerLoop's encoder), for a caller that runs on_http
+    and on_scheduler on two threads. Raises SystemExit when the store cannot be opened (another
+    model's file, say)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(ready.tokenizer_path)
+    encoder = AutoTokenizer.from_pretrained(ready.tokenizer_path) if separate_encoder else None
     store = open_store(document_store, ready.model_id)
     if store is not None and os.path.exists(store.path):  # else created by the first registration
         try:
@@ -163,7 +173,7 @@ def open_tokenizer_loop(
             logger.error("cannot open the document store: %s", e)
             raise SystemExit(1) from e
     ready.tool_format = tool_format(getattr(tokenizer, "chat_template", None))
-    return TokenizerLoop(tokenizer, ready, to_sched, to_http, store)
+    return TokenizerLoop(tokenizer, ready, to_sched, to_http, store, encoder)
 
 
 def run_tokenizer_process(ipc: IpcPaths, log_level: str, document_store: str | None = None) -> None:
