@@ -5,8 +5,11 @@ the event loop that streams the other requests, and nothing upstream overtakes i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
 import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import zmq
 
@@ -23,31 +26,57 @@ from lazyrt.runtime.server.pipeline_client import PipelineClient
 from lazyrt.sampling_params import SamplingParams
 
 
-def _recv(sock: zmq.Socket, timeout_s: float = 30.0):
-    if not sock.poll(int(timeout_s * 1000)):
-        raise TimeoutError("nothing reached the stand-in scheduler")
-    return recv(sock)
+@dataclass
+class StandIn:
+    client: PipelineClient
+    sched_in: zmq.Socket  # what reaches the scheduler
+    to_client: zmq.Socket  # the scheduler's outputs
+
+    async def upstream(self, n: int = 1) -> list:
+        """The next n messages at the scheduler."""
+
+        def get() -> list:
+            out = []
+            for _ in range(n):
+                if not self.sched_in.poll(30_000):
+                    raise TimeoutError("nothing reached the stand-in scheduler")
+                out.append(recv(self.sched_in))
+            return out
+
+        return await asyncio.to_thread(get)
+
+
+@contextlib.asynccontextmanager
+async def stand_in_scheduler(tokenizer_path: str, vocab: int) -> AsyncIterator[StandIn]:
+    """A PipelineClient tokenizing in process, its worker reported ready, between two sockets."""
+    ipc, ctx = IpcPaths.create(), zmq.Context()
+    sched_in = socket(ctx, zmq.PULL, ipc.scheduler_in, bind=True)
+    client = PipelineClient(ipc, tokenizer_in_process=True, document_store="none")
+    to_client = socket(ctx, zmq.PUSH, ipc.detok_in, bind=False)
+    runner = asyncio.create_task(client.run())
+    try:
+        send(to_client, WorkerReady("tiny", tokenizer_path, 64, 16, 2048, vocab, [2], "cpu"))
+        await asyncio.wait_for(client.ready.wait(), 60)
+        yield StandIn(client, sched_in, to_client)
+    finally:
+        runner.cancel()
+        client.close()
+        to_client.close()
+        sched_in.close()
+        ctx.term()
+        shutil.rmtree(ipc.dir, ignore_errors=True)
 
 
 def test_a_slow_tokenization_leaves_other_streams_flowing(tiny_model_dir, tokenizer, monkeypatch):
-    path = tiny_model_dir("llama")
-    ipc = IpcPaths.create()
-    ctx = zmq.Context()
-    sched_in = socket(ctx, zmq.PULL, ipc.scheduler_in, bind=True)  # the scheduler's inbox
     events: list[str] = []
     release = threading.Event()  # request A's tokenization waits for it
 
     async def run() -> None:
-        client = PipelineClient(ipc, tokenizer_in_process=True, document_store="none")
-        to_client = socket(ctx, zmq.PUSH, ipc.detok_in, bind=False)  # the scheduler's outputs
-        runner = asyncio.create_task(client.run())
-        try:
-            send(to_client, WorkerReady("tiny", path, 64, 16, 2048, len(tokenizer), [2], "cpu"))
-            await asyncio.wait_for(client.ready.wait(), 60)
-            sp = SamplingParams(max_tokens=8)
+        async with stand_in_scheduler(tiny_model_dir("llama"), len(tokenizer)) as s:
+            client, sp = s.client, SamplingParams(max_tokens=8)
             c = client.new_rid()
             stream_c = client.submit(GenerateReq(c, sp, text="a request already running"))
-            got = await asyncio.to_thread(_recv, sched_in)
+            (got,) = await s.upstream()
             assert isinstance(got, TokenizedReq) and got.rid == c
 
             # request A's tokenization blocks (as a long uncached document's would) until released
@@ -61,49 +90,32 @@ def test_a_slow_tokenization_leaves_other_streams_flowing(tiny_model_dir, tokeni
                 return real(req)
 
             monkeypatch.setattr(client._tokenizer.req_tokenizer, "tokenize", slow)
-            client.submit(GenerateReq(a, sp, text="a request with a long new document"))
-            client.abort(a)  # must reach the scheduler after A itself, not before
-            ids = tokenizer("hello there", add_special_tokens=False).input_ids
-            send(to_client, TokenBatch([TokenOut(c, ids)]))
-            out = await asyncio.wait_for(stream_c.get(), 10)
-            events.append("C streamed")
-            assert out.rid == c and out.text == tokenizer.decode(ids, skip_special_tokens=True)
-            release.set()
-            first, second = await asyncio.to_thread(lambda: (_recv(sched_in), _recv(sched_in)))
+            try:
+                client.submit(GenerateReq(a, sp, text="a request with a long new document"))
+                client.abort(a)  # must reach the scheduler after A itself, not before
+                ids = tokenizer("hello there", add_special_tokens=False).input_ids
+                send(s.to_client, TokenBatch([TokenOut(c, ids)]))
+                out = await asyncio.wait_for(stream_c.get(), 10)
+                events.append("C streamed")
+                assert out.rid == c and out.text == tokenizer.decode(ids, skip_special_tokens=True)
+            finally:
+                release.set()
+            first, second = await s.upstream(2)
             assert isinstance(first, TokenizedReq) and first.rid == a
             assert isinstance(second, AbortReq) and second.rid == a
-        finally:
-            release.set()
-            runner.cancel()
-            client.close()
-            to_client.close()
 
-    try:
-        asyncio.run(run())
-    finally:
-        sched_in.close()
-        ctx.term()
-        shutil.rmtree(ipc.dir, ignore_errors=True)
+    asyncio.run(run())
     assert events == ["C streamed", "A tokenized"]
 
 
 def test_a_tokenizer_bug_fails_that_request_only(tiny_model_dir, tokenizer, monkeypatch):
     """An exception out of the tokenizer (not a bad request: a bug) answers that request with a 500
     and the next request is tokenized as usual."""
-    path = tiny_model_dir("llama")
-    ipc = IpcPaths.create()
-    ctx = zmq.Context()
-    sched_in = socket(ctx, zmq.PULL, ipc.scheduler_in, bind=True)
     bad = "a text the tokenizer trips over"
 
     async def run() -> None:
-        client = PipelineClient(ipc, tokenizer_in_process=True, document_store="none")
-        to_client = socket(ctx, zmq.PUSH, ipc.detok_in, bind=False)
-        runner = asyncio.create_task(client.run())
-        try:
-            send(to_client, WorkerReady("tiny", path, 64, 16, 2048, len(tokenizer), [2], "cpu"))
-            await asyncio.wait_for(client.ready.wait(), 60)
-            loop = client._tokenizer
+        async with stand_in_scheduler(tiny_model_dir("llama"), len(tokenizer)) as s:
+            client, loop = s.client, s.client._tokenizer
             real = loop.on_http
 
             def broken(msg):
@@ -118,16 +130,7 @@ def test_a_tokenizer_bug_fails_that_request_only(tiny_model_dir, tokenizer, monk
             client.submit(GenerateReq(b, sp, text="fine"))
             err = await asyncio.wait_for(stream_a.get(), 10)
             assert err.rid == a and err.status == 500 and bad in err.message
-            got = await asyncio.to_thread(_recv, sched_in)
+            (got,) = await s.upstream()
             assert isinstance(got, TokenizedReq) and got.rid == b
-        finally:
-            runner.cancel()
-            client.close()
-            to_client.close()
 
-    try:
-        asyncio.run(run())
-    finally:
-        sched_in.close()
-        ctx.term()
-        shutil.rmtree(ipc.dir, ignore_errors=True)
+    asyncio.run(run())
