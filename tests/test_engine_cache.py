@@ -77,6 +77,10 @@ def default_engine():
         (lambda e: e.generate("hi", SamplingParams(top_p=1.5)), ValueError, "top_p"),
         (lambda e: e.generate("hi", SamplingParams(temperature=-1)), ValueError, "temperature"),
         (lambda e: e.generate([1, 2, 10**9]), ValueError, "vocabulary"),
+        (lambda e: e.generate([5, -3, 7]), ValueError, "token id -3"),
+        (lambda e: e.generate([5, True, 7]), TypeError, "list of token ids"),
+        (lambda e: e.generate([5, 6.0]), TypeError, "list of token ids"),
+        (lambda e: e.generate(RagPrompt([1], [[5, 6], [7, 10**9]], [3])), ValueError, "docs[1]: token id"),
         (lambda e: e.generate(""), ValueError, "empty"),
         (lambda e: e.generate(RagPrompt("p", ["d", ""], "s")), ValueError, "docs[1]"),
         (
