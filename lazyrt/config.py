@@ -108,8 +108,8 @@ class EngineConfig:
     # Server: tokenize and detokenize inside the HTTP process instead of a process of their own (one
     # hop less each way; requests are tokenized on a thread of their own, in arrival order, so a long
     # new document does not hold the event loop). Experimental, off by default: with
-    # worker_in_scheduler it took the TTFT p50 at 1 req/s from 21.4 to 19.6 ms on an H100 (one run);
-    # its saturation throughput is not measured.
+    # worker_in_scheduler it took the TTFT p50 at 1 req/s from 21.4 to 19.6 ms on an H100 (one run,
+    # tokenizing still on the event loop); its saturation throughput is not measured.
     tokenizer_in_http: bool = False
     # Tensor parallelism: the model split Megatron-style over this many ranks, one worker process per
     # rank (one GPU each on CUDA over NCCL; gloo on CPU), each holding its share of the KV heads.
