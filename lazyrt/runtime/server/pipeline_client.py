@@ -32,10 +32,9 @@ from lazyrt.runtime.ipc.messages import (
     TextBatch,
     WorkerReady,
     decode,
-    encode,
 )
 from lazyrt.runtime.ipc.sockets import IpcPaths, send, socket
-from lazyrt.runtime.tokenizer.process import TokenizerLoop, open_tokenizer_loop
+from lazyrt.runtime.tokenizer.process import TokenizerLoop, open_tokenizer_loop, tokenizing_failed
 
 logger = logging.getLogger("lazyrt.http")
 
@@ -76,7 +75,7 @@ class PipelineClient:
     def _upstream(self, msg: Any) -> None:
         """Towards the scheduler, through the tokenizer (in this process: tokenized here first)."""
         if not self._in_process:
-            self._push.send(encode(msg))
+            send(self._push, msg)
         elif self._tokenizer is None:
             self._pending.append(msg)
         else:
@@ -95,7 +94,7 @@ class PipelineClient:
         except Exception as e:  # (on_http answers bad requests itself; this is a bug: fail the one)
             logger.exception("tokenizer: %s failed", type(msg).__name__)
             if isinstance(msg, GenerateReq):
-                self._to_http(ErrorOut(msg.rid, f"tokenization failed: {e}", None, 500, "server_error"))
+                self._to_http(tokenizing_failed(msg.rid, e))
 
     def _to_sched(self, msg: Any) -> None:
         with self._push_lock:

@@ -43,6 +43,11 @@ from lazyrt.runtime.tokenizer.tool_calls import tool_format
 logger = logging.getLogger("lazyrt.tokenizer")
 
 
+def tokenizing_failed(rid: int, e: Exception) -> ErrorOut:
+    """The answer to a request the tokenizer failed on (a bug, not a bad request): a 500."""
+    return ErrorOut(rid, f"tokenization failed: {e}", None, 500, "server_error")
+
+
 @dataclass
 class _Live:
     detok: IncrementalDetokenizer
@@ -83,7 +88,7 @@ class TokenizerLoop:
                 return
             except Exception as e:  # a tokenizer bug must fail one request, not the server
                 logger.exception("tokenizing request %d failed", msg.rid)
-                self.to_http(ErrorOut(msg.rid, f"tokenization failed: {e}", None, 500, "server_error"))
+                self.to_http(tokenizing_failed(msg.rid, e))
                 return
             sp = msg.sampling
             detok = IncrementalDetokenizer(self.tokenizer, sp.stop, sp.stop_token_ids)

@@ -74,12 +74,8 @@ class FusedAllReduceNorm:
         """The group's workspace (a collective: every rank calls it, after PeerAllReduce.create on the
         same named group), or None where it cannot be set up (logged; the caller keeps the unfused
         path). No rank may call the kernel before every rank has returned from here: the caller's
-        agreement on the outcome (a collective after these buffers are initialized) is that barrier."""
-        if not FusedAllReduceNorm.supports(size, dtype, hidden):
-            log.warning("tensor parallel: all-reduce and RMSNorm stay separate kernels (the fused kernel "
-                        "takes %s ranks and rows of whole 16-byte vectors of 16/32-bit floats, not %d ranks "
-                        "of %d x %s)", RANKS, size, hidden, dtype)  # fmt: skip
-            return None
+        agreement on the outcome (a collective after these buffers are initialized) is that barrier.
+        The caller has checked `supports` (TPGroup, before it builds the module)."""
         try:
             import torch.distributed._symmetric_memory as symm_mem
 
