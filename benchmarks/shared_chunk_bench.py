@@ -133,6 +133,7 @@ def measure(B: int, args, rng: random.Random, rope: RopeCache, scale: float, ben
     from lazyrt.kernels.triton_attention import lazy_attention_triton
     from lazyrt.kernels.triton_shared_chunk import (
         KEY_TABLES,
+        merge_parts_blocked_triton,
         merge_parts_triton,
         persistent_programs,
         shared_chunk_attention_triton,
@@ -163,6 +164,10 @@ def measure(B: int, args, rng: random.Random, rope: RopeCache, scale: float, ben
         for hb in (1, 2, 4, 8, 32):
             merge = functools.partial(merge_parts_triton, o_s, lse_s, shared, q.dtype, hb)
             t[f"v_merge_h{hb}"] = bench(merge)
+        for pb in (8, 16):  # a program a (row, head), pb of its parts at a time
+            t[f"v_merge_blocked_p{pb}"] = bench(
+                functools.partial(merge_parts_blocked_triton, o_s, lse_s, shared, q.dtype, pb)
+            )
         # tiles other than the default on the same step
         for bn, stages, warps in ((128, 2, 4), (128, 3, 4), (128, 2, 8), (32, 3, 4), (64, 4, 4), (64, 2, 4)):
             kw = dict(block_n=bn, num_stages=stages, num_warps=warps)

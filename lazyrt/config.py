@@ -101,16 +101,16 @@ class EngineConfig:
     late_planning: bool = True
     # Server only (the offline Engine always calls its worker in process): the model worker runs inside
     # the scheduler process, called directly instead of over ZMQ: two fewer process hops on every
-    # step's way to the device and back (each costs ~0.5-1 ms when its process was idle; docs/
-    # benchmarks.md, the TTFT split). Off by default: on an H100 it took 1 ms off the server's share
-    # of a cached request's TTFT and nothing the client saw.
-    worker_in_scheduler: bool = False
+    # step's way to the device and back (each costs ~0.5-1 ms when its process was idle). On by
+    # default with tokenizer_in_http (H100, 2026-11-27, 099fceb, 70 requests a layout: TTFT p50 at
+    # 1 req/s 19.6 -> 18.8 ms, at saturation 1535 -> 1458 ms, output 995 -> 1014 tok/s; docs/
+    # benchmarks.md); False: a worker process of its own (--no-worker-in-scheduler).
+    worker_in_scheduler: bool = True
     # Server: tokenize and detokenize inside the HTTP process instead of a process of their own (one
     # hop less each way; requests are tokenized on a thread of their own, in arrival order, so a long
-    # new document does not hold the event loop). Experimental, off by default: with
-    # worker_in_scheduler it took the TTFT p50 at 1 req/s from 21.4 to 19.6 ms on an H100 (one run,
-    # tokenizing still on the event loop); its saturation throughput is not measured.
-    tokenizer_in_http: bool = False
+    # new document does not hold the event loop). On by default (see worker_in_scheduler); False: a
+    # tokenizer process (--no-tokenizer-in-http).
+    tokenizer_in_http: bool = True
     # Tensor parallelism: the model split Megatron-style over this many ranks, one worker process per
     # rank (one GPU each on CUDA over NCCL; gloo on CPU), each holding its share of the KV heads.
     tensor_parallel_size: int = 1

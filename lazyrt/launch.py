@@ -185,7 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         default=d.worker_in_scheduler,
         help="run the model worker inside the scheduler process, called directly rather than over ZMQ "
-        "(two fewer process hops a step; same outputs; experimental)",
+        "(two fewer process hops a step; same outputs; the default; --no-worker-in-scheduler: a model "
+        "worker process of its own)",
     )
     p.add_argument(
         "--tokenizer-in-http",
@@ -193,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.tokenizer_in_http,
         help="tokenize and detokenize inside the HTTP process instead of a process of their own (one "
         "process hop less each way; requests are tokenized on a thread of the HTTP process; same "
-        "outputs; experimental)",
+        "outputs; the default; --no-tokenizer-in-http: a tokenizer process of its own)",
     )
     p.add_argument(
         "--tensor-parallel-size",

@@ -102,3 +102,13 @@ def serve_cpu(kv_cache_tokens: int, *args: str):
         yield srv
     finally:
         srv.stop()
+
+
+def child_names(pid: int) -> set[str]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        kids = [int(k) for k in f.read().split()]
+    names = set()
+    for k in kids:
+        with open(f"/proc/{k}/comm") as f:
+            names.add(f.read().strip())
+    return {n for n in names if n.startswith("lazyrt-")}  # not multiprocessing's resource tracker

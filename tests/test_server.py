@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import sys
 import time
 
 import httpx
 import pytest
 from openai import OpenAI
-from server_util import DOCS
+from server_util import DOCS, child_names
 
 from lazyrt import Engine, SamplingParams
 
@@ -657,3 +658,16 @@ def test_an_idle_keep_alive_connection_outlives_the_clients_expiry(server):
         time.sleep(random.uniform(6.0, 7.0))
         s.sendall(req)
         assert answer(s).startswith(b"HTTP/1.1 200")
+
+
+def test_default_layout_is_two_processes_and_the_tokenizer_hop_is_a_call(server):
+    """By default the HTTP process tokenizes (on a thread of its own) and the scheduler's process runs
+    the model worker: the only child is the scheduler, and the hop to the tokenizer costs (nearly)
+    nothing, it is a call."""
+    if sys.platform.startswith("linux"):  # the processes by name (lazyrt/process_name.py)
+        assert child_names(server.proc.pid) == {"lazyrt-schedule"}
+    body = {"text": "Hello there", "sampling_params": {"max_tokens": 3, "temperature": 0}}
+    r = httpx.post(server.url + "/generate", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    t = r.json()["meta"]["timings_ms"]
+    assert 0 <= t["to_tokenizer"] < 5, t

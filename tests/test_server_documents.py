@@ -50,7 +50,9 @@ class Served:
         self.srv = self._start()
 
 
-@pytest.fixture(scope="module", params=[(), ("--tokenizer-in-http",)], ids=["tokenizer-process", "in-http"])
+@pytest.fixture(
+    scope="module", params=[("--no-tokenizer-in-http",), ()], ids=["tokenizer-process", "in-http"]
+)
 def served(request, tiny_model_dir, tmp_path_factory):
     """The store lives with the tokenizer: in its own process, or in the HTTP process."""
     s = Served(tiny_model_dir("llama"), str(tmp_path_factory.mktemp("docs") / "store.sqlite"), request.param)

@@ -12,7 +12,7 @@ import sys
 import httpx
 import pytest
 from conftest import cpu_engine
-from server_util import DOCS, ServerProc
+from server_util import DOCS, ServerProc, child_names
 
 from lazyrt import SamplingParams
 
@@ -50,9 +50,9 @@ QUESTION = "What is the capital of Arvania?"
 
 
 LAYOUTS = {
-    "worker process": (),
-    "worker in scheduler": ("--worker-in-scheduler",),
-    "two processes": ("--worker-in-scheduler", "--tokenizer-in-http"),
+    "four processes": ("--no-worker-in-scheduler", "--no-tokenizer-in-http"),
+    "worker in scheduler": ("--no-tokenizer-in-http",),
+    "two processes": (),  # the default
 }
 
 
@@ -81,16 +81,6 @@ def faulty(request, tmp_path_factory, tiny_model_dir):
         srv.stop()
 
 
-def _child_names(pid: int) -> set[str]:
-    with open(f"/proc/{pid}/task/{pid}/children") as f:
-        kids = [int(k) for k in f.read().split()]
-    names = set()
-    for k in kids:
-        with open(f"/proc/{k}/comm") as f:
-            names.add(f.read().strip())
-    return {n for n in names if n.startswith("lazyrt-")}  # not multiprocessing's resource tracker
-
-
 def _generate(srv, max_tokens: int = 8, **extra) -> httpx.Response:
     sp = {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
     body = {"text": QUESTION, "docs": DOCS, "sampling_params": sp, **extra}
@@ -101,9 +91,9 @@ def test_a_failed_step_answers_5xx_and_the_server_serves_on(faulty, tiny_model_d
     srv, arm, fault = faulty
     if sys.platform.startswith("linux"):  # the processes by name (lazyrt/process_name.py)
         want = {"lazyrt-schedule"}
-        want |= set() if "--worker-in-scheduler" in srv.args else {"lazyrt-worker"}
-        want |= set() if "--tokenizer-in-http" in srv.args else {"lazyrt-tokenize"}
-        assert _child_names(srv.proc.pid) == want
+        want |= {"lazyrt-worker"} if "--no-worker-in-scheduler" in srv.args else set()
+        want |= {"lazyrt-tokenize"} if "--no-tokenizer-in-http" in srv.args else set()
+        assert child_names(srv.proc.pid) == want
     stats = httpx.get(srv.url + "/cache_stats", timeout=30).json()
     arm("error")
     r = _generate(srv)

@@ -226,11 +226,12 @@ def per_entry_segments(meta: AttentionMetadata, page_size: int):
 
 try:
     from lazyrt.kernels.triton_shared_chunk import (  # noqa: E402
+        merge_parts_blocked_triton,
         merge_parts_triton,
         shared_chunk_attention_triton,
     )
 except Exception as e:  # noqa: BLE001
-    shared_chunk_attention_triton = merge_parts_triton = None
+    shared_chunk_attention_triton = merge_parts_triton = merge_parts_blocked_triton = None
     TRITON_ERROR = str(e)
 
 
@@ -270,11 +271,12 @@ def test_triton_matches_reference(group, kv_heads, head_dim, rotary_dim, page_si
     torch.testing.assert_close(merged.float(), merge_parts_ref(o, lse, meta), **tol)
 
 
-@pytest.mark.parametrize("heads_per_program", [4, 8])
-def test_triton_merge_rows_of_many_parts(heads_per_program):
-    """The Triton merge (a partial last block of heads, or none) over rows of 0..19 parts, pairs in
-    shuffled order, some parts seeing no key (lse -inf) and a row whose parts all see none (zeros) =
-    merge_parts_ref."""
+@pytest.mark.parametrize("kind,block", [("heads", 4), ("heads", 8), ("parts", 4), ("parts", 16)])
+def test_triton_merge_rows_of_many_parts(kind, block):
+    """The Triton merges (a block of heads a program, with a partial last block or none; or a program
+    a (row, head) over blocks of 4 / 16 parts, partial last blocks) over rows of 0..19 parts, pairs
+    in shuffled order, some parts seeing no key (lse -inf) and a row whose parts all see none
+    (zeros) = merge_parts_ref."""
     if merge_parts_triton is None:
         pytest.fail(f"triton is not importable: {TRITON_ERROR}")
     import types
@@ -297,5 +299,8 @@ def test_triton_merge_rows_of_many_parts(heads_per_program):
                                  row_part_indptr=torch.from_numpy(row_part_indptr))  # what the merges read
     want = merge_parts_ref(o, lse, meta)
     assert want[6].abs().sum() == 0 and want[0].abs().sum() == 0
-    got = merge_parts_triton(o, lse, meta, torch.float32, heads_per_program=heads_per_program)
+    if kind == "heads":
+        got = merge_parts_triton(o, lse, meta, torch.float32, heads_per_program=block)
+    else:
+        got = merge_parts_blocked_triton(o, lse, meta, torch.float32, parts_per_block=block)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

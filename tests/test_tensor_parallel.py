@@ -457,7 +457,7 @@ def test_server_tp2_equals_engine_tp1(tiny_model_dir, in_scheduler):
     engine = Engine(path, device="cpu", kv_cache_tokens=8192)
     srv = ServerProc("--model", path, "--device", "cpu", "--kv-cache-tokens", "8192",
                      "--tensor-parallel-size", "2", "--log-level", "info",
-                     *(["--worker-in-scheduler"] if in_scheduler else []))
+                     "--worker-in-scheduler" if in_scheduler else "--no-worker-in-scheduler")
     try:
         srv.wait_healthy()
         pids = srv.child_pids()

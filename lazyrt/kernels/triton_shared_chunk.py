@@ -239,6 +239,63 @@ def _merge_parts_kernel(
     tl.store(out_ptr + t * stride_ot + h[:, None] * stride_oh + d[None, :], out, mask=hd_ok)
 
 
+@triton.jit
+def _merge_parts_blocked_kernel(
+    o_parts_ptr, lse_parts_ptr, row_part_indptr_ptr, row_parts_ptr, out_ptr,
+    stride_pp, stride_ph, stride_lp, stride_ot, stride_oh,
+    HEAD: tl.constexpr, HEAD_P: tl.constexpr, PARTS_P: tl.constexpr,
+):
+    # one program per (query row, head); PARTS_P of the row's parts loaded at once as a
+    # [PARTS_P, HEAD_P] tile: a row of many parts (a lone question over small pieces) is a few
+    # loads deep instead of one load after another
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    d = tl.arange(0, HEAD_P)
+    d_ok = d < HEAD
+    lo = tl.load(row_part_indptr_ptr + t)
+    hi = tl.load(row_part_indptr_ptr + t + 1)
+    m = tl.full([1], float("-inf"), tl.float32)
+    den = tl.zeros([1], tl.float32)
+    acc = tl.zeros([HEAD_P], tl.float32)
+    for i0 in range(lo, hi, PARTS_P):
+        i = i0 + tl.arange(0, PARTS_P)
+        ok = i < hi
+        p = tl.load(row_parts_ptr + i, mask=ok, other=0).to(tl.int64)
+        lse = tl.load(lse_parts_ptr + p * stride_lp + h, mask=ok, other=float("-inf"))
+        o = tl.load(o_parts_ptr + p[:, None] * stride_pp + h * stride_ph + d[None, :],
+                    mask=ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+        m_new = tl.maximum(m, tl.max(lse, axis=0, keep_dims=True))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: weights stay 0
+        a = tl.exp(m - m_safe)
+        b = tl.exp(lse - m_safe)
+        den = den * a + tl.sum(b, axis=0, keep_dims=True)
+        acc = acc * a + tl.sum(o * b[:, None], axis=0)
+        m = m_new
+    out = tl.where(den > 0, acc / tl.where(den > 0, den, 1.0), 0.0)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out, mask=d_ok)
+
+
+def merge_parts_blocked_triton(
+    o_parts: torch.Tensor,
+    lse_parts: torch.Tensor,
+    meta: SharedChunkMeta,
+    out_dtype: torch.dtype,
+    parts_per_block: int = 16,
+) -> torch.Tensor:
+    """Same as merge_parts_triton, one program per (query row, head), parts_per_block of the row's
+    parts at a time."""
+    _, heads, head_dim = o_parts.shape
+    out = torch.empty(meta.num_rows, heads, head_dim, dtype=out_dtype, device=o_parts.device)
+    if meta.num_rows == 0:
+        return out
+    _merge_parts_blocked_kernel[(meta.num_rows, heads)](
+        o_parts, lse_parts, meta.row_part_indptr, meta.row_parts, out,
+        o_parts.stride(0), o_parts.stride(1), lse_parts.stride(0), out.stride(0), out.stride(1),
+        HEAD=head_dim, HEAD_P=_pow2(head_dim), PARTS_P=max(2, _pow2(parts_per_block)),
+    )  # fmt: skip
+    return out
+
+
 def merge_parts_triton(
     o_parts: torch.Tensor,
     lse_parts: torch.Tensor,

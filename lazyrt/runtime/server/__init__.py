@@ -11,7 +11,7 @@
 - constraint_fields.py: response_format / guided_* / sampling_params constraints -> SamplingParams.
 - tool_grammar.py: tool_choice 'required' / a named function as a grammar in the tool-call format.
 - errors.py: ApiError, the 4xx/5xx with OpenAI's error body.
-- document_routes.py: /v1/documents routes (the store itself lives in the tokenizer process).
+- document_routes.py: /v1/documents routes (the store lives with the tokenizer, here or in its process).
 - pipeline_client.py: sends GenerateReqs to the tokenizer (its process, or its loop in this one),
   routes TextOuts back per request.
 - metrics.py: Prometheus metrics in the server's own registry.

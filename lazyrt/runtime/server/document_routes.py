@@ -1,8 +1,9 @@
 """/v1/documents: register, read, list and delete documents that requests then name by id.
 
-Bodies and query strings are checked here (4xx naming the field); the store itself lives in the
-tokenizer process (it tokenizes what is registered, and looks ids up when a request uses them), so
-each operation is one DocumentReq there and back, and sqlite never runs on this event loop.
+Bodies and query strings are checked here (4xx naming the field); the store itself lives with the
+tokenizer (it tokenizes what is registered, and looks ids up when a request uses them): on this
+process's tokenizing thread, or in the tokenizer process (--no-tokenizer-in-http). Each operation
+is one DocumentReq there and back, and sqlite never runs on this event loop.
 
 precompute: after registering, one request through the normal pipeline: /generate's RAG prompt with
 the document alone, an empty question and max_tokens 1 (optionally under a system prompt). Its
@@ -98,7 +99,7 @@ def add_document_routes(
         try:
             resp = await client.document(req)
         except (asyncio.TimeoutError, RuntimeError) as e:
-            raise ApiError(503, f"the tokenizer process did not answer: {e}", None, "server_error") from e
+            raise ApiError(503, f"the tokenizer did not answer: {e}", None, "server_error") from e
         if resp.status != 200:
             raise _api_error(resp)
         return resp.data or {}

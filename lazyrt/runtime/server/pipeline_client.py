@@ -135,7 +135,7 @@ class PipelineClient:
             self._controls.pop(rid, None)
 
     async def document(self, req: DocumentReq, timeout: float = 60.0) -> DocumentResp:
-        """A document store operation, answered by the tokenizer process (req.rid is set here)."""
+        """A document store operation, answered by the tokenizer (req.rid is set here)."""
         req.rid = self.new_rid()
         fut = asyncio.get_running_loop().create_future()
         self._controls[req.rid] = fut

@@ -1,0 +1,134 @@
+"""A question step's attention over cached documents: piece size, work-item rows, tiles and the merge.
+
+A lone request's question (16 tokens over 5 x 2,048 cached tokens) goes through the shared-chunk
+kernel with the documents cut into pieces (step_inputs.lone_arrays); on an H100 at f83cc77 its
+layer took 32.8 us + 11.6 us of merge against ~14 us to read its 42 MB of KV once (ttft_profile.py).
+This times, on shared_chunk_bench.py's step (Llama-3.1-8B heads, bf16, one layer, CUDA-graph
+replay), at batch 1 and a few requests at once:
+- the shared kernel per (piece tokens, pairs an item, key block, stages);
+- the merge: one program per (row, 4 heads) looping over parts (merge_parts_triton), and one per
+  (row, head) over blocks of parts (merge_parts_blocked_triton);
+- the per-request lazy kernel and FlashInfer's paged prefill without RoPE on the same pages.
+
+    python benchmarks/experiments/lone_question.py [--batches 1 4] [--q-len 16] [--out F]
+
+Prints the fastest configurations per batch and each merge's largest difference from the default
+merge (must stay at fp32 rounding). GPU only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import json
+import random
+import sys
+
+import torch
+
+sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
+
+from benchmarks.shared_chunk_bench import build_step, flashinfer_run  # noqa: E402
+from lazyrt.kernels.rope import RopeCache  # noqa: E402
+from lazyrt.models.config import ModelConfig  # noqa: E402
+from lazyrt.models.dummy import PRESETS  # noqa: E402
+
+MERGES = ("loop_h4", "blocked_p8", "blocked_p16", "blocked_p32")
+DEFAULT = (512, 16, 64, 3)  # the engine's lone question: pieces, pairs an item, key block, stages
+
+
+def one_step(B: int, a, bp: int, rope: RopeCache, scale: float, bench, ref: dict) -> list[dict]:
+    """Rows for one step cut into a.piece_tokens pieces, bp pairs an item: each tile x the merges.
+    ref: the per-request and FlashInfer times of the batch, filled on its first call."""
+    from lazyrt.kernels.triton_attention import lazy_attention_triton
+    from lazyrt.kernels.triton_shared_chunk import (
+        merge_parts_blocked_triton,
+        merge_parts_triton,
+        shared_chunk_attention_triton,
+    )
+
+    kv, full, shared, _ = build_step(B, a, random.Random(0), "cuda", bp)
+    q = torch.randn(B * a.q_len, 32, 128, device="cuda", dtype=torch.bfloat16)
+    if not ref:
+        ref["per_request_us"] = bench(lambda: lazy_attention_triton(q, kv, full, rope, scale))
+        try:
+            ref["flashinfer_us"] = bench(flashinfer_run(full, q, kv, a.q_len))
+        except Exception as e:  # noqa: BLE001
+            print(f"flashinfer skipped: {type(e).__name__}: {str(e)[:100]}")
+        print(json.dumps({"batch": B, **{k: round(v, 1) for k, v in ref.items()}}), flush=True)
+    sh = functools.partial(shared_chunk_attention_triton, q, kv, full.positions, shared, rope, scale)
+    o, lse = sh()
+    want = merge_parts_triton(o, lse, shared, q.dtype).float()
+    merges = {"loop_h4": bench(lambda: merge_parts_triton(o, lse, shared, q.dtype))}
+    diff = 0.0
+    for pb in (8, 16, 32):
+        m = functools.partial(merge_parts_blocked_triton, o, lse, shared, q.dtype, pb)
+        merges[f"blocked_p{pb}"] = bench(m)
+        diff = max(diff, float((m().float() - want).abs().max()))
+    best_merge = min(merges, key=merges.get)
+    rows = []
+    for bn, stages in ((64, 3), (32, 3), (32, 4), (64, 2), (128, 2)):
+        try:
+            us = bench(functools.partial(sh, block_n=bn, num_stages=stages))
+        except Exception as e:  # noqa: BLE001 (out of shared memory)
+            print(f"skip {a.piece_tokens} {bp} {bn} {stages}: {type(e).__name__}")
+            continue
+        rows.append({
+            "batch": B, "piece": a.piece_tokens, "block_pairs": bp, "block_n": bn, "stages": stages,
+            "items": shared.num_work_host * 8, "parts_per_row": round(shared.num_pairs / (B * a.q_len), 1),
+            "shared_us": round(us, 1), **{f"merge_{k}_us": round(v, 1) for k, v in merges.items()},
+            "best_merge": best_merge, "total_us": round(us + merges[best_merge], 1),
+            "merge_max_abs_diff": diff, **{k: round(v, 1) for k, v in ref.items()},
+        })  # fmt: skip
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def main() -> None:
+    import triton.testing
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--q-len", type=int, default=16)
+    ap.add_argument("--pieces", type=int, nargs="+", default=[128, 256, 512, 1024])
+    ap.add_argument("--block-pairs", type=int, nargs="+", default=[4, 8, 16])
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA device")
+    base = argparse.Namespace(docs=5, doc_tokens=2048, private=args.q_len, pool=100, alpha=2.1,
+                              q_len=args.q_len, piece_tokens=None, seed=0)  # fmt: skip
+    cfg = ModelConfig.from_hf(PRESETS["llama-3.1-8b"])
+    rope = RopeCache.build(cfg, base.docs * base.doc_tokens + base.private + 1, "cuda")
+    scale = 128**-0.5
+
+    def bench(fn) -> float:
+        fn()
+        return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median") * 1000.0
+
+    rows = []
+    for B in args.batches:
+        ref: dict = {}
+        for piece, bp in itertools.product(args.pieces, args.block_pairs):
+            a = argparse.Namespace(**{**vars(base), "piece_tokens": piece})
+            rows += one_step(B, a, bp, rope, scale, bench, ref)
+            torch.cuda.empty_cache()
+    print("| batch | piece | pairs an item | key block | stages | items | parts a row | shared us "
+          "| merge loop h4 / blocked p8 / p16 / p32 us | total us | per-request us | FlashInfer us |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for B in args.batches:
+        mine = sorted([r for r in rows if r["batch"] == B], key=lambda r: r["total_us"])
+        default = [r for r in mine if (r["piece"], r["block_pairs"], r["block_n"], r["stages"]) == DEFAULT]
+        for r in mine[:6] + default:
+            merges = " / ".join(str(r[f"merge_{k}_us"]) for k in MERGES)
+            print(f"| {B} | {r['piece']} | {r['block_pairs']} | {r['block_n']} | {r['stages']} "
+                  f"| {r['items']} | {r['parts_per_row']} | {r['shared_us']} | {merges} | {r['total_us']} | "
+                  f"{r['per_request_us']} | {r.get('flashinfer_us', '-')} |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "args": vars(args), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
