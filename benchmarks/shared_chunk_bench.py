@@ -164,7 +164,7 @@ def measure(B: int, args, rng: random.Random, rope: RopeCache, scale: float, ben
         for hb in (1, 2, 4, 8, 32):
             merge = functools.partial(merge_parts_triton, o_s, lse_s, shared, q.dtype, hb)
             t[f"v_merge_h{hb}"] = bench(merge)
-        for pb in (8, 16):  # a program a (row, head), pb of its parts at a time
+        for pb in (8, 16, 32):  # a program a (row, head), pb of its parts at a time
             t[f"v_merge_blocked_p{pb}"] = bench(
                 functools.partial(merge_parts_blocked_triton, o_s, lse_s, shared, q.dtype, pb)
             )

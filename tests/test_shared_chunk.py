@@ -271,12 +271,16 @@ def test_triton_matches_reference(group, kv_heads, head_dim, rotary_dim, page_si
     torch.testing.assert_close(merged.float(), merge_parts_ref(o, lse, meta), **tol)
 
 
-@pytest.mark.parametrize("kind,block", [("heads", 4), ("heads", 8), ("parts", 4), ("parts", 16)])
+@pytest.mark.parametrize(
+    "kind,block",
+    [("heads", 4), ("heads", 8), ("parts", 4), ("parts", 16), ("auto", None), ("auto rows", None)],
+)
 def test_triton_merge_rows_of_many_parts(kind, block):
     """The Triton merges (a block of heads a program, with a partial last block or none; or a program
     a (row, head) over blocks of 4 / 16 parts, partial last blocks) over rows of 0..19 parts, pairs
     in shuffled order, some parts seeing no key (lse -inf) and a row whose parts all see none
-    (zeros) = merge_parts_ref."""
+    (zeros) = merge_parts_ref; and the merge's own choice for 7 rows (blocked) and for 7 rows among
+    40 (4 heads a program)."""
     if merge_parts_triton is None:
         pytest.fail(f"triton is not importable: {TRITON_ERROR}")
     import types
@@ -299,7 +303,13 @@ def test_triton_merge_rows_of_many_parts(kind, block):
                                  row_part_indptr=torch.from_numpy(row_part_indptr))  # what the merges read
     want = merge_parts_ref(o, lse, meta)
     assert want[6].abs().sum() == 0 and want[0].abs().sum() == 0
-    if kind == "heads":
+    if kind == "auto rows":  # more rows than a blocked merge is chosen for; the others have no part
+        meta.num_rows = 40
+        meta.row_part_indptr = torch.cat([meta.row_part_indptr, meta.row_part_indptr[-1:].repeat(33)])
+        want = torch.cat([want, torch.zeros(33, heads, head_dim)])
+    if kind.startswith("auto"):
+        got = merge_parts_triton(o, lse, meta, torch.float32)
+    elif kind == "heads":
         got = merge_parts_triton(o, lse, meta, torch.float32, heads_per_program=block)
     else:
         got = merge_parts_blocked_triton(o, lse, meta, torch.float32, parts_per_block=block)

@@ -296,19 +296,33 @@ def merge_parts_blocked_triton(
     return out
 
 
+# The merge for a step of at most this many query rows (a lone question, a decode step of up to 16
+# requests): a program a (row, head) over 32 of its parts at a time; more rows: 4 heads a program,
+# looping over the parts. H100, one layer (experiments/lone_question.py, shared_chunk_bench.py
+# --variants, 674888c): a lone 16-token question over 5 x 2,048 tokens in 512-token pieces (21 parts
+# a row) 3.9 us blocked vs 9.4 looping; a batch-16 decode step 5.3 (16 parts at a time) vs 9.5; 4
+# questions at once (64 rows) 9.9 vs 9.7; a batch-64 decode step 8.7 vs 6.0.
+BLOCKED_MERGE_MAX_ROWS = 16
+
+
 def merge_parts_triton(
     o_parts: torch.Tensor,
     lse_parts: torch.Tensor,
     meta: SharedChunkMeta,
     out_dtype: torch.dtype,
-    heads_per_program: int = 4,
+    heads_per_program: int | None = None,
 ) -> torch.Tensor:
-    """Same as shared_chunk.merge_parts_ref, in out_dtype: one program per query row and block of
-    heads_per_program heads (a row alone leaves most SMs idle in a decode step). H100, Zipf decode
-    steps, us a layer for 1 / 2 / 4 / 8 heads a program (shared_chunk_bench.py --variants, 2026-11-27):
-    batch 64 9.5 / 6.7 / 4.8 / 5.1, batch 16 7.0 / 7.4 / 7.1 / 7.7; a TP=2 rank's half of the heads
-    at batch 64 5.9 / 4.8 / 4.6 / 5.0. (Loading 8 or 16 of a row's parts at once, [parts, heads,
-    head_dim] tiles, was 1.5-2x slower than this loop.)"""
+    """Same as shared_chunk.merge_parts_ref, in out_dtype. heads_per_program: one program per query
+    row and block of that many heads, looping over the row's parts (a row alone leaves most SMs idle
+    in a decode step); None: the measured best for the step's rows (BLOCKED_MERGE_MAX_ROWS). H100,
+    Zipf decode steps, us a layer for 1 / 2 / 4 / 8 heads a program (shared_chunk_bench.py --variants,
+    2026-11-27): batch 64 9.5 / 6.7 / 4.8 / 5.1, batch 16 7.0 / 7.4 / 7.1 / 7.7; a TP=2 rank's half
+    of the heads at batch 64 5.9 / 4.8 / 4.6 / 5.0. (Loading 8 or 16 of a row's parts at once,
+    [parts, heads, head_dim] tiles, was 1.5-2x slower than this loop.)"""
+    if heads_per_program is None:
+        if meta.num_rows <= BLOCKED_MERGE_MAX_ROWS:
+            return merge_parts_blocked_triton(o_parts, lse_parts, meta, out_dtype, parts_per_block=32)
+        heads_per_program = 4
     _, heads, head_dim = o_parts.shape
     out = torch.empty(meta.num_rows, heads, head_dim, dtype=out_dtype, device=o_parts.device)
     if meta.num_rows == 0:
