@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -66,14 +67,26 @@ def run(args) -> list[dict]:
         vocab = min(eng.model_config.vocab_size, 32000)
         plain = [torch.randint(100, vocab, (args.greedy_len,), generator=gen).tolist()
                  for _ in range(args.greedy_prompts)]  # fmt: skip
-        sp = SamplingParams(max_tokens=args.greedy_tokens, temperature=0.0, ignore_eos=True)
-        outs = eng.generate(plain, sp)
-        emit(dict(base, kind="greedy", tokens=[o["token_ids"] for o in outs]))
+        # with the two most likely tokens' logprobs: where two runs part, how near a tie it was
+        sp = SamplingParams(max_tokens=args.greedy_tokens, temperature=0.0, ignore_eos=True, logprobs=2)
+        emit(dict(base, kind="greedy", **greedy_rows(eng.generate(plain, sp))))
         # the noise floor of the comparison: the same size, each prompt alone (other kernel shapes)
-        alone = [eng.generate(q, sp)[0]["token_ids"] for q in plain]
-        emit(dict(base, kind="greedy_alone", tokens=alone))
+        emit(dict(base, kind="greedy_alone", **greedy_rows([eng.generate(q, sp)[0] for q in plain])))
     eng.close()
     return rows
+
+
+def greedy_rows(outs: list[dict]) -> dict:
+    """Each output's tokens, the sampled tokens' logprobs and the top-2 margin (nats) at each token."""
+    def margin(e: dict) -> float:
+        top = sorted((t["logprob"] for t in e["top_logprobs"]), reverse=True) + [float("-inf")]
+        return top[0] - top[1]
+
+    return {
+        "tokens": [o["token_ids"] for o in outs],
+        "logprobs": [[e["logprob"] for e in o["logprobs"]] for o in outs],
+        "margins": [[margin(e) for e in o["logprobs"]] for o in outs],
+    }
 
 
 def _label(r: dict) -> str:
@@ -111,15 +124,31 @@ def report(path: str) -> str:
     for label, a, b in pairs:
         x, y = last.get((*a, None)), last.get((*b, None))
         if x and y:
-            lines.append("\n" + agreement(label, x["tokens"], y["tokens"]))
+            lines.append("\n" + agreement(label, x, y))
     return "\n".join(lines)
 
 
-def agreement(label: str, a: list[list[int]], b: list[list[int]]) -> str:
+def agreement(label: str, x: dict, y: dict) -> str:
+    """How two greedy runs of the same prompts agree: identical prompts, where each pair first parts,
+    and (rows with logprobs) how near a tie the parting token was, the larger of the two runs' top-2
+    margins there, and how far the sampled tokens' logprobs moved before it: a real difference
+    parts at a clear margin, rounding only at a near-tie (compare the noise-floor line)."""
+    a, b = x["tokens"], y["tokens"]
     same = sum(s == t for s, t in zip(a, b))
     first = [next((i for i, (u, v) in enumerate(zip(s, t)) if u != v), len(s)) for s, t in zip(a, b)]
-    return f"greedy {label}: {same} of {len(a)} prompts identical over {len(a[0])} tokens; first " \
-           f"difference at {sorted(first)}"  # fmt: skip
+    out = f"greedy {label}: {same} of {len(a)} prompts identical over {len(a[0])} tokens; first " \
+          f"difference at {sorted(first)}"  # fmt: skip
+    if "margins" not in x or "margins" not in y:
+        return out
+    mx, my, lx, ly = x["margins"], y["margins"], x["logprobs"], y["logprobs"]
+    parted = [max(mx[k][i], my[k][i]) for k, i in enumerate(first) if i < len(a[k])]
+    moved = [abs(u - v) for k, i in enumerate(first) for u, v in zip(lx[k][:i], ly[k][:i])]
+    if parted:
+        med = statistics.median(parted)
+        out += f"; top-2 margin where they part: max {max(parted):.2e}, median {med:.2e} nats"
+    if moved:
+        out += f"; sampled-token logprobs before that differ by max {max(moved):.2e} nats"
+    return out
 
 
 def main(argv=None) -> None:

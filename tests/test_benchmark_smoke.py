@@ -79,3 +79,34 @@ def test_offline_profile_counts_every_prompt_token_and_step(L, no_denormals):
     assert steps["prefill"]["steps"] >= -(-B * L // 24)  # no step over the budget
     assert steps["decode"]["steps"] >= T - 1 and steps["decode"]["prompt_tokens"] == 0
     assert row["profile"]["kernel_s"]["other"] + row["profile"]["kernel_s"]["gemm"] > 0
+
+
+def test_tp_greedy_agreement_reports_the_margin_where_runs_part():
+    """tp_decode's greedy comparison: where two runs part, the larger top-2 margin at that token, and
+    the largest logprob difference of the tokens before it (random runs; the expected figures are
+    computed here from the same lists)."""
+    import random
+
+    from benchmarks.tp_decode import agreement
+
+    rng = random.Random()
+    n, prompts = 8, 5
+    a = [[rng.randrange(1000) for _ in range(n)] for _ in range(prompts)]
+    b = [list(t) for t in a]
+    cut = [rng.randrange(n + 1) for _ in range(prompts)]
+    for t, c in zip(b, cut):
+        if c < n:
+            t[c] = t[c] + 1  # part at token c
+    rows = []
+    for toks in (a, b):
+        rows.append({"tokens": toks, "logprobs": [[-rng.random() for _ in t] for t in toks],
+                     "margins": [[rng.random() for _ in t] for t in toks]})  # fmt: skip
+    line = agreement("x", *rows)
+    assert f"{sum(c == n for c in cut)} of {prompts} prompts identical" in line
+    assert f"first difference at {sorted(cut)}" in line
+    parted = [max(rows[0]["margins"][k][c], rows[1]["margins"][k][c]) for k, c in enumerate(cut) if c < n]
+    moved = [abs(u - v) for k, c in enumerate(cut)
+             for u, v in zip(rows[0]["logprobs"][k][:c], rows[1]["logprobs"][k][:c])]  # fmt: skip
+    assert (f"max {max(parted):.2e}" in line) == bool(parted)
+    assert (f"differ by max {max(moved):.2e} nats" in line) == bool(moved)
+    assert "margin" not in agreement("x", {"tokens": a}, {"tokens": b})  # rows from before the logprobs
