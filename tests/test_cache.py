@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from lazyrt.cache.chunk_table import ChunkTable
+from lazyrt.cache.chunk_table import ChunkTable, PartKey
 from lazyrt.cache.page_pool import OutOfPages, PagePool
 from lazyrt.cache.radix_cache import RadixCache, RadixNode
 
@@ -161,8 +161,11 @@ def test_chunk_hash_collision_never_serves_wrong_chunk(monkeypatch):
     assert t.lookup((5,), [1, 2]) is b
     assert t.lookup((), [3]) is c
     assert t.lookup((), [4]) is None
+    assert t.get(PartKey((5,), (1, 2))) is b and t.get(PartKey((), (4,))) is None  # the scheduler's way in
     assert t.remove(b) == [1]
-    assert t.lookup((5,), [1, 2]) is None
+    assert t.lookup((5,), [1, 2]) is None and t.get(PartKey((5,), (1, 2))) is None
+    with pytest.raises(ValueError, match="not in this table"):
+        t.acquire(b)
     assert t.lookup((), [1, 2]) is a and len(t) == 2
 
 

@@ -15,7 +15,7 @@ from collections import deque
 
 import torch
 
-from lazyrt.cache.chunk_table import Chunk, ChunkTable
+from lazyrt.cache.chunk_table import Chunk, ChunkTable, PartKey
 from lazyrt.cache.page_pool import PagePool
 from lazyrt.cache.radix_cache import RadixCache
 from lazyrt.config import (
@@ -29,23 +29,6 @@ from lazyrt.config import (
 from lazyrt.runtime.scheduler.plan import PENDING_TOKEN, ChunkJob, ForwardItem, PageCopy, StepPlan
 from lazyrt.runtime.scheduler.recompute import page_budget, page_runs, select_pages
 from lazyrt.runtime.scheduler.request import Request, RequestState, Segment
-
-
-class PartKey(tuple):
-    """A (condition tokens, tokens) pair, equal to the plain tuple, whose hash is computed once: a
-    document's key holds its whole token tuple, which Python hashes again on every dict or set
-    access (~13 us for 2,048 tokens), and admission looks each one up in several."""
-
-    def __new__(cls, cond: tuple[int, ...], tokens: tuple[int, ...]) -> PartKey:
-        key = super().__new__(cls, (cond, tokens))
-        key._hash = tuple.__hash__(key)
-        return key
-
-    def __hash__(self) -> int:
-        return self._hash
-
-    def __reduce__(self) -> tuple:
-        return PartKey, (self[0], self[1])
 
 
 class RequestRejected(ValueError):
@@ -487,9 +470,9 @@ class Scheduler:
         doc_keys = [PartKey(prefix, d) for d in req.docs]
         parts += doc_keys
         found: dict[tuple, Chunk | None] = {}
-        for cond, toks in parts:
-            if (cond, toks) not in found:
-                found[(cond, toks)] = self.chunks.lookup(cond, toks, record=False)
+        for key in parts:
+            if key not in found:
+                found[key] = self.chunks.get(key)
         existed = {key: c is not None for key, c in found.items()}
         held = [c for c in found.values() if c is not None]
         for c in held:
