@@ -357,7 +357,7 @@ def test_dp_replicas_stop_with_the_router(sig):
                 pass
             time.sleep(0.5)
         below = _descendants(router.pid)
-        assert len(below) >= 4, below  # the replica's HTTP process, tokenizer, scheduler and worker
+        assert len(below) >= 2, below  # the replica's HTTP process and its scheduler (the worker in it)
         router.send_signal(sig)
         rc = router.wait(60)
         assert rc == (0 if sig == signal.SIGTERM else -signal.SIGKILL)
