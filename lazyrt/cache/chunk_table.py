@@ -424,8 +424,8 @@ def _int64_bytes(tokens: Sequence[int]) -> bytes:
 
 def _as_tuple(tokens: Sequence[int]) -> tuple[int, ...]:
     # Tuples pass through: the scheduler looks up every doc of a waiting request on each admission
-    # attempt, and copying 2k-token documents dominated that. make_key's int64 packing still rejects
-    # non-integers, and equal integer values compare equal whatever their type.
+    # attempt, and copying 2k-token documents dominated that. An insert's make_key still rejects
+    # non-integers (int64 packing); a lookup only compares values, and equal values are equal ids.
     if type(tokens) is tuple:
         return tokens
     return tuple(int(t) for t in tokens)
