@@ -1,18 +1,22 @@
-"""Does the shared-chunk kernel wait on each key tile's loads? Two variants of its loop, timed beside it.
+"""Variants of the shared-chunk kernel's loop, timed beside it, with each one's registers and spills.
 
 The kernel (lazyrt/kernels/triton_shared_chunk.py) loads a tile's page ids, then its keys at those
 pages, turns the keys and runs the dots, one tile after another; on an H100 a lone question's item
 takes ~2.6 us a 64-key tile with one item an SM (experiments/lone_question.py), thousands of cycles
 for 48 KB. Variants, the same math (keys turned in the KV dtype, full rotary, head_dim 128):
+- `base`: the kernel's own loop, copied here (the reference for registers and spills);
+- `one dot`: the two halves' scores in one dot over the whole head (queries and keys interleaved
+  by tl.join) instead of two dots of half the head each;
 - `pages ahead`: the next tile's page ids loaded one tile ahead (the key loads no longer wait on a
   load issued in the same iteration), Triton's own pipelining as in the kernel;
 - `tile ahead`: the next tile's keys, cos/sin and values loaded into registers while this tile's
   dots run (manual double buffering, num_stages 1).
 On shared_chunk_bench.py's steps (Llama-3.1-8B heads, bf16, one layer, CUDA-graph replay): a lone
 16-token question and decode steps at batch 16 / 64. Prints us per variant and each variant's
-largest relative difference from the kernel's output. GPU only.
+largest relative difference from the kernel's output, registers and spills. GPU only. Run on an H100
+(2026-11-27, 674888c) with pages ahead and tile ahead only: neither helped (docs/kernels.md).
 
-    python benchmarks/experiments/shared_prefetch.py
+    python benchmarks/experiments/shared_kernel_variants.py
 """
 
 from __future__ import annotations
@@ -35,9 +39,11 @@ from lazyrt.models.config import ModelConfig  # noqa: E402
 from lazyrt.models.dummy import PRESETS  # noqa: E402
 
 _LOG2E = 1.4426950408889634
-# (label, MODE, num_stages): 1 = the next tile's page ids ahead, 2 = the whole next tile ahead
+# (label, MODE, num_stages, ONE_DOT): MODE 0 = the kernel's loop, 1 = the next tile's page ids
+# ahead, 2 = the whole next tile ahead
 VARIANTS = (
-    ("pages_ahead_s3", 1, 3), ("pages_ahead_s2", 1, 2), ("tile_ahead_s1", 2, 1), ("tile_ahead_s2", 2, 2),
+    ("base_s3", 0, 3, False), ("one_dot_s3", 0, 3, True), ("one_dot_s2", 0, 2, True),
+    ("pages_ahead_s3", 1, 3, False), ("pages_ahead_s2", 1, 2, False), ("tile_ahead_s1", 2, 1, False),
 )  # fmt: skip
 
 
@@ -68,7 +74,7 @@ def _variant_kernel(
     stride_op, stride_oh, stride_lp,
     KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_P: tl.constexpr, ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, HALF: tl.constexpr, HEAD: tl.constexpr,
-    MODE: tl.constexpr,
+    MODE: tl.constexpr, ONE_DOT: tl.constexpr,
 ):
     total = tl.load(num_work_ptr) * KV_HEADS
     for item in range(tl.program_id(0), total, tl.num_programs(0)):
@@ -95,6 +101,8 @@ def _variant_kernel(
         sn = tl.load(sin_ptr + c_off, mask=qm, other=0.0)
         q1r = ((q1 * cs + q2 * sn) * qk_scale).to(dt)
         q2r = ((q2 * cs - q1 * sn) * qk_scale).to(dt)
+        if ONE_DOT:  # [q1 | q2] interleaved column by column; the keys below the same way
+            qj = tl.reshape(tl.join(q1r, q2r), [ROWS, 2 * HALF])
 
         e_lo = tl.load(chunk_kv_indptr_ptr + c)
         n = tl.load(chunk_len_ptr + c)
@@ -113,6 +121,8 @@ def _variant_kernel(
             jn = j + BLOCK_N
             jn_ok = jn < n
             page_n = tl.load(chunk_kv_indices_ptr + e_lo + jn // PAGE_SIZE, mask=jn_ok, other=0)
+            if MODE == 0:  # as the kernel: this tile's page ids, then its keys
+                page = tl.load(chunk_kv_indices_ptr + e_lo + j // PAGE_SIZE, mask=j_ok, other=0)
             if MODE == 2:  # the next tile, in flight while this one's dots run
                 k1n, k2n, cjn, sjn, vn = _tile(kv_ptr, kcos_ptr, ksin_ptr, page_n, jn, jn_ok, kvh, *strides,
                                                PAGE_SIZE, HALF, HEAD)  # fmt: skip
@@ -121,8 +131,11 @@ def _variant_kernel(
                                           PAGE_SIZE, HALF, HEAD)  # fmt: skip
             k1r = (k1 * cj - k2 * sj).to(dt)
             k2r = (k2 * cj + k1 * sj).to(dt)
-            s = tl.dot(q1r, tl.trans(k1r))
-            s = tl.dot(q2r, tl.trans(k2r), s)
+            if ONE_DOT:
+                s = tl.dot(qj, tl.trans(tl.reshape(tl.join(k1r, k2r), [BLOCK_N, 2 * HALF])))
+            else:
+                s = tl.dot(q1r, tl.trans(k1r))
+                s = tl.dot(q2r, tl.trans(k2r), s)
             visible = row_ok[:, None] & j_ok[None, :] & (j[None, :] <= delta[:, None])
             s = tl.where(visible, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -146,7 +159,9 @@ def _variant_kernel(
 
 
 def variant(q, kv, positions, meta, rope: RopeCache, sm_scale: float, mode: int, num_stages: int,
-            block_n: int = 64, num_warps: int = 4):  # fmt: skip
+            one_dot: bool = False, block_n: int = 64, num_warps: int = 4,
+            handle: list | None = None):  # fmt: skip
+    """(o, lse) as the kernel's; handle: gets the compiled kernel appended (registers, spills)."""
     from lazyrt.kernels.triton_attention import _rope_rows
     from lazyrt.kernels.triton_shared_chunk import MIN_DOT, _pow2, persistent_programs
 
@@ -156,7 +171,7 @@ def variant(q, kv, positions, meta, rope: RopeCache, sm_scale: float, mode: int,
     lse = torch.empty(meta.num_pairs, q.shape[1], dtype=torch.float32, device=q.device)
     kcos, ksin = _rope_rows(rope, kv.dtype, same_dtype=True)
     programs = min(persistent_programs(q.device), meta.num_work_host * kv_heads)
-    _variant_kernel[(programs,)](
+    h = _variant_kernel[(programs,)](
         q, kv, positions, rope.cos, rope.sin, kcos, ksin,
         meta.chunk_kv_indptr, meta.chunk_kv_indices, meta.chunk_len, meta.pair_indptr, meta.pair_row,
         meta.pair_start, meta.work_chunk, meta.work_pair, meta.num_work, o, lse,
@@ -165,8 +180,11 @@ def variant(q, kv, positions, meta, rope: RopeCache, sm_scale: float, mode: int,
         kcos.stride(0), o.stride(0), o.stride(1), lse.stride(0),
         KV_HEADS=kv_heads, GROUP=group, BLOCK_P=meta.block_pairs,
         ROWS=max(MIN_DOT, _pow2(meta.block_pairs * group)), BLOCK_N=block_n, PAGE_SIZE=page_size,
-        HALF=head_dim // 2, HEAD=head_dim, MODE=mode, num_warps=num_warps, num_stages=num_stages,
+        HALF=head_dim // 2, HEAD=head_dim, MODE=mode, ONE_DOT=one_dot, num_warps=num_warps,
+        num_stages=num_stages,
     )  # fmt: skip
+    if handle is not None:
+        handle.append(h)
     return o, lse
 
 
@@ -196,12 +214,14 @@ def main() -> None:
         base = functools.partial(shared_chunk_attention_triton, q, kv, full.positions, shared, rope, scale)
         o_ref, _ = base()
         row = {"shape": name, "kernel_us": round(bench(base), 1)}
-        for label, mode, stages in VARIANTS:
-            fn = functools.partial(variant, q, kv, full.positions, shared, rope, scale, mode, stages)
+        for label, mode, stages, one_dot in VARIANTS:
+            fn = functools.partial(variant, q, kv, full.positions, shared, rope, scale, mode, stages, one_dot)
             try:
-                o, _ = fn()
+                handle: list = []
+                o, _ = fn(handle=handle)
                 row[f"{label}_us"] = round(bench(fn), 1)
                 row[f"{label}_rel_diff"] = float((o - o_ref).norm() / o_ref.norm())
+                row[f"{label}_regs_spills"] = [getattr(handle[0], k, None) for k in ("n_regs", "n_spills")]
             except Exception as e:  # noqa: BLE001 (out of registers / shared memory)
                 print(f"{name} {label}: {type(e).__name__}: {str(e)[:160]}")
         rows.append(row)
