@@ -3,10 +3,12 @@
     frontend (lazyrt_frontend) or any HTTP client
       -> server/     HTTP process: FastAPI app, request parsing (OpenAI + /generate), metrics;
                      starts the other processes (processes.py)
-      -> tokenizer/  tokenizer process: text -> token ids (chat/RAG templates, document token cache)
+      -> tokenizer/  text -> token ids (chat/RAG templates, document token cache): a thread of the
+                     HTTP process by default, a process of its own with --no-tokenizer-in-http
       -> scheduler/  scheduler process: radix cache + chunk table, admission, the step plan
-      -> worker/     model worker process: the device, weights and KV pages; runs a plan, samples
-      -> tokenizer/  the same process detokenizes the sampled tokens (stop strings) -> server/
+      -> worker/     the device, weights and KV pages; runs a plan, samples: called inside the
+                     scheduler's process by default, a process of its own with --no-worker-in-scheduler
+      -> tokenizer/  detokenizes the sampled tokens (stop strings) -> server/
 
     ipc/         messages between the processes, their wire format and the ZMQ sockets
     engine/      `lazyrt.Engine`: scheduler + worker + tokenizer in one process, no ZMQ

@@ -1,6 +1,7 @@
-"""ProcessGroup: starts the tokenizer, scheduler and model worker processes (with
---worker-in-scheduler the worker runs inside the scheduler's, with --tokenizer-in-http the tokenizer
-inside the HTTP process) and stops them all."""
+"""ProcessGroup: starts the server's processes besides the HTTP one and stops them all: by default the
+scheduler's, with the model worker inside it (--worker-in-scheduler) and the tokenizer inside the
+HTTP process (--tokenizer-in-http); with --no-worker-in-scheduler a model worker process, with
+--no-tokenizer-in-http a tokenizer process."""
 
 from __future__ import annotations
 
