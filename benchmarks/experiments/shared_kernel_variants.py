@@ -13,7 +13,10 @@ for 48 KB. Variants, the same math (keys turned in the KV dtype, full rotary, he
   dots run (manual double buffering, num_stages 1).
 On shared_chunk_bench.py's steps (Llama-3.1-8B heads, bf16, one layer, CUDA-graph replay): a lone
 16-token question and decode steps at batch 16 / 64. Prints us per variant and each variant's
-largest relative difference from the kernel's output, registers and spills. GPU only. Run on an H100
+largest relative difference from the kernel's output, registers and spills. (Compiled offline for
+sm_90 with the CPU box's triton 3.9, every variant and the kernel itself take 255 registers a
+thread, no spills; that compile pipelined not even a plain matmul loop, so it says nothing about
+pipelining.) Run on an H100
 (2026-11-27, 674888c) with pages ahead and tile ahead only: neither helped (docs/kernels.md).
 
     python benchmarks/experiments/shared_kernel_variants.py
@@ -40,27 +43,62 @@ from lazyrt.models.dummy import PRESETS  # noqa: E402
 
 _LOG2E = 1.4426950408889634
 # (label, MODE, num_stages, ONE_DOT): MODE 0 = the kernel's loop, 1 = the next tile's page ids
-# ahead, 2 = the whole next tile ahead
+# ahead, 2 = the whole next tile ahead, 4 = full tiles unmasked then a masked rest
 VARIANTS = (
-    ("base_s3", 0, 3, False), ("one_dot_s3", 0, 3, True), ("one_dot_s2", 0, 2, True),
-    ("pages_ahead_s3", 1, 3, False), ("pages_ahead_s2", 1, 2, False), ("tile_ahead_s1", 2, 1, False),
+    ("base_s3", 0, 3, False), ("one_dot_s3", 0, 3, True), ("unmasked_s3", 4, 3, False),
+    ("unmasked_s2", 4, 2, False), ("unmasked_one_dot_s3", 4, 3, True),
+    ("pages_ahead_s2", 1, 2, False), ("tile_ahead_s1", 2, 1, False),
 )  # fmt: skip
 
 
 @triton.jit
 def _tile(kv_ptr, kcos_ptr, ksin_ptr, page, j, j_ok, kvh, stride_kp, stride_kkv, stride_ks, stride_kh,
-          stride_kcos, PAGE_SIZE: tl.constexpr, HALF: tl.constexpr, HEAD: tl.constexpr):  # fmt: skip
-    """A 64-key tile's key halves, their cos/sin and its values."""
+          stride_kcos, PAGE_SIZE: tl.constexpr, HALF: tl.constexpr, HEAD: tl.constexpr,
+          MASKED: tl.constexpr = True):  # fmt: skip
+    """A key tile's key halves, their cos/sin and its values (MASKED: keys past the segment read 0)."""
     ch = tl.arange(0, HALF)
     dh = tl.arange(0, HEAD)
-    m = j_ok[:, None]
     k_off = page.to(tl.int64) * stride_kp + (j % PAGE_SIZE) * stride_ks + kvh * stride_kh
-    k1 = tl.load(kv_ptr + k_off[:, None] + ch[None, :], mask=m, other=0.0)
-    k2 = tl.load(kv_ptr + k_off[:, None] + HALF + ch[None, :], mask=m, other=0.0)
-    cj = tl.load(kcos_ptr + j[:, None] * stride_kcos + ch[None, :], mask=m, other=0.0)
-    sj = tl.load(ksin_ptr + j[:, None] * stride_kcos + ch[None, :], mask=m, other=0.0)
-    v = tl.load(kv_ptr + (k_off + stride_kkv)[:, None] + dh[None, :], mask=m, other=0.0)
+    k_ptr = kv_ptr + k_off[:, None] + ch[None, :]
+    c_off = j[:, None] * stride_kcos + ch[None, :]
+    v_ptr = kv_ptr + (k_off + stride_kkv)[:, None] + dh[None, :]
+    if MASKED:
+        m = j_ok[:, None]
+        k1 = tl.load(k_ptr, mask=m, other=0.0)
+        k2 = tl.load(k_ptr + HALF, mask=m, other=0.0)
+        cj = tl.load(kcos_ptr + c_off, mask=m, other=0.0)
+        sj = tl.load(ksin_ptr + c_off, mask=m, other=0.0)
+        v = tl.load(v_ptr, mask=m, other=0.0)
+    else:
+        k1 = tl.load(k_ptr)
+        k2 = tl.load(k_ptr + HALF)
+        cj = tl.load(kcos_ptr + c_off)
+        sj = tl.load(ksin_ptr + c_off)
+        v = tl.load(v_ptr)
     return k1, k2, cj, sj, v
+
+
+@triton.jit
+def _attend(q1r, q2r, qj, k1, k2, cj, sj, v, j, j_ok, row_ok, delta, m_i, l_i, acc,
+            BLOCK_N: tl.constexpr, HALF: tl.constexpr, ONE_DOT: tl.constexpr):  # fmt: skip
+    """One key tile into the online softmax: keys turned by their index, scores, masks, the update."""
+    dt = k1.dtype
+    k1r = (k1 * cj - k2 * sj).to(dt)
+    k2r = (k2 * cj + k1 * sj).to(dt)
+    if ONE_DOT:
+        s = tl.dot(qj, tl.trans(tl.reshape(tl.join(k1r, k2r), [BLOCK_N, 2 * HALF])))
+    else:
+        s = tl.dot(q1r, tl.trans(k1r))
+        s = tl.dot(q2r, tl.trans(k2r), s)
+    visible = row_ok[:, None] & j_ok[None, :] & (j[None, :] <= delta[:, None])
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = tl.dot(p.to(dt), v, acc * alpha[:, None])
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -110,44 +148,51 @@ def _variant_kernel(
         m_i = tl.full([ROWS], float("-inf"), tl.float32)
         l_i = tl.zeros([ROWS], tl.float32)
         acc = tl.zeros([ROWS, HEAD], tl.float32)
-        j = tl.arange(0, BLOCK_N)
-        j_ok = j < n
-        page = tl.load(chunk_kv_indices_ptr + e_lo + j // PAGE_SIZE, mask=j_ok, other=0)
         strides = (stride_kp, stride_kkv, stride_ks, stride_kh, stride_kcos)
-        if MODE == 2:
-            k1, k2, cj, sj, v = _tile(kv_ptr, kcos_ptr, ksin_ptr, page, j, j_ok, kvh, *strides,
-                                      PAGE_SIZE, HALF, HEAD)  # fmt: skip
-        for _ in range(0, tl.cdiv(n, BLOCK_N)):
-            jn = j + BLOCK_N
-            jn_ok = jn < n
-            page_n = tl.load(chunk_kv_indices_ptr + e_lo + jn // PAGE_SIZE, mask=jn_ok, other=0)
-            if MODE == 0:  # as the kernel: this tile's page ids, then its keys
+        if not ONE_DOT:
+            qj = q1r  # unused
+        if MODE == 4:  # full tiles unmasked (the compiler may pipeline their loads), then the rest
+            for blk in range(0, n // BLOCK_N):
+                j = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+                page = tl.load(chunk_kv_indices_ptr + e_lo + j // PAGE_SIZE)
+                k1, k2, cj, sj, v = _tile(kv_ptr, kcos_ptr, ksin_ptr, page, j, j < n, kvh, *strides,
+                                          PAGE_SIZE, HALF, HEAD, False)  # fmt: skip
+                m_i, l_i, acc = _attend(q1r, q2r, qj, k1, k2, cj, sj, v, j, j < n, row_ok, delta, m_i, l_i,
+                                        acc, BLOCK_N, HALF, ONE_DOT)  # fmt: skip
+            if n % BLOCK_N:
+                j = (n // BLOCK_N) * BLOCK_N + tl.arange(0, BLOCK_N)
+                j_ok = j < n
                 page = tl.load(chunk_kv_indices_ptr + e_lo + j // PAGE_SIZE, mask=j_ok, other=0)
-            if MODE == 2:  # the next tile, in flight while this one's dots run
-                k1n, k2n, cjn, sjn, vn = _tile(kv_ptr, kcos_ptr, ksin_ptr, page_n, jn, jn_ok, kvh, *strides,
-                                               PAGE_SIZE, HALF, HEAD)  # fmt: skip
-            else:
                 k1, k2, cj, sj, v = _tile(kv_ptr, kcos_ptr, ksin_ptr, page, j, j_ok, kvh, *strides,
                                           PAGE_SIZE, HALF, HEAD)  # fmt: skip
-            k1r = (k1 * cj - k2 * sj).to(dt)
-            k2r = (k2 * cj + k1 * sj).to(dt)
-            if ONE_DOT:
-                s = tl.dot(qj, tl.trans(tl.reshape(tl.join(k1r, k2r), [BLOCK_N, 2 * HALF])))
-            else:
-                s = tl.dot(q1r, tl.trans(k1r))
-                s = tl.dot(q2r, tl.trans(k2r), s)
-            visible = row_ok[:, None] & j_ok[None, :] & (j[None, :] <= delta[:, None])
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = tl.dot(p.to(dt), v, acc * alpha[:, None])
-            m_i = m_new
-            j, j_ok, page = jn, jn_ok, page_n
+                m_i, l_i, acc = _attend(q1r, q2r, qj, k1, k2, cj, sj, v, j, j_ok, row_ok, delta, m_i, l_i,
+                                        acc, BLOCK_N, HALF, ONE_DOT)  # fmt: skip
+        else:
+            j = tl.arange(0, BLOCK_N)
+            j_ok = j < n
+            page = tl.load(chunk_kv_indices_ptr + e_lo + j // PAGE_SIZE, mask=j_ok, other=0)
             if MODE == 2:
-                k1, k2, cj, sj, v = k1n, k2n, cjn, sjn, vn
+                k1, k2, cj, sj, v = _tile(kv_ptr, kcos_ptr, ksin_ptr, page, j, j_ok, kvh, *strides,
+                                          PAGE_SIZE, HALF, HEAD)  # fmt: skip
+            for _ in range(0, tl.cdiv(n, BLOCK_N)):
+                jn = j + BLOCK_N
+                jn_ok = jn < n
+                if MODE == 0:  # as the kernel: this tile's page ids, then its keys
+                    page = tl.load(chunk_kv_indices_ptr + e_lo + j // PAGE_SIZE, mask=j_ok, other=0)
+                    page_n = page
+                else:
+                    page_n = tl.load(chunk_kv_indices_ptr + e_lo + jn // PAGE_SIZE, mask=jn_ok, other=0)
+                if MODE == 2:  # the next tile, in flight while this one's dots run
+                    k1n, k2n, cjn, sjn, vn = _tile(kv_ptr, kcos_ptr, ksin_ptr, page_n, jn, jn_ok, kvh,
+                                                   *strides, PAGE_SIZE, HALF, HEAD)  # fmt: skip
+                else:
+                    k1, k2, cj, sj, v = _tile(kv_ptr, kcos_ptr, ksin_ptr, page, j, j_ok, kvh, *strides,
+                                              PAGE_SIZE, HALF, HEAD)  # fmt: skip
+                m_i, l_i, acc = _attend(q1r, q2r, qj, k1, k2, cj, sj, v, j, j_ok, row_ok, delta, m_i, l_i,
+                                        acc, BLOCK_N, HALF, ONE_DOT)  # fmt: skip
+                j, j_ok, page = jn, jn_ok, page_n
+                if MODE == 2:
+                    k1, k2, cj, sj, v = k1n, k2n, cjn, sjn, vn
 
         seen = l_i > 0
         out = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0)
