@@ -7,12 +7,17 @@ from __future__ import annotations
 
 import os
 
+import pytest
+import torch
+
+if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    # Triton decides interpreted or compiled when a kernel module is imported: turned on here, in a
+    # pytest process that also collects the GPU tests, it would run their kernels in the interpreter.
+    pytest.skip("CPU interpreter tests: on a CUDA machine run them in a pytest process of their own "
+                "with TRITON_INTERPRET=1", allow_module_level=True)  # fmt: skip
 os.environ["TRITON_INTERPRET"] = "1"  # must precede the import of the modules that define kernels
 
 import random  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
 
 from lazyrt.kernels.attention_ref import gather_keys_values, lazy_attention_ref  # noqa: E402
 from lazyrt.kernels.metadata import AttentionMetadata  # noqa: E402
