@@ -9,8 +9,9 @@ R(-S) = cos S, -sin S), then walks the segment's keys BLOCK_N at a time: each ke
 rotated by its local index j once for all rows, masked by `j < len` and `j <= position - start`,
 under an exp2 online softmax in fp32. Writes fp32 partial outputs and natural log-sum-exp per
 (pair, head); `merge_parts_triton` combines each query row's parts (torch reference:
-shared_chunk.merge_parts_ref). Untuned: a first, readable version to measure against the per-request
-kernel (issue 14).
+shared_chunk.merge_parts_ref): a program per (row, head) over blocks of parts for steps of few rows,
+a program per (row, block of heads) looping over parts otherwise. Tiles, grid and merges are the
+fastest of the sweeps noted beside them (docs/kernels.md has the tables).
 """
 
 from __future__ import annotations
