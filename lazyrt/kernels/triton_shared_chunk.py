@@ -318,8 +318,9 @@ def merge_parts_triton(
     in a decode step); None: the measured best for the step's rows (BLOCKED_MERGE_MAX_ROWS). H100,
     Zipf decode steps, us a layer for 1 / 2 / 4 / 8 heads a program (shared_chunk_bench.py --variants,
     2026-11-27): batch 64 9.5 / 6.7 / 4.8 / 5.1, batch 16 7.0 / 7.4 / 7.1 / 7.7; a TP=2 rank's half
-    of the heads at batch 64 5.9 / 4.8 / 4.6 / 5.0. (Loading 8 or 16 of a row's parts at once,
-    [parts, heads, head_dim] tiles, was 1.5-2x slower than this loop.)"""
+    of the heads at batch 64 5.9 / 4.8 / 4.6 / 5.0. (In this layout, loading 8 or 16 of a row's parts
+    at once as [parts, heads, head_dim] tiles was 1.5-2x slower than the loop; a program per (row,
+    head) over blocks of parts is merge_parts_blocked_triton, the choice for few rows.)"""
     if heads_per_program is None:
         if meta.num_rows <= BLOCKED_MERGE_MAX_ROWS:
             return merge_parts_blocked_triton(o_parts, lse_parts, meta, out_dtype, parts_per_block=32)
