@@ -267,6 +267,9 @@ def main() -> None:
                 row[f"{label}_us"] = round(bench(fn), 1)
                 row[f"{label}_rel_diff"] = float((o - o_ref).norm() / o_ref.norm())
                 row[f"{label}_regs_spills"] = [getattr(handle[0], k, None) for k in ("n_regs", "n_spills")]
+                # Pipelined loads show as async copies into shared memory in the TTGIR.
+                ttgir = handle[0].asm.get("ttgir", "")
+                row[f"{label}_async_copies"] = ttgir.count("async_copy_global_to_local")
             except Exception as e:  # noqa: BLE001 (out of registers / shared memory)
                 print(f"{name} {label}: {type(e).__name__}: {str(e)[:160]}")
         rows.append(row)
