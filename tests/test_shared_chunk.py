@@ -51,17 +51,18 @@ def make_rope(head_dim: int, rotary_dim: int | None = None, max_pos: int = 1024)
     return RopeCache.build(cfg, max_pos)
 
 
-def make_step(page_size, kv_heads, head_dim, dtype, n_chunks=4, n_requests=5, q_len=(1, 1), inside=False):
+def make_step(page_size, kv_heads, head_dim, dtype, n_chunks=4, n_requests=5, q_len=(1, 1), inside=False,
+              lengths=None):
     """A step of n_requests requests over n_chunks shared chunks (partial last pages). Each request
     uses a random subset of the chunks in random order at its own positions, then owns private pages
     (its earlier tokens and its q_len new ones). inside: some queries sit inside a chunk's span (a
     recomputed page after a shared run), so part of that chunk is masked for them.
     Returns kv, q, positions, the full per-request AttentionMetadata, the private-only one, and the
-    shared segments for SharedChunkMeta.build."""
+    shared segments for SharedChunkMeta.build. lengths: the chunks' token counts (default random)."""
     chunks = []  # (pages, n)
     next_page = 0
-    for _ in range(n_chunks):
-        n = random.randint(1, 4 * page_size)
+    for i in range(n_chunks):
+        n = lengths[i] if lengths else random.randint(1, 4 * page_size)
         pages = list(range(next_page, next_page + -(-n // page_size)))
         next_page += len(pages)
         chunks.append((pages, n))
@@ -274,6 +275,38 @@ def test_triton_matches_reference(group, kv_heads, head_dim, rotary_dim, page_si
     merged = merge_parts_triton(o, lse, meta, dtype, heads_per_program=merge_heads)
     assert merged.dtype == dtype
     torch.testing.assert_close(merged.float(), merge_parts_ref(o, lse, meta), **tol)
+
+
+@pytest.mark.parametrize(
+    "head_dim,rotary_dim,dtype",
+    [(64, None, torch.float32), (64, None, torch.float16), (24, None, torch.float32),
+     (64, 32, torch.float16)],  # fmt: skip
+)
+def test_triton_whole_and_partial_key_tiles(head_dim, rotary_dim, dtype):
+    """Segments of whole key tiles only (2 and 4 tiles of 16 keys), whole tiles then a partial one,
+    and a partial one alone: the whole tiles' unmasked loads and the last tile's masked ones =
+    the reference, with queries inside the chunks (part of a whole tile masked for them), heads
+    padded to the dot's width (halves of 12) and partial rotary (an unrotated rest of 32)."""
+    if shared_chunk_attention_triton is None:
+        pytest.fail(f"triton is not importable: {TRITON_ERROR}")
+    for _ in range(100):  # a step where some request uses each chunk
+        kv, positions, _, _, segments = make_step(8, 2, head_dim, dtype, n_chunks=4, n_requests=6,
+                                                  q_len=(1, 3), inside=True, lengths=[32, 64, 35, 15])
+        meta = SharedChunkMeta.build(segments, 8, num_rows=len(positions), block_pairs=4)
+        if {32, 64, 35, 15} <= set(meta.chunk_len.tolist()):
+            break
+    else:
+        pytest.fail("no step used every chunk")
+    rope = make_rope(head_dim, rotary_dim)
+    q = torch.randn(len(positions), 2 * 4, head_dim).to(dtype)
+    scale = head_dim**-0.5
+    o_ref, lse_ref = shared_chunk_attention_ref(q, kv, positions, meta, rope, scale)
+    for key_tables in ("fp32", "kv"):
+        o, lse = shared_chunk_attention_triton(q, kv, positions, meta, rope, scale, 16, 3,
+                                               key_tables=key_tables)  # fmt: skip
+        tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(lse, lse_ref, **tol)
+        torch.testing.assert_close(o, o_ref, **tol)
 
 
 @pytest.mark.parametrize(

@@ -240,6 +240,9 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--variants", nargs="*", default=None, help="labels to time (default: all)")
+    ap.add_argument("--kernel-stages", type=int, nargs="*", default=[],
+                    help="also time the kernel itself at these pipeline stages")  # fmt: skip
     args = ap.parse_args()
     cfg = ModelConfig.from_hf(PRESETS["llama-3.1-8b"])
     rope = RopeCache.build(cfg, 5 * 2048 + 129, "cuda")
@@ -259,7 +262,11 @@ def main() -> None:
         base = functools.partial(shared_chunk_attention_triton, q, kv, full.positions, shared, rope, scale)
         o_ref, _ = base()
         row = {"shape": name, "kernel_us": round(bench(base), 1)}
+        for st in args.kernel_stages:
+            row[f"kernel_s{st}_us"] = round(bench(functools.partial(base, num_stages=st)), 1)
         for label, mode, stages, one_dot in VARIANTS:
+            if args.variants is not None and label not in args.variants:
+                continue
             fn = functools.partial(variant, q, kv, full.positions, shared, rope, scale, mode, stages, one_dot)
             try:
                 handle: list = []

@@ -33,6 +33,74 @@ def _pow2(n: int) -> int:
 
 
 @triton.jit
+def _tile_load(ptr, rows_ok, cols_ok, WHOLE: tl.constexpr):
+    """A [rows, cols] tile; WHOLE: every element is in bounds (no mask: plain vector loads)."""
+    if WHOLE:
+        x = tl.load(ptr)
+    else:
+        x = tl.load(ptr, mask=rows_ok[:, None] & cols_ok[None, :], other=0.0)
+    return x
+
+
+@triton.jit
+def _key_tile(
+    q1r, q2r, q3, kv_ptr, kcos_ptr, ksin_ptr, chunk_kv_indices_ptr, e_lo, n, blk, kvh, row_ok, delta,
+    m_i, l_i, acc, stride_kp, stride_kkv, stride_ks, stride_kh, stride_kcos,
+    FULL: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, HALF: tl.constexpr,
+    HALF_P: tl.constexpr, REST: tl.constexpr, REST_P: tl.constexpr, HEAD: tl.constexpr, HEAD_P: tl.constexpr,
+    DOT_PREC: tl.constexpr, KEY_MATH_KV: tl.constexpr,
+):
+    """Key tile blk (keys j of the segment; FULL: all j < n) into the rows' online softmax: its page
+    ids, keys turned by j, scores, the causal mask (j <= delta), values."""
+    dt = kv_ptr.dtype.element_ty
+    j = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+    j_ok = j < n
+    if FULL:
+        page = tl.load(chunk_kv_indices_ptr + e_lo + j // PAGE_SIZE)
+    else:
+        page = tl.load(chunk_kv_indices_ptr + e_lo + j // PAGE_SIZE, mask=j_ok, other=0)
+    ch = tl.arange(0, HALF_P)
+    ch_ok = ch < HALF
+    dh = tl.arange(0, HEAD_P)
+    k_off = page.to(tl.int64) * stride_kp + (j % PAGE_SIZE) * stride_ks + kvh * stride_kh
+    k_ptr = kv_ptr + k_off[:, None] + ch[None, :]
+    j_off = j[:, None] * stride_kcos + ch[None, :]
+    whole_k = FULL and HALF == HALF_P
+    k1 = _tile_load(k_ptr, j_ok, ch_ok, whole_k)
+    k2 = _tile_load(k_ptr + HALF, j_ok, ch_ok, whole_k)
+    cj = _tile_load(kcos_ptr + j_off, j_ok, ch_ok, whole_k)
+    sj = _tile_load(ksin_ptr + j_off, j_ok, ch_ok, whole_k)
+    if not KEY_MATH_KV:  # else the table is in the KV dtype: packed 16-bit math
+        k1 = k1.to(tl.float32)
+        k2 = k2.to(tl.float32)
+        cj = cj.to(tl.float32)
+        sj = sj.to(tl.float32)
+    k1r = (k1 * cj - k2 * sj).to(dt)
+    k2r = (k2 * cj + k1 * sj).to(dt)
+    s = tl.dot(q1r, tl.trans(k1r), input_precision=DOT_PREC)
+    s = tl.dot(q2r, tl.trans(k2r), s, input_precision=DOT_PREC)
+    if REST > 0:
+        cr = tl.arange(0, REST_P)
+        k3_ptr = kv_ptr + k_off[:, None] + 2 * HALF + cr[None, :]
+        k3 = _tile_load(k3_ptr, j_ok, cr < REST, FULL and REST == REST_P)
+        s = tl.dot(q3, tl.trans(k3), s, input_precision=DOT_PREC)
+    if FULL:
+        visible = row_ok[:, None] & (j[None, :] <= delta[:, None])
+    else:
+        visible = row_ok[:, None] & j_ok[None, :] & (j[None, :] <= delta[:, None])
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v_ptr = kv_ptr + (k_off + stride_kkv)[:, None] + dh[None, :]
+    v = _tile_load(v_ptr, j_ok, dh < HEAD, FULL and HEAD == HEAD_P)
+    acc = tl.dot(p.to(dt), v, acc * alpha[:, None], input_precision=DOT_PREC)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _shared_chunk_kernel(
     q_ptr, kv_ptr, pos_ptr, cos_ptr, sin_ptr, kcos_ptr, ksin_ptr,
     chunk_kv_indptr_ptr, chunk_kv_indices_ptr, chunk_len_ptr, pair_indptr_ptr, pair_row_ptr, pair_start_ptr,
@@ -87,42 +155,21 @@ def _shared_chunk_kernel(
         m_i = tl.full([ROWS], float("-inf"), tl.float32)
         l_i = tl.zeros([ROWS], tl.float32)
         acc = tl.zeros([ROWS, HEAD_P], tl.float32)
-        for blk in range(0, tl.cdiv(n, BLOCK_N)):
-            j = blk * BLOCK_N + tl.arange(0, BLOCK_N)
-            j_ok = j < n
-            page = tl.load(chunk_kv_indices_ptr + e_lo + j // PAGE_SIZE, mask=j_ok, other=0)
-            k_off = page.to(tl.int64) * stride_kp + (j % PAGE_SIZE) * stride_ks + kvh * stride_kh
-            km = j_ok[:, None] & ch_ok[None, :]
-            k1 = tl.load(kv_ptr + k_off[:, None] + ch[None, :], mask=km, other=0.0)
-            k2 = tl.load(kv_ptr + k_off[:, None] + HALF + ch[None, :], mask=km, other=0.0)
-            j_off = j[:, None] * stride_kcos + ch[None, :]
-            cj = tl.load(kcos_ptr + j_off, mask=km, other=0.0)
-            sj = tl.load(ksin_ptr + j_off, mask=km, other=0.0)
-            if not KEY_MATH_KV:  # else the table is in the KV dtype: packed 16-bit math
-                k1 = k1.to(tl.float32)
-                k2 = k2.to(tl.float32)
-                cj = cj.to(tl.float32)
-                sj = sj.to(tl.float32)
-            k1r = (k1 * cj - k2 * sj).to(dt)
-            k2r = (k2 * cj + k1 * sj).to(dt)
-            s = tl.dot(q1r, tl.trans(k1r), input_precision=DOT_PREC)
-            s = tl.dot(q2r, tl.trans(k2r), s, input_precision=DOT_PREC)
-            if REST > 0:
-                k3m = j_ok[:, None] & (cr < REST)[None, :]
-                k3 = tl.load(kv_ptr + k_off[:, None] + 2 * HALF + cr[None, :], mask=k3m, other=0.0)
-                s = tl.dot(q3, tl.trans(k3), s, input_precision=DOT_PREC)
-            visible = row_ok[:, None] & j_ok[None, :] & (j[None, :] <= delta[:, None])
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            v_off = k_off + stride_kkv
-            vm = j_ok[:, None] & (dh < HEAD)[None, :]
-            v = tl.load(kv_ptr + v_off[:, None] + dh[None, :], mask=vm, other=0.0)
-            acc = tl.dot(p.to(dt), v, acc * alpha[:, None], input_precision=DOT_PREC)
-            m_i = m_new
+        if REST == 0:
+            q3 = q1r  # unused
+        # Whole tiles with unmasked loads (where the head needs no padding), then the partial last one.
+        for blk in range(0, n // BLOCK_N):
+            m_i, l_i, acc = _key_tile(
+                q1r, q2r, q3, kv_ptr, kcos_ptr, ksin_ptr, chunk_kv_indices_ptr, e_lo, n, blk, kvh, row_ok,
+                delta, m_i, l_i, acc, stride_kp, stride_kkv, stride_ks, stride_kh, stride_kcos,
+                True, BLOCK_N, PAGE_SIZE, HALF, HALF_P, REST, REST_P, HEAD, HEAD_P, DOT_PREC, KEY_MATH_KV,
+            )  # fmt: skip
+        if n % BLOCK_N:
+            m_i, l_i, acc = _key_tile(
+                q1r, q2r, q3, kv_ptr, kcos_ptr, ksin_ptr, chunk_kv_indices_ptr, e_lo, n, n // BLOCK_N, kvh,
+                row_ok, delta, m_i, l_i, acc, stride_kp, stride_kkv, stride_ks, stride_kh, stride_kcos,
+                False, BLOCK_N, PAGE_SIZE, HALF, HALF_P, REST, REST_P, HEAD, HEAD_P, DOT_PREC, KEY_MATH_KV,
+            )  # fmt: skip
 
         seen = l_i > 0
         out = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0)
