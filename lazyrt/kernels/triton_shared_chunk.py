@@ -181,7 +181,11 @@ def _shared_chunk_kernel(
 
 
 # Tiles and grid from `shared_chunk_bench.py --sweep` (H200, Llama-3.1-8B heads, Zipf 2.1 steps at
-# batch 16 and 64): 64-key blocks, 3 stages, 8 programs per SM, 16 pairs (64 rows) per item.
+# batch 16 and 64): 64-key blocks, 8 programs per SM, 16 pairs (64 rows) per item. Since whole tiles
+# load unmasked, 2 stages beat 3 (H100, one layer, `experiments/shared_kernel_variants.py
+# --kernel-stages 2`, 2026-11-27): a lone question 30.8 vs 31.2 us, decode at batch 16 82.9 vs 86.5, at
+# batch 64 153.7 vs 156.8, 4 questions 79.0 vs 80.8 (the masked loop at 3 stages: 32.8 / 85.8 / 162.2 /
+# 84.2).
 PROGRAMS_PER_SM = 8  # persistent grid: programs per SM
 # The keys' cos/sin (see shared_chunk_attention_triton). H100, Llama-3.1-8B heads, Zipf 2.1 decode
 # step at batch 64, one layer (`shared_chunk_bench.py --variants`, 1e3e9f1, 2026-11-23): fp32 tables
@@ -208,7 +212,7 @@ def shared_chunk_attention_triton(
     block_n: int = 64,
     programs: int | None = None,
     num_warps: int = 4,
-    num_stages: int = 3,
+    num_stages: int = 2,
     key_tables: str = KEY_TABLES,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as shared_chunk.shared_chunk_attention_ref: (o [P, q_heads, D] fp32, natural
