@@ -71,3 +71,38 @@ def test_engine_reuses_document_tokens(tiny_model_dir):
     tok = engine.tokenizer
     for text in list(cache._entries):
         assert cache.get(text) == tok(text, add_special_tokens=False).input_ids
+
+
+def test_quick_requests_are_those_with_cached_documents_and_little_text(tokenizer):
+    """RequestTokenizer.quick (what the HTTP process tokenizes on its event loop): every document
+    given as text with its ids cached and at most QUICK_TEXT_CHARS of other text; a new document, a
+    document by id, tools, message parts or a long question are not quick. Its answer never changes
+    what tokenize returns."""
+    from lazyrt.runtime.tokenizer.request_tokenizer import QUICK_TEXT_CHARS
+
+    rng = random.Random()
+    rt = RequestTokenizer(tokenizer, 1 << 20, len(tokenizer))
+    fresh = RequestTokenizer(tokenizer, 1 << 20, len(tokenizer), doc_cache_tokens=0)
+    docs = [_text(rng, rng.randrange(5, 60)) for _ in range(3)]
+    sp = SamplingParams(max_tokens=4)
+
+    def req(**kw) -> GenerateReq:
+        return GenerateReq(0, sp, **{"text_mode": "rag", "text": "Which river?", **kw})
+
+    first = req(docs=docs[:2])
+    assert not rt.quick(first)  # new documents: tokenized first
+    rt.tokenize(first)
+    assert rt.quick(first) and rt.quick(req(docs=docs[1::-1])) and rt.quick(req(docs=[]))
+    assert not rt.quick(req(docs=docs))  # docs[2] is new
+    assert not rt.quick(req(docs=[docs[0], {"id": "d1"}]))  # read from the document store
+    assert not rt.quick(req(docs=docs[:2], tools=[{"type": "function", "function": {"name": "f"}}]))
+    assert rt.quick(req(docs=docs[:2], text="w" * QUICK_TEXT_CHARS))
+    assert not rt.quick(req(docs=docs[:2], text="w" * (QUICK_TEXT_CHARS + 1)))
+    assert not rt.quick(req(docs=docs[:2], system="s" * QUICK_TEXT_CHARS))
+    chat = [{"role": "user", "content": "hi"}]
+    assert rt.quick(GenerateReq(0, sp, messages=chat, docs=docs[:1]))
+    assert not rt.quick(GenerateReq(0, sp, messages=[{"role": "user", "content": [{"type": "text"}]}]))
+    assert rt.quick(GenerateReq(0, sp, input_ids=[1, 2, 3]))
+    for r in (first, req(docs=docs[1::-1]), GenerateReq(0, sp, messages=chat, docs=docs[:1])):
+        a, b = rt.tokenize(r), fresh.tokenize(r)
+        assert (a.prefix, a.docs, a.suffix) == (b.prefix, b.docs, b.suffix)

@@ -91,7 +91,8 @@ def test_a_slow_tokenization_leaves_other_streams_flowing(tiny_model_dir, tokeni
 
             monkeypatch.setattr(client._tokenizer.req_tokenizer, "tokenize", slow)
             try:
-                client.submit(GenerateReq(a, sp, text="a request with a long new document"))
+                new_doc = ["a long new document"]  # (a request whose documents are cached tokenizes inline)
+                client.submit(GenerateReq(a, sp, text="Which?", docs=new_doc, text_mode="rag"))
                 client.abort(a)  # must reach the scheduler after A itself, not before
                 ids = tokenizer("hello there", add_special_tokens=False).input_ids
                 send(s.to_client, TokenBatch([TokenOut(c, ids)]))
@@ -132,5 +133,54 @@ def test_a_tokenizer_bug_fails_that_request_only(tiny_model_dir, tokenizer, monk
             assert err.rid == a and err.status == 500 and bad in err.message
             (got,) = await s.upstream()
             assert isinstance(got, TokenizedReq) and got.rid == b
+
+    asyncio.run(run())
+
+
+def test_quick_requests_tokenize_on_the_event_loop_in_order(tiny_model_dir, tokenizer, monkeypatch):
+    """A request whose documents' ids are cached is tokenized on the event loop (no handoff to the
+    thread), one with a new document on the thread; while the thread has work queued a quick request
+    waits behind it (nothing overtakes), and both paths send the scheduler the same ids."""
+    doc = "The Quenta river rises in the north and meets the sea at Lumen."
+
+    async def run() -> None:
+        async with stand_in_scheduler(tiny_model_dir("llama"), len(tokenizer)) as s:
+            client, sp = s.client, SamplingParams(max_tokens=4)
+            threads: dict[int, int] = {}
+            release = threading.Event()
+            real = client._tokenizer.req_tokenizer.tokenize
+
+            def spy(req):
+                threads[req.rid] = threading.get_ident()
+                if req.rid == slow_rid:
+                    release.wait(20)
+                return real(req)
+
+            monkeypatch.setattr(client._tokenizer.req_tokenizer, "tokenize", spy)
+            slow_rid = -1
+
+            def ask(docs: list[str]) -> int:
+                rid = client.new_rid()
+                client.submit(GenerateReq(rid, sp, text="Where does it rise?", docs=docs, text_mode="rag"))
+                return rid
+
+            a = ask([doc])  # a new document: the thread
+            (got_a,) = await s.upstream()
+            b = ask([doc])  # now cached: the event loop, before submit returns
+            assert threads[b] == threading.get_ident() != threads[a]
+            (got_b,) = await s.upstream()
+            assert (got_a.rid, got_b.rid) == (a, b)
+            assert (got_a.prefix, got_a.docs, got_a.suffix) == (got_b.prefix, got_b.docs, got_b.suffix)
+
+            slow_rid = c = ask([doc + " More."])  # the thread, held
+            d = ask([doc])  # quick, but queued behind c
+            client.abort(d)
+            assert d not in threads  # not tokenized on the event loop
+            release.set()
+            got = await s.upstream(3)
+            assert [(type(m).__name__, m.rid) for m in got] == [
+                ("TokenizedReq", c), ("TokenizedReq", d), ("AbortReq", d)
+            ]
+            assert threads[d] == threads[c] != threading.get_ident()
 
     asyncio.run(run())

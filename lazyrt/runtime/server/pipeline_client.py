@@ -54,6 +54,12 @@ class PipelineClient:
         # abort never overtakes its request); the push socket is shared with the event loop's
         # detokenizer (a stop string's abort), hence the lock
         self._tokenize_thread: ThreadPoolExecutor | None = None
+        # Short work (TokenizerLoop.quick: a request whose documents' ids are cached) runs on the
+        # event loop instead, saving the handoff to the thread (~0.5 ms of a served TTFT), when the
+        # thread has nothing queued (so nothing overtakes an earlier message) and is idle (the lock:
+        # one on_http at a time). submitted / handled: written by one thread each.
+        self._tokenize_lock = threading.Lock()
+        self._submitted = self._handled = 0
         self._push_lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: int | None = None
@@ -78,17 +84,36 @@ class PipelineClient:
             send(self._push, msg)
         elif self._tokenizer is None:
             self._pending.append(msg)
+        elif (
+            self._submitted == self._handled
+            and threading.get_ident() == self._loop_thread
+            and self._tokenizer.quick(msg)
+            and self._tokenize_lock.acquire(blocking=False)
+        ):
+            try:
+                self._tokenize(msg)
+            finally:
+                self._tokenize_lock.release()
         else:
             self._submit(msg)
 
     def _submit(self, msg: Any) -> None:
+        self._submitted += 1
         try:
             self._tokenize_thread.submit(self._on_http, msg)
         except RuntimeError:  # shut down: the server is closing (a stream's cleanup sending an abort)
-            pass
+            self._submitted -= 1
 
     def _on_http(self, msg: Any) -> None:
         """On the tokenize thread."""
+        try:
+            with self._tokenize_lock:
+                self._tokenize(msg)
+        finally:
+            self._handled += 1
+
+    def _tokenize(self, msg: Any) -> None:
+        """TokenizerLoop.on_http, holding the tokenize lock (on the thread or the event loop)."""
         try:
             self._tokenizer.on_http(msg)
         except Exception as e:  # (on_http answers bad requests itself; this is a bug: fail the one)

@@ -26,6 +26,9 @@ class DocTokenCache:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def __contains__(self, text: object) -> bool:
+        return text in self._entries
+
     @property
     def num_tokens(self) -> int:
         return self._tokens

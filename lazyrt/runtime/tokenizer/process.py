@@ -77,6 +77,13 @@ class TokenizerLoop:
         self.live: dict[int, _Live] = {}
         self.token_texts = TokenTexts(tokenizer)
 
+    def quick(self, msg: object) -> bool:
+        """Whether on_http(msg) is short work (an abort, a control, a request whose documents'
+        ids are cached: RequestTokenizer.quick)."""
+        if isinstance(msg, (AbortReq, ControlReq)):
+            return True
+        return isinstance(msg, GenerateReq) and self.req_tokenizer.quick(msg)
+
     def on_http(self, msg: object) -> None:
         if isinstance(msg, GenerateReq):
             got = time.time()
