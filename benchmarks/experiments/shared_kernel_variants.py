@@ -4,7 +4,7 @@ The kernel (lazyrt/kernels/triton_shared_chunk.py) loads a tile's page ids, then
 pages, turns the keys and runs the dots, one tile after another; on an H100 a lone question's item
 takes ~2.6 us a 64-key tile with one item an SM (experiments/lone_question.py), thousands of cycles
 for 48 KB. Variants, the same math (keys turned in the KV dtype, full rotary, head_dim 128):
-- `base`: the kernel's own loop, copied here (the reference for registers and spills);
+- `base`: the kernel's loop before 6a444dc (masked tiles), copied here;
 - `one dot`: the two halves' scores in one dot over the whole head (queries and keys interleaved
   by tl.join) instead of two dots of half the head each;
 - `pages ahead`: the next tile's page ids loaded one tile ahead (the key loads no longer wait on a
@@ -16,8 +16,9 @@ On shared_chunk_bench.py's steps (Llama-3.1-8B heads, bf16, one layer, CUDA-grap
 largest relative difference from the kernel's output, registers and spills. (Compiled offline for
 sm_90 with the CPU box's triton 3.9, every variant and the kernel itself take 255 registers a
 thread, no spills; that compile pipelined not even a plain matmul loop, so it says nothing about
-pipelining.) Run on an H100
-(2026-11-27, 674888c) with pages ahead and tile ahead only: neither helped (docs/kernels.md).
+pipelining.) On an H100 (2026-11-27): pages ahead and tile ahead did not help (674888c); the
+kernel's loads are pipelined (async copies in its TTGIR); one dot, no gain; the unmasked loop 2-5%
+faster, since the kernel's own (6a444dc, 2 stages), so `base` now copies the loop before it.
 
     python benchmarks/experiments/shared_kernel_variants.py
 """
