@@ -35,10 +35,11 @@ from lazyrt.models.config import ModelConfig  # noqa: E402
 from lazyrt.models.dummy import PRESETS  # noqa: E402
 
 MERGES = ("loop_h4", "blocked_p8", "blocked_p16", "blocked_p32")
-DEFAULT = (512, 16, 64, 3)  # the engine's lone question: pieces, pairs an item, key block, stages
+DEFAULT = (512, 16, 64, 2)  # the engine's lone question: pieces, pairs an item, key block, stages
+TILES = ((64, 2), (64, 3), (32, 3), (32, 4), (128, 2))  # (key block, stages) timed per piece
 
 
-def one_step(B: int, a, bp: int, rope: RopeCache, scale: float, bench, ref: dict) -> list[dict]:
+def one_step(B: int, a, bp: int, rope: RopeCache, scale: float, bench, ref: dict, tiles=TILES) -> list[dict]:
     """Rows for one step cut into a.piece_tokens pieces, bp pairs an item: each tile x the merges.
     ref: the per-request and FlashInfer times of the batch, filled on its first call."""
     from lazyrt.kernels.triton_attention import lazy_attention_triton
@@ -68,7 +69,7 @@ def one_step(B: int, a, bp: int, rope: RopeCache, scale: float, bench, ref: dict
         diff = max(diff, float((m().float() - want).abs().max()))
     best_merge = min(merges, key=merges.get)
     rows = []
-    for bn, stages in ((64, 3), (32, 3), (32, 4), (64, 2), (128, 2)):
+    for bn, stages in tiles:
         try:
             us = bench(functools.partial(sh, block_n=bn, num_stages=stages))
         except Exception as e:  # noqa: BLE001 (out of shared memory)
@@ -93,8 +94,10 @@ def main() -> None:
     ap.add_argument("--q-len", type=int, default=16)
     ap.add_argument("--pieces", type=int, nargs="+", default=[128, 256, 512, 1024])
     ap.add_argument("--block-pairs", type=int, nargs="+", default=[4, 8, 16])
+    ap.add_argument("--engine-tile", action="store_true", help="time only the engine's key block and stages")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    tiles = TILES[:1] if args.engine_tile else TILES
     if not torch.cuda.is_available():
         ap.error("needs a CUDA device")
     base = argparse.Namespace(docs=5, doc_tokens=2048, private=args.q_len, pool=100, alpha=2.1,
@@ -112,7 +115,7 @@ def main() -> None:
         ref: dict = {}
         for piece, bp in itertools.product(args.pieces, args.block_pairs):
             a = argparse.Namespace(**{**vars(base), "piece_tokens": piece})
-            rows += one_step(B, a, bp, rope, scale, bench, ref)
+            rows += one_step(B, a, bp, rope, scale, bench, ref, tiles)
             torch.cuda.empty_cache()
     print("| batch | piece | pairs an item | key block | stages | items | parts a row | shared us "
           "| merge loop h4 / blocked p8 / p16 / p32 us | total us | per-request us | FlashInfer us |")
