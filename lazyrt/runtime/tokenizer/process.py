@@ -82,7 +82,10 @@ class TokenizerLoop:
         ids are cached: RequestTokenizer.quick)."""
         if isinstance(msg, (AbortReq, ControlReq)):
             return True
-        return isinstance(msg, GenerateReq) and self.req_tokenizer.quick(msg)
+        try:
+            return isinstance(msg, GenerateReq) and self.req_tokenizer.quick(msg)
+        except Exception:  # noqa: BLE001 (an odd request: on_http, on the thread, answers it)
+            return False
 
     def on_http(self, msg: object) -> None:
         if isinstance(msg, GenerateReq):
