@@ -237,13 +237,21 @@ def variant(q, kv, positions, meta, rope: RopeCache, sm_scale: float, mode: int,
 def main() -> None:
     import triton.testing
 
-    from lazyrt.kernels.triton_shared_chunk import shared_chunk_attention_triton
+    from lazyrt.kernels.triton_shared_chunk import (
+        PROGRAMS_PER_SM,
+        persistent_programs,
+        shared_chunk_attention_triton,
+    )
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None)
     ap.add_argument("--variants", nargs="*", default=None, help="labels to time (default: all)")
     ap.add_argument("--kernel-stages", type=int, nargs="*", default=[],
                     help="also time the kernel itself at these pipeline stages")  # fmt: skip
+    ap.add_argument("--kernel-maxnreg", type=int, nargs="*", default=[],
+                    help="also time the kernel with its registers a thread capped")  # fmt: skip
+    ap.add_argument("--kernel-programs-per-sm", type=int, nargs="*", default=[],
+                    help="also time the kernel with this persistent grid (programs an SM)")  # fmt: skip
     args = ap.parse_args()
     cfg = ModelConfig.from_hf(PRESETS["llama-3.1-8b"])
     rope = RopeCache.build(cfg, 5 * 2048 + 129, "cuda")
@@ -265,6 +273,17 @@ def main() -> None:
         row = {"shape": name, "kernel_us": round(bench(base), 1)}
         for st in args.kernel_stages:
             row[f"kernel_s{st}_us"] = round(bench(functools.partial(base, num_stages=st)), 1)
+        sms = persistent_programs(q.device) // PROGRAMS_PER_SM
+        for per_sm in [None, *args.kernel_programs_per_sm]:
+            for cap in args.kernel_maxnreg:
+                fn = functools.partial(base, maxnreg=cap, programs=sms * per_sm if per_sm else None)
+                try:
+                    row[f"kernel_maxnreg{cap}_p{per_sm or PROGRAMS_PER_SM}_us"] = round(bench(fn), 1)
+                except Exception as e:  # noqa: BLE001 (out of registers / shared memory)
+                    print(f"{name} maxnreg {cap}: {type(e).__name__}: {str(e)[:160]}")
+            if per_sm:
+                fn = functools.partial(base, programs=sms * per_sm)
+                row[f"kernel_p{per_sm}_us"] = round(bench(fn), 1)
         for label, mode, stages, one_dot in VARIANTS:
             if args.variants is not None and label not in args.variants:
                 continue

@@ -214,13 +214,15 @@ def shared_chunk_attention_triton(
     num_warps: int = 4,
     num_stages: int = 2,
     key_tables: str = KEY_TABLES,
+    maxnreg: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as shared_chunk.shared_chunk_attention_ref: (o [P, q_heads, D] fp32, natural
     lse [P, q_heads] fp32). programs: the persistent grid (default: min(one wave, live items); pass
     the wave, persistent_programs(), when capturing a CUDA graph). key_tables: the cos/sin the keys
     turn by: "fp32" (RopeCache's, fp32 math), "half" (one fp16 [pos, cos|sin] table for 16-bit KV,
     fp32 math: what the per-request kernel reads) or "kv" (the table in the KV dtype, the keys turned
-    in packed 16-bit math). Queries always turn in fp32."""
+    in packed 16-bit math). Queries always turn in fp32. maxnreg: a cap on registers a thread
+    (more programs an SM, at the cost of spills; None: the compiler's choice, 255 on an H100)."""
     if key_tables not in ("fp32", "half", "kv"):
         raise ValueError(f"key_tables={key_tables!r}: must be 'fp32', 'half' or 'kv'")
     num_pages, _, page_size, kv_heads, head_dim = kv.shape
@@ -255,7 +257,7 @@ def shared_chunk_attention_triton(
         HALF=half, HALF_P=max(MIN_DOT, _pow2(half)), REST=rest, REST_P=max(MIN_DOT, _pow2(max(rest, 1))),
         HEAD=head_dim, HEAD_P=max(MIN_DOT, _pow2(head_dim)),
         DOT_PREC="ieee" if kv.dtype == torch.float32 else "tf32", KEY_MATH_KV=key_math_kv,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
     return o, lse
 
