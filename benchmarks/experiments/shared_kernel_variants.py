@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import random
 import sys
@@ -275,12 +276,15 @@ def main() -> None:
             row[f"kernel_s{st}_us"] = round(bench(functools.partial(base, num_stages=st)), 1)
         sms = persistent_programs(q.device) // PROGRAMS_PER_SM
         for per_sm in [None, *args.kernel_programs_per_sm]:
-            for cap in args.kernel_maxnreg:
-                fn = functools.partial(base, maxnreg=cap, programs=sms * per_sm if per_sm else None)
+            # (shared memory also bounds the programs an SM: fewer stages leave room for more)
+            for cap, st in itertools.product(args.kernel_maxnreg, [None, *args.kernel_stages]):
+                kw = {"num_stages": st} if st else {}
+                fn = functools.partial(base, maxnreg=cap, programs=sms * per_sm if per_sm else None, **kw)
+                label = f"kernel_maxnreg{cap}_p{per_sm or PROGRAMS_PER_SM}" + (f"_s{st}" if st else "")
                 try:
-                    row[f"kernel_maxnreg{cap}_p{per_sm or PROGRAMS_PER_SM}_us"] = round(bench(fn), 1)
+                    row[f"{label}_us"] = round(bench(fn), 1)
                 except Exception as e:  # noqa: BLE001 (out of registers / shared memory)
-                    print(f"{name} maxnreg {cap}: {type(e).__name__}: {str(e)[:160]}")
+                    print(f"{name} {label}: {type(e).__name__}: {str(e)[:160]}")
             if per_sm:
                 fn = functools.partial(base, programs=sms * per_sm)
                 row[f"kernel_p{per_sm}_us"] = round(bench(fn), 1)
