@@ -309,6 +309,31 @@ def test_triton_whole_and_partial_key_tiles(head_dim, rotary_dim, dtype):
         torch.testing.assert_close(o, o_ref, **tol)
 
 
+def test_triton_launch_settings_by_items():
+    """A launch within one resident wave (2 programs an SM of 132 off CUDA) keeps 2 stages and no
+    register cap; more items, or a count not known on the host (a CUDA graph's), get the cap and 1
+    stage; either setting (and an explicit one) gives the reference's answer."""
+    if shared_chunk_attention_triton is None:
+        pytest.fail(f"triton is not importable: {TRITON_ERROR}")
+    from lazyrt.kernels import triton_shared_chunk as tsc
+
+    cpu = torch.device("cpu")
+    wave = 132 * tsc.WAVE_PROGRAMS_PER_SM
+    assert tsc.launch_settings(1, cpu) == tsc.launch_settings(wave, cpu) == (tsc.FEW_ITEMS_STAGES, 0)
+    many = (tsc.MANY_ITEMS_STAGES, tsc.MANY_ITEMS_MAXNREG)
+    assert tsc.launch_settings(wave + 1, cpu) == tsc.launch_settings(0, cpu) == many
+    kv, positions, _, _, segments = make_step(8, 2, 32, torch.float32, n_chunks=3, n_requests=4, q_len=(1, 2))
+    meta = SharedChunkMeta.build(segments, 8, num_rows=len(positions), block_pairs=2)
+    rope = make_rope(32, None)
+    q = torch.randn(len(positions), 2 * 4, 32)
+    o_ref, lse_ref = shared_chunk_attention_ref(q, kv, positions, meta, rope, 32**-0.5)
+    for stages, nreg in [(None, None), (1, 168), (2, 0)]:
+        o, lse = shared_chunk_attention_triton(q, kv, positions, meta, rope, 32**-0.5, 16,
+                                               num_stages=stages, maxnreg=nreg)  # fmt: skip
+        torch.testing.assert_close(lse, lse_ref, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(o, o_ref, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize(
     "kind,block",
     [("heads", 4), ("heads", 8), ("parts", 4), ("parts", 16), ("auto", None), ("auto rows", None)],

@@ -305,13 +305,10 @@ if __name__ == "__main__":
     sys.exit(rc)
 
 
-@pytest.mark.parametrize("key_tables", ["fp32", "half", "kv"])
-@pytest.mark.parametrize("q_len", [1, 4])
-def test_shared_chunk_bf16(q_len, key_tables):
-    """Shared-chunk attention on CUDA, bf16, 32/8 heads: a Zipf-like step where 16 requests share 6
-    chunks at their own offsets (q_len 1: decode; 4: question prefill rows), against the reference."""
-    from lazyrt.kernels.shared_chunk import SharedChunkMeta, merge_parts_ref, shared_chunk_attention_ref
-    from lazyrt.kernels.triton_shared_chunk import merge_parts_triton, shared_chunk_attention_triton
+def _shared_chunk_step(q_len: int):
+    """A Zipf-like bf16 step, 32/8 heads: 16 requests share 6 chunks at their own offsets (q_len 1:
+    decode; 4: question prefill rows)."""
+    from lazyrt.kernels.shared_chunk import SharedChunkMeta
 
     rope = make_rope()
     chunks, next_page = [], 0
@@ -331,9 +328,36 @@ def test_shared_chunk_bf16(q_len, key_tables):
                 for (pages, n), u in zip(chunks, uses) if u]  # fmt: skip
     meta = SharedChunkMeta.build(segments, PAGE, num_rows=len(positions), device=DEV)
     q = torch.randn(len(positions), Q_HEADS, HEAD_DIM, device=DEV, dtype=BF16)
-    pos_t = torch.tensor(positions, device=DEV)
+    return q, kv, torch.tensor(positions, device=DEV), meta, rope
+
+
+@pytest.mark.parametrize("key_tables", ["fp32", "half", "kv"])
+@pytest.mark.parametrize("q_len", [1, 4])
+def test_shared_chunk_bf16(q_len, key_tables):
+    """Shared-chunk attention on CUDA against the reference, with the launch's own settings."""
+    from lazyrt.kernels.shared_chunk import merge_parts_ref, shared_chunk_attention_ref
+    from lazyrt.kernels.triton_shared_chunk import merge_parts_triton, shared_chunk_attention_triton
+
+    q, kv, pos_t, meta, rope = _shared_chunk_step(q_len)
     o_ref, lse_ref = shared_chunk_attention_ref(q, kv, pos_t, meta, rope, HEAD_DIM**-0.5)
     o, lse = shared_chunk_attention_triton(q, kv, pos_t, meta, rope, HEAD_DIM**-0.5, key_tables=key_tables)
     assert rel_err(o, o_ref) < 1e-2
     torch.testing.assert_close(lse, lse_ref, rtol=1e-2, atol=1e-2)
     assert rel_err(merge_parts_triton(o, lse, meta, BF16), merge_parts_ref(o_ref, lse_ref, meta)) < 1e-2
+
+
+@pytest.mark.parametrize("stages, maxnreg", [(2, 0), (1, 168), (2, 168)])
+@pytest.mark.parametrize("q_len", [1, 4])
+def test_shared_chunk_bf16_launch_settings(q_len, stages, maxnreg):
+    """Each setting launch_settings picks between (a register cap spills, fewer stages pipeline less)
+    gives the reference's answer, whatever the launch's size."""
+    from lazyrt.kernels.shared_chunk import shared_chunk_attention_ref
+    from lazyrt.kernels.triton_shared_chunk import shared_chunk_attention_triton
+
+    q, kv, pos_t, meta, rope = _shared_chunk_step(q_len)
+    o_ref, lse_ref = shared_chunk_attention_ref(q, kv, pos_t, meta, rope, HEAD_DIM**-0.5)
+    o, lse = shared_chunk_attention_triton(
+        q, kv, pos_t, meta, rope, HEAD_DIM**-0.5, num_stages=stages, maxnreg=maxnreg
+    )
+    assert rel_err(o, o_ref) < 1e-2
+    torch.testing.assert_close(lse, lse_ref, rtol=1e-2, atol=1e-2)

@@ -5,7 +5,8 @@ kernel with the documents cut into pieces (step_inputs.lone_arrays); on an H100 
 layer took 32.8 us + 11.6 us of merge against ~14 us to read its 42 MB of KV once (ttft_profile.py).
 This times, on shared_chunk_bench.py's step (Llama-3.1-8B heads, bf16, one layer, CUDA-graph
 replay), at batch 1 and a few requests at once:
-- the shared kernel per (piece tokens, pairs an item, key block, stages);
+- the shared kernel per (piece tokens, pairs an item, key block, stages, register cap; "auto": the
+  engine's launch_settings for the launch's items);
 - the merge: one program per (row, 4 heads) looping over parts (merge_parts_triton), and one per
   (row, head) over blocks of parts (merge_parts_blocked_triton);
 - the per-request lazy kernel and FlashInfer's paged prefill without RoPE on the same pages.
@@ -35,8 +36,10 @@ from lazyrt.models.config import ModelConfig  # noqa: E402
 from lazyrt.models.dummy import PRESETS  # noqa: E402
 
 MERGES = ("loop_h4", "blocked_p8", "blocked_p16", "blocked_p32")
-DEFAULT = (512, 16, 64, 2)  # the engine's lone question: pieces, pairs an item, key block, stages
-TILES = ((64, 2), (64, 3), (32, 3), (32, 4), (128, 2))  # (key block, stages) timed per piece
+DEFAULT = (512, 16, 64, "auto")  # the engine's lone question: pieces, pairs an item, key block, settings
+# (key block, stages, register cap; None: launch_settings' choice) timed per piece
+TILES = ((64, 2, 0), (64, 3, 0), (32, 3, 0), (32, 4, 0), (128, 2, 0))
+ENGINE_TILES = ((64, None, None), (64, 2, 0), (64, 1, 168))  # the engine's, and each choice it makes
 
 
 def one_step(B: int, a, bp: int, rope: RopeCache, scale: float, bench, ref: dict, tiles=TILES) -> list[dict]:
@@ -69,14 +72,15 @@ def one_step(B: int, a, bp: int, rope: RopeCache, scale: float, bench, ref: dict
         diff = max(diff, float((m().float() - want).abs().max()))
     best_merge = min(merges, key=merges.get)
     rows = []
-    for bn, stages in tiles:
+    for bn, stages, nreg in tiles:
+        setting = "auto" if stages is None else f"s{stages}" + (f" r{nreg}" if nreg else "")
         try:
-            us = bench(functools.partial(sh, block_n=bn, num_stages=stages))
+            us = bench(functools.partial(sh, block_n=bn, num_stages=stages, maxnreg=nreg))
         except Exception as e:  # noqa: BLE001 (out of shared memory)
-            print(f"skip {a.piece_tokens} {bp} {bn} {stages}: {type(e).__name__}")
+            print(f"skip {a.piece_tokens} {bp} {bn} {setting}: {type(e).__name__}")
             continue
         rows.append({
-            "batch": B, "piece": a.piece_tokens, "block_pairs": bp, "block_n": bn, "stages": stages,
+            "batch": B, "piece": a.piece_tokens, "block_pairs": bp, "block_n": bn, "stages": setting,
             "items": shared.num_work_host * 8, "parts_per_row": round(shared.num_pairs / (B * a.q_len), 1),
             "shared_us": round(us, 1), **{f"merge_{k}_us": round(v, 1) for k, v in merges.items()},
             "best_merge": best_merge, "total_us": round(us + merges[best_merge], 1),
@@ -94,10 +98,11 @@ def main() -> None:
     ap.add_argument("--q-len", type=int, default=16)
     ap.add_argument("--pieces", type=int, nargs="+", default=[128, 256, 512, 1024])
     ap.add_argument("--block-pairs", type=int, nargs="+", default=[4, 8, 16])
-    ap.add_argument("--engine-tile", action="store_true", help="time only the engine's key block and stages")
+    ap.add_argument("--engine-tile", action="store_true",
+                    help="time only the engine's key block, with its settings and each one it picks from")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    tiles = TILES[:1] if args.engine_tile else TILES
+    tiles = ENGINE_TILES if args.engine_tile else TILES
     if not torch.cuda.is_available():
         ap.error("needs a CUDA device")
     base = argparse.Namespace(docs=5, doc_tokens=2048, private=args.q_len, pool=100, alpha=2.1,
@@ -117,7 +122,7 @@ def main() -> None:
             a = argparse.Namespace(**{**vars(base), "piece_tokens": piece})
             rows += one_step(B, a, bp, rope, scale, bench, ref, tiles)
             torch.cuda.empty_cache()
-    print("| batch | piece | pairs an item | key block | stages | items | parts a row | shared us "
+    print("| batch | piece | pairs an item | key block | stages, registers | items | parts a row | shared us "
           "| merge loop h4 / blocked p8 / p16 / p32 us | total us | per-request us | FlashInfer us |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for B in args.batches:

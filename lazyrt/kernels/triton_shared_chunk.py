@@ -187,6 +187,27 @@ def _shared_chunk_kernel(
 # batch 64 153.7 vs 156.8, 4 questions 79.0 vs 80.8 (the masked loop at 3 stages: 32.8 / 85.8 / 162.2 /
 # 84.2).
 PROGRAMS_PER_SM = 8  # persistent grid: programs per SM
+# At the compiler's 255 registers a thread two programs fit an SM. A launch of more items than that
+# wave runs at 168 registers and 1 stage (three programs an SM, a few spills): H100, one layer
+# (`shared_kernel_variants.py --kernel-maxnreg 168 --kernel-stages 1`, 4390f1d, 2026-11-27), decode
+# at batch 16 83.0 -> 81.0 us, batch 64 153.8 -> 146.4, 4 questions 79.4 -> 74.2; a lone question
+# (168 items, one wave) 30.8 -> 33.7, so a launch within one wave keeps 2 stages and 255 registers.
+# 128 registers spill too much (b64 231.8 us); 168 at 2 stages 169.1.
+WAVE_PROGRAMS_PER_SM = 2
+MANY_ITEMS_MAXNREG = 168
+MANY_ITEMS_STAGES = 1
+FEW_ITEMS_STAGES = 2
+
+
+def launch_settings(items: int, device: torch.device) -> tuple[int, int]:
+    """(num_stages, maxnreg; 0 = no cap) for a launch of `items` (work items x kv heads; 0 = not known
+    on the host, as in a CUDA graph of a multi-request step, which always holds more than a wave)."""
+    from lazyrt.kernels.triton_attention import _num_sms
+
+    wave = _num_sms(device.index if device.type == "cuda" else None) * WAVE_PROGRAMS_PER_SM
+    if 0 < items <= wave:
+        return FEW_ITEMS_STAGES, 0
+    return MANY_ITEMS_STAGES, MANY_ITEMS_MAXNREG
 # The keys' cos/sin (see shared_chunk_attention_triton). H100, Llama-3.1-8B heads, Zipf 2.1 decode
 # step at batch 64, one layer (`shared_chunk_bench.py --variants`, 1e3e9f1, 2026-11-23): fp32 tables
 # 221.2 us, "half" 181.5, "kv" 168.0, no RoPE at all 161.2 (batch 16: 113.7 / 93.8 / 86.2 / 82.8).
@@ -212,7 +233,7 @@ def shared_chunk_attention_triton(
     block_n: int = 64,
     programs: int | None = None,
     num_warps: int = 4,
-    num_stages: int = 2,
+    num_stages: int | None = None,
     key_tables: str = KEY_TABLES,
     maxnreg: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -221,8 +242,9 @@ def shared_chunk_attention_triton(
     the wave, persistent_programs(), when capturing a CUDA graph). key_tables: the cos/sin the keys
     turn by: "fp32" (RopeCache's, fp32 math), "half" (one fp16 [pos, cos|sin] table for 16-bit KV,
     fp32 math: what the per-request kernel reads) or "kv" (the table in the KV dtype, the keys turned
-    in packed 16-bit math). Queries always turn in fp32. maxnreg: a cap on registers a thread
-    (more programs an SM, at the cost of spills; None: the compiler's choice, 255 on an H100)."""
+    in packed 16-bit math). Queries always turn in fp32. num_stages, maxnreg (a cap on registers a
+    thread: more programs an SM, at the cost of spills; 0: none, the compiler's 255 on an H100): None
+    takes launch_settings' choice for the launch's items."""
     if key_tables not in ("fp32", "half", "kv"):
         raise ValueError(f"key_tables={key_tables!r}: must be 'fp32', 'half' or 'kv'")
     num_pages, _, page_size, kv_heads, head_dim = kv.shape
@@ -234,6 +256,10 @@ def shared_chunk_attention_triton(
     lse = torch.empty(P, q.shape[1], dtype=torch.float32, device=q.device)
     if programs is None:
         programs = min(persistent_programs(q.device), meta.num_work_host * kv_heads)
+    if num_stages is None or maxnreg is None:
+        auto_stages, auto_nreg = launch_settings(meta.num_work_host * kv_heads, q.device)
+        num_stages = auto_stages if num_stages is None else num_stages
+        maxnreg = auto_nreg if maxnreg is None else maxnreg
     if P == 0 or programs == 0:
         return o, lse
     half = rope.rotary_dim // 2
