@@ -379,13 +379,18 @@ def decode_inputs(plan: StepPlan, page_size: int, lay: DecodeLayout) -> StepInpu
 
 
 # Shared-chunk attention (kernels/shared_chunk.py) for a step when its page tables repeat runs of
-# pages (documents used by several requests): runs cut into pieces of SHARED_PIECE_TOKENS (batches
-# of up to SHARED_SMALL_BATCH sequences: half that, for more work items; `shared_chunk_bench.py
-# --sweep`), used for steps of at most SHARED_MAX_Q_LEN new tokens per sequence (decode, questions;
-# a long prompt's own causal run is the per-request kernel's work) when it reads at most
-# 1/SHARED_MIN_SAVING of the pages.
+# pages (documents used by several requests): runs cut into pieces of SHARED_PIECE_TOKENS (steps of
+# up to SHARED_SMALL_BATCH sequences: half that, so their few items fill more SMs), used for steps
+# of at most SHARED_MAX_Q_LEN new tokens per sequence (decode, questions; a long prompt's own causal
+# run is the per-request kernel's work) when it reads at most 1/SHARED_MIN_SAVING of the pages.
+# H100, one layer, 5 x 2,048-token documents a request (`experiments/lone_question.py --engine-tile
+# --pieces 512 1024 [--q-len 1]`, b8311eb, 2026-11-27), us a layer with the merge, 512- vs 1024-token
+# pieces: a lone question 34.8 vs 46.9, a decode step of 2 33.8 vs 45.5 (within one resident wave
+# either way: smaller items finish sooner); past a wave, where the kernel runs three programs an SM
+# (launch_settings), the larger pieces win: 4 questions 83.2 vs 73.1, 8 questions 152.5 vs 130.7, a
+# decode step of 16 83.2 vs 77.2 (at 2 stages uncapped 512 won: 85.3 vs 96.6).
 SHARED_PIECE_TOKENS = 1024
-SHARED_SMALL_BATCH = 32
+SHARED_SMALL_BATCH = 3
 SHARED_MAX_Q_LEN = 64
 SHARED_MIN_SAVING = 1.25
 
