@@ -34,7 +34,7 @@ class _Replay:
 class SnapshotGraphs(DecodeGraphs):
     """Graphs whose replay records the buffers."""
 
-    def _capture(self, b: int, doc_logits: bool, shared: bool = False):
+    def _capture(self, b: int, doc_logits: bool, shared: bool = False, few: bool = False):
         self._uploads.forget()
         self.kv_indptr.zero_()  # as a capture does: clobbers what was put
         self.store_pages.fill_(self.scratch_page)
@@ -47,7 +47,8 @@ def test_buffer_fills_equal_the_step_arrays_padded(stage):
     """stage: through the two sets of host mirrors, as on CUDA (here unpinned, no events)."""
     rng = random.Random(0)
     ps = 4
-    runner = SimpleNamespace(device=torch.device("cpu"), rotate_keys=True)
+    pool = SimpleNamespace(num_kv_heads=2)  # (which shared graph a step replays: work items x heads)
+    runner = SimpleNamespace(device=torch.device("cpu"), rotate_keys=True, pool=pool)
     SnapshotGraphs.captures = 0
     graphs = SnapshotGraphs(runner, 16, 512, scratch_page=7, shared=(256 // ps, 2))
     if stage:  # the arena's mirrors, copies merged across gaps

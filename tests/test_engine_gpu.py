@@ -227,7 +227,8 @@ def test_shared_chunk_attention_matches_reference_in_engine(graphs):
     def check(engine):
         assert engine.runner.shared_steps > 0
         if graphs:
-            assert len(engine.runner.graphs.shared_graphs) == len(engine.runner.graphs.sizes) - 1
+            # each batch past 1: a graph within one wave of work items, one past it
+            assert len(engine.runner.graphs.shared_graphs) == 2 * (len(engine.runner.graphs.sizes) - 1)
             assert any(replays)
 
     ref = engine_tokens("lazy", True, prompts, sps)

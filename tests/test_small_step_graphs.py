@@ -26,11 +26,13 @@ from lazyrt.runtime.worker import cuda_graph
 
 
 class _EagerReplay:
-    def __init__(self, graphs: EagerGraphs, b: int, shared: bool, out: torch.Tensor):
-        self.graphs, self.b, self.shared, self.out = graphs, b, shared, out
+    def __init__(self, graphs: EagerGraphs, b: int, shared: bool, few: bool, out: torch.Tensor):
+        self.graphs, self.b, self.shared, self.few, self.out = graphs, b, shared, few, out
 
     def replay(self) -> None:
-        self.out.copy_(self.graphs._forward(self.b, False, self.shared))
+        if self.shared:
+            EagerGraphs.shared_keys.append((self.b, self.few, int(self.graphs.sh["num_work"][0])))
+        self.out.copy_(self.graphs._forward(self.b, False, self.shared, self.few))
 
 
 class EagerGraphs(cuda_graph.DecodeGraphs):
@@ -39,16 +41,17 @@ class EagerGraphs(cuda_graph.DecodeGraphs):
     live: dict[str, int] = {}
     small_replays = 0
     small_shapes: list = []
+    shared_keys: list = []  # (batch, few, the step's work items) of each shared replay
 
-    def _capture(self, b: int, doc_logits: bool, shared: bool = False):
+    def _capture(self, b: int, doc_logits: bool, shared: bool = False, few: bool = False):
         self._uploads.forget()
         self.kv_indptr.zero_()  # as a capture does: its warm-up forwards clobber the buffers
         self.store_pages.fill_(self.scratch_page)
-        rep = _EagerReplay(self, b, shared, torch.zeros(b, self.runner.model.config.vocab_size))
+        rep = _EagerReplay(self, b, shared, few, torch.zeros(b, self.runner.model.config.vocab_size))
         return rep, rep.out
 
-    def _meta(self, b: int, doc_logits: bool, shared: bool = False):
-        meta = super()._meta(b, doc_logits, shared)
+    def _meta(self, b: int, doc_logits: bool, shared: bool = False, few: bool = False):
+        meta = super()._meta(b, doc_logits, shared, few)
         if shared and self.live:
             sh = {k: getattr(meta.shared, k)[:n] for k, n in self.live.items()}
             meta.shared = SharedChunkMeta(**sh, block_pairs=meta.shared.block_pairs, num_work_host=0)
@@ -113,3 +116,29 @@ def test_steps_too_large_for_a_graph_run_eagerly(tiny_model_dir):
     # (the system prefix's own step, a few tokens, may be replayed; the question's 80 rows are not)
     assert all(q_len <= 64 for _, q_len, _ in EagerGraphs.small_shapes), EagerGraphs.small_shapes
     assert engine.runner.graph_steps == len(EagerGraphs.small_shapes) + 3  # + the decode steps
+
+
+@pytest.mark.parametrize("wave_programs", [0, None])
+def test_shared_graph_by_the_steps_work_items(wave_programs, tiny_model_dir, monkeypatch):
+    """Each batch has a shared graph for launches within one resident wave of work items and one
+    past it (the kernel's launch settings differ); a step replays the one its work items x kv heads
+    pick: past the wave when a wave holds nothing, within it at a tiny model's few items."""
+    from lazyrt.kernels import triton_shared_chunk
+
+    if wave_programs is not None:
+        monkeypatch.setattr(triton_shared_chunk, "WAVE_PROGRAMS_PER_SM", wave_programs)
+    path = tiny_model_dir("llama")
+    rng = random.Random()
+    prompts = pool_prompts(rng, 49152, 4)
+    sps = [SamplingParams(max_tokens=4, ignore_eos=True) for _ in prompts]
+    want = [o["token_ids"] for o in cpu_engine(path, "lazy").generate(prompts, sps)]
+    EagerGraphs.shared_keys = []
+    engine = graph_engine(path)
+    graphs = engine.runner.graphs
+    assert set(graphs.shared_graphs) == {(b, few) for b in graphs.sizes if b > 1 for few in (False, True)}
+    assert [o["token_ids"] for o in engine.generate(prompts, sps)] == want
+    assert EagerGraphs.shared_keys
+    wave = 132 * triton_shared_chunk.WAVE_PROGRAMS_PER_SM  # (132 SMs off CUDA)
+    kv_heads = engine.runner.pool.num_kv_heads
+    for b, few, items in EagerGraphs.shared_keys:
+        assert few == (0 < items * kv_heads <= wave) == (wave_programs is None), (b, few, items)

@@ -79,7 +79,7 @@ class _NoGraph:
 class HostGraphs(cuda_graph.DecodeGraphs):
     """DecodeGraphs with CPU buffers and nothing captured: run() fills the buffers as on CUDA."""
 
-    def _capture(self, b: int, doc_logits: bool, shared: bool = False):
+    def _capture(self, b: int, doc_logits: bool, shared: bool = False, few: bool = False):
         return _NoGraph(), torch.zeros(b, STUB_VOCAB)
 
 

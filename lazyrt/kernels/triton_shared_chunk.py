@@ -199,13 +199,18 @@ MANY_ITEMS_STAGES = 1
 FEW_ITEMS_STAGES = 2
 
 
-def launch_settings(items: int, device: torch.device) -> tuple[int, int]:
-    """(num_stages, maxnreg; 0 = no cap) for a launch of `items` (work items x kv heads; 0 = not known
-    on the host, as in a CUDA graph of a multi-request step, which always holds more than a wave)."""
+def within_one_wave(items: int, device: torch.device) -> bool:
+    """Whether a launch of `items` (work items x kv heads) fits one wave of resident programs at the
+    compiler's registers. 0: not known on the host (taken as more)."""
     from lazyrt.kernels.triton_attention import _num_sms
 
-    wave = _num_sms(device.index if device.type == "cuda" else None) * WAVE_PROGRAMS_PER_SM
-    if 0 < items <= wave:
+    return 0 < items <= _num_sms(device.index if device.type == "cuda" else None) * WAVE_PROGRAMS_PER_SM
+
+
+def launch_settings(items: int, device: torch.device) -> tuple[int, int]:
+    """(num_stages, maxnreg; 0 = no cap) for a launch of `items` (as within_one_wave; a CUDA graph
+    captures each setting and the step's count picks the replay)."""
+    if within_one_wave(items, device):
         return FEW_ITEMS_STAGES, 0
     return MANY_ITEMS_STAGES, MANY_ITEMS_MAXNREG
 # The keys' cos/sin (see shared_chunk_attention_triton). H100, Llama-3.1-8B heads, Zipf 2.1 decode

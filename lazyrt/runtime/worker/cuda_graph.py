@@ -68,14 +68,18 @@ class DecodeGraphs:
         self._uploads = Uploads(dev, arena=self.arena, buffers=views)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.doc_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # on first use
-        self.shared_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # (batch, few): the shared kernel's launch settings differ within one resident wave of work
+        # items and past it (triton_shared_chunk.launch_settings); a graph fixes them, so each batch
+        # has both and the step's item count picks one
+        self.shared_graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.shared_block_pairs = 0
         if shared is not None:
-            from lazyrt.kernels.triton_shared_chunk import persistent_programs
+            from lazyrt.kernels.triton_shared_chunk import persistent_programs, within_one_wave
 
             self.shared_block_pairs = shared[1]
             self.sh = {name: views[name] for name, _, _ in sh_specs}
             self.shared_programs = persistent_programs(dev)
+            self._within_one_wave = within_one_wave
         # (no pool off CUDA: benchmarks/experiments/host_step_e2e.py fills the buffers on the CPU)
         self.pool = torch.cuda.graph_pool_handle() if dev.type == "cuda" else None
         for b in reversed(self.sizes):  # largest first: smaller graphs reuse its memory
@@ -83,9 +87,10 @@ class DecodeGraphs:
             if doc_attention:
                 self.doc_graphs[b] = self._capture(b, doc_logits=True)
             if shared is not None and b > 1:
-                self.shared_graphs[b] = self._capture(b, doc_logits=False, shared=True)
+                for few in (False, True):
+                    self.shared_graphs[b, few] = self._capture(b, doc_logits=False, shared=True, few=few)
 
-    def _meta(self, b: int, doc_logits: bool, shared: bool = False) -> AttentionMetadata:
+    def _meta(self, b: int, doc_logits: bool, shared: bool = False, few: bool = False) -> AttentionMetadata:
         meta = AttentionMetadata(
             qo_indptr=self.qo_indptr[: b + 1],
             positions=self.positions[:b],
@@ -103,19 +108,23 @@ class DecodeGraphs:
             meta.entry_logit_scale, meta.entry_log_mass = self.entry_logit_scale, self.entry_log_mass
         if shared:
             sh = dict(self.sh, row_part_indptr=self.sh["row_part_indptr"][: b + 1])
+            # num_work_host only picks the launch settings here (the grid is fixed): 1 = within a
+            # wave, 0 = not known, taken as past it
             meta.shared = SharedChunkMeta(
-                **sh, block_pairs=self.shared_block_pairs, num_work_host=0, programs=self.shared_programs
-            )
+                **sh, block_pairs=self.shared_block_pairs, num_work_host=int(few),
+                programs=self.shared_programs,
+            )  # fmt: skip
         return meta
 
-    def _forward(self, b: int, doc_logits: bool, shared: bool = False) -> torch.Tensor:
+    def _forward(self, b: int, doc_logits: bool, shared: bool = False, few: bool = False) -> torch.Tensor:
         r = self.runner
-        hidden = r.model.forward(self.input_ids[:b], self._meta(b, doc_logits, shared), r.rope, r.backend)
+        meta = self._meta(b, doc_logits, shared, few)
+        hidden = r.model.forward(self.input_ids[:b], meta, r.rope, r.backend)
         return r.model.logits(hidden)
 
     @torch.inference_mode()
     def _capture(
-        self, b: int, doc_logits: bool, shared: bool = False
+        self, b: int, doc_logits: bool, shared: bool = False, few: bool = False
     ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         # The warm-up forwards really run: every row must store to the scratch page and read nothing.
         self._uploads.forget()  # (and the buffers no longer hold what was last put)
@@ -128,21 +137,21 @@ class DecodeGraphs:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):  # compile Triton kernels and settle allocations outside the capture
-                self._forward(b, doc_logits, shared)
+                self._forward(b, doc_logits, shared, few)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         # tensor parallel: NCCL's watchdog thread polls its own events while this thread captures the
         # all-reduces; "thread_local" checks only this thread's calls
         mode = "global" if self.runner.model.all_reduce is None else "thread_local"
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode=mode):
-            out = self._forward(b, doc_logits, shared)
+            out = self._forward(b, doc_logits, shared, few)
         return graph, out
 
     def fits_shared(self, s: StepInputs, arrays: dict[str, np.ndarray]) -> bool:
         """A decode step (fits holds) has a shared graph and its shared-chunk arrays
         (shared_chunk.build_arrays) fit the graph buffers."""
         b = next(x for x in self.sizes if x >= len(s.input_ids))
-        return b in self.shared_graphs and all(
+        return (b, False) in self.shared_graphs and all(
             len(v) <= self.sh[k].numel() for k, v in arrays.items() if k != "row_part_indptr"
         )
 
@@ -174,7 +183,11 @@ class DecodeGraphs:
         b = next(x for x in self.sizes if x >= n)
         doc_logits = s.entry_logit_scale is not None
         graphs = self.shared_graphs if shared is not None else self.doc_graphs if doc_logits else self.graphs
-        if b not in graphs:  # before the buffers are filled: the capture's forwards clobber them
+        key = b
+        if shared is not None:
+            items = int(shared["num_work"][0]) * self.runner.pool.num_kv_heads
+            key = (b, self._within_one_wave(items, self.runner.device))
+        if key not in graphs:  # before the buffers are filled: the capture's forwards clobber them
             assert shared is None, "shared graphs are captured up front"
             graphs[b] = self._capture(b, doc_logits)
         pad = b - n
@@ -203,7 +216,7 @@ class DecodeGraphs:
             rows, src, tokens = s.fill
             self.input_ids[rows] = tokens[src]  # after the copies: they write input_ids
             up.forget("input_ids")  # the buffer now holds more than what was put
-        graph, out = graphs[b]
+        graph, out = graphs[key]
         graph.replay()
         return out[:n]
 
