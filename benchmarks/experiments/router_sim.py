@@ -1,0 +1,121 @@
+"""The router's chunk hit ratio in simulation (issue 17): routing policies over modelled caches, in
+seconds instead of router_affinity.py's minutes of real replicas.
+
+Each replica's chunk cache is modelled by the router's own view (lazyrt.router.policy.ReplicaView:
+the replicas' eviction policy, whole pages), with the documents of its requests in flight pinned as
+the replica's scheduler pins them. Requests come from rag_workload.py (the same streams as
+router_affinity.py for the same flags), `--concurrency` in flight, each finishing in arrival order
+(a closed loop of equal requests). What it leaves out: the prompt's shared prefix chunk (a hit for
+nearly every request in the real runs), the in-flight requests' own pages, timing.
+
+    python benchmarks/experiments/router_sim.py --num-docs 120 --docs-per-request 4 --topics 12 \
+        --concurrency 2 8 --slack 4 8
+
+Prints one row per (workload point, concurrency, imbalance, slack): one replica with 2C, then two with
+C each under affinity / hash / round_robin / least_loaded: hit ratio and the share of requests the
+imbalance bound moved off their choice ("spilled").
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import itertools
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+
+from rag_workload import WorkloadConfig, build_workload, fallback_words  # noqa: E402
+
+from lazyrt.router.policy import AffinityPolicy, ReplicaView  # noqa: E402
+
+
+class ModelCache:
+    """A replica's chunk table: the eviction policy of ReplicaView, in-flight documents pinned."""
+
+    def __init__(self, capacity: int, eviction_policy: str, page_size: int):
+        self.view = ReplicaView(capacity=capacity, eviction_policy=eviction_policy, page_size=page_size)
+        self.pins: collections.Counter = collections.Counter()
+
+    def admit(self, keys: list[bytes], sizes: list[int]) -> tuple[int, int]:
+        """(hits, misses) of a request's documents; they are cached and pinned until release."""
+        v = self.view
+        hits = sum(1 for k in keys if v.holds(k))
+        v.add([], [])  # (sets up its policy)
+        need = sum(-(-n // v.page_size) for k, n in dict(zip(keys, sizes)).items() if not v.holds(k))
+        v._make_room(need, set(keys) | {k for k, n in self.pins.items() if n > 0})
+        v.add(keys, sizes)
+        self.pins.update(keys)
+        return hits, len(keys) - hits
+
+    def release(self, keys: list[bytes]) -> None:
+        self.pins.subtract(keys)
+
+
+def simulate(requests: list[list[int]], doc_tokens: int, capacity: int, replicas: int, concurrency: int,
+             mode: str = "affinity", imbalance: float = 0.5, slack: int = 4, eviction_policy: str = "lfu",
+             page_size: int = 16) -> dict:  # fmt: skip
+    """Hit ratio and spilled share of the request stream (each a list of document ids)."""
+    names = [f"r{i}" for i in range(replicas)]
+    caches = {r: ModelCache(capacity, eviction_policy, page_size) for r in names}
+    policy = AffinityPolicy(imbalance=imbalance, slack=slack, mode=mode)
+    for r in names:
+        policy.views[r] = ReplicaView(capacity=capacity, eviction_policy=eviction_policy, page_size=page_size)
+    in_flight: collections.deque = collections.deque()
+    load = dict.fromkeys(names, 0)
+    hits = misses = spilled = 0
+    for docs in requests:
+        if len(in_flight) >= concurrency:
+            r, keys = in_flight.popleft()
+            caches[r].release(keys)
+            load[r] -= 1
+        keys = [str(d).encode() for d in docs]
+        sizes = [doc_tokens] * len(keys)
+        choice = policy.choose(keys, dict(load), sizes)
+        spilled += choice.reason == "imbalance"
+        policy.record(choice.replica, keys, sizes)
+        h, m = caches[choice.replica].admit(keys, sizes)
+        hits, misses = hits + h, misses + m
+        in_flight.append((choice.replica, keys))
+        load[choice.replica] += 1
+    return {"hit_ratio": hits / max(hits + misses, 1), "spilled": spilled / max(len(requests), 1)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--num-docs", type=int, default=60)
+    p.add_argument("--doc-tokens", type=int, default=128)
+    p.add_argument("--docs-per-request", type=int, default=3)
+    p.add_argument("--num-requests", type=int, default=2000)
+    p.add_argument("--zipf-alpha", type=float, default=1.1)
+    p.add_argument("--topics", type=int, default=0)
+    p.add_argument("--seed", type=int, nargs="+", default=[0])
+    p.add_argument("--kv-cache-tokens", type=int, default=3072, help="C: each of the two replicas' KV")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[8])
+    p.add_argument("--imbalance", type=float, nargs="+", default=[0.5])
+    p.add_argument("--slack", type=int, nargs="+", default=[4])
+    args = p.parse_args()
+    print("| seed | in flight | imbalance | slack | one 2C | affinity (spilled) | hash | round robin "
+          "| least loaded | affinity vs one | vs round robin |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for seed in args.seed:
+        cfg = WorkloadConfig(num_docs=args.num_docs, doc_tokens=args.doc_tokens, seed=seed,
+                             docs_per_request=args.docs_per_request, num_requests=args.num_requests,
+                             zipf_alpha=args.zipf_alpha, rate=float("inf"), topics=args.topics)  # fmt: skip
+        requests = [r.doc_ids for r in build_workload(cfg, fallback_words()).requests]
+        for conc, imb, slack in itertools.product(args.concurrency, args.imbalance, args.slack):
+            one = simulate(requests, args.doc_tokens, 2 * args.kv_cache_tokens, 1, conc)["hit_ratio"]
+            two = {
+                m: simulate(requests, args.doc_tokens, args.kv_cache_tokens, 2, conc, m, imb, slack)
+                for m in ("affinity", "hash", "round_robin", "least_loaded")
+            }
+            a, spilled = two["affinity"]["hit_ratio"], two["affinity"]["spilled"]
+            rr = two["round_robin"]["hit_ratio"]
+            print(f"| {seed} | {conc} | {imb} | {slack} | {one:.3f} | {a:.3f} ({spilled:.3f}) "
+                  f"| {two['hash']['hit_ratio']:.3f} | {rr:.3f} | {two['least_loaded']['hit_ratio']:.3f} "
+                  f"| {100 * (a - one):+.1f} | {100 * (a - rr):+.1f} |")
+
+if __name__ == "__main__":
+    main()
