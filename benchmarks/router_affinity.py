@@ -111,6 +111,10 @@ def main() -> int:
     p.add_argument("--output-tokens", type=int, default=1)
     p.add_argument("--server-args", default="")
     p.add_argument("--router-args", default="", help="more lazyrt.router flags, e.g. '--imbalance 2'")
+    policies = ["affinity", "hash", "round_robin", "least_loaded"]
+    p.add_argument("--policies", nargs="+", default=policies, choices=policies, help="router policies to run")
+    p.add_argument("--slack", type=int, nargs="+", default=None,
+                   help="run affinity and hash once per router --slack (default: the router's)")
     p.add_argument("--startup-timeout", type=float, default=600)
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     args = p.parse_args()
@@ -140,11 +144,14 @@ def main() -> int:
         one.stop()
     reps = [launch(args.kv_cache_tokens, d) for d in devs]
     try:
-        for policy in ("affinity", "hash", "round_robin", "least_loaded"):
+        runs = [(pol, sl) for pol in args.policies
+                for sl in (args.slack if args.slack and pol in ("affinity", "hash") else [None])]  # fmt: skip
+        for policy, slack in runs:
             for r in reps:
                 httpx.post(r.url + "/flush_cache", timeout=60)
             before = hit_ratio([r.url for r in reps])
-            router = Router([r.url for r in reps], policy, args.router_args)
+            extra = args.router_args + (f" --slack {slack}" if slack is not None else "")
+            router = Router([r.url for r in reps], policy, extra)
             try:
                 router.wait(len(reps))
                 wall = asyncio.run(run_point(router.url, wl, args))
@@ -155,7 +162,8 @@ def main() -> int:
             _, h, m = hit_ratio([r.url for r in reps])
             h, m = h - before[1], m - before[2]
             held = [httpx.get(r.url + "/cache_stats", timeout=60).json()["chunks"] for r in reps]
-            rows.append({"setup": f"2 x C, {policy}", "hit_ratio": h / max(h + m, 1), "hits": h, "misses": m,
+            label = f"2 x C, {policy}" + (f", slack {slack}" if slack is not None else "")
+            rows.append({"setup": label, "hit_ratio": h / max(h + m, 1), "hits": h, "misses": m,
                          "wall_s": wall, "reasons": reasons, "replica_chunks": held,
                          "view_documents": [v["documents"] for v in views.values()]})  # fmt: skip
             print(rows[-1])

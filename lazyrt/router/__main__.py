@@ -43,7 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--imbalance", type=float, default=0.5,
                    help="skip a request's document owner when its in-flight requests exceed "
                         "(1 + imbalance) x the least-loaded replica's + --slack")  # fmt: skip
-    p.add_argument("--slack", type=int, default=4, help="see --imbalance")
+    p.add_argument("--slack", type=int, default=16,
+                   help="see --imbalance (a replica batches: a few more requests in flight cost less "
+                        "than a request computing its documents away from them)")  # fmt: skip
     p.add_argument("--policy", default="affinity", choices=POLICIES,
                    help="affinity: where the documents are (the router's view of each cache), else their "
                         "rendezvous owners; hash: the owners only; least_loaded, round_robin: baselines")

@@ -154,10 +154,17 @@ class ReplicaView:
 class AffinityPolicy:
     """imbalance: a replica is skipped when its load exceeds (1 + imbalance) x the least load + slack.
     mode: "affinity" (the above), "hash" (rendezvous owners only, no view of the caches), or the
-    baselines "least_loaded" and "round_robin", which ignore documents."""
+    baselines "least_loaded" and "round_robin", which ignore documents.
+
+    A request moved off its documents computes them where it goes, and at a few requests in flight
+    such moves are most of what separates two caches of C from one of 2C; a replica batches its
+    requests, so a few more in flight on one than on another cost little. Hence a slack of 16
+    (`benchmarks/experiments/router_sim.py`: 12 topics, C = 3,072 tokens, 8 in flight: 2.9% of the
+    requests moved and 7.7 points below one 2C at a slack of 4, none and 3.9 at 16; 24 topics, C =
+    8,192: 4.0 and 0.7 points). The relative bound decides under heavy load."""
 
     imbalance: float = 0.5
-    slack: int = 4
+    slack: int = 16
     mode: str = "affinity"
     views: dict[str, ReplicaView] = field(default_factory=dict)
     # characters per prompt token, learnt from answers (the views are sized in tokens, like the
