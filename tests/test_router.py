@@ -64,6 +64,27 @@ def test_choose_affinity_imbalance_and_no_documents():
         pol.choose(keys, {})
 
 
+def test_default_bound_keeps_a_few_more_in_flight_where_the_documents_are():
+    """The default bound (1.5x the least load + 16): a replica holding the documents keeps them up to
+    16 more requests in flight than an idle one, then up to 1.5x a busy one's + 16; past that the
+    least-loaded one takes it. The CLI's defaults are the policy's."""
+    from lazyrt.router.__main__ import build_parser
+
+    rng = random.Random()
+    pol = AffinityPolicy()
+    keys = [doc_key(f"doc {rng.random()}") for _ in range(3)]
+    pol.record(R[0], keys, [100] * 3)
+    idle = {r: 0 for r in R}
+    assert pol.choose(keys, {**idle, R[0]: 16}, [100] * 3).replica == R[0]
+    far = pol.choose(keys, {**idle, R[0]: 17}, [100] * 3)
+    assert far.reason == "imbalance" and far.replica != R[0]
+    busy = {R[0]: 46, R[1]: 20, R[2]: 20}  # 46 <= 1.5 x 20 + 16
+    assert pol.choose(keys, busy, [100] * 3).replica == R[0]
+    assert pol.choose(keys, {**busy, R[0]: 47}, [100] * 3).reason == "imbalance"
+    args = build_parser().parse_args(["--worker", "http://127.0.0.1:1"])
+    assert (args.imbalance, args.slack) == (pol.imbalance, pol.slack)
+
+
 def test_affinity_follows_what_each_replica_holds_within_its_capacity():
     rng = random.Random()
     pol, load = AffinityPolicy(), {r: 0 for r in R}
