@@ -124,6 +124,10 @@ def main() -> int:
                          docs_per_request=args.docs_per_request, num_requests=args.num_requests,
                          zipf_alpha=args.zipf_alpha, rate=float("inf"), topics=args.topics)  # fmt: skip
     wl = build_workload(cfg, words)
+    if args.device == "cpu" and "--worker-cpu-threads" not in args.server_args:
+        # two replicas on one box: torch's default (every core) in each worker oversubscribes it, and
+        # a run took 20-40x longer (2 cores: 154-440 s a policy against ~9 s with one thread each)
+        args.server_args = (args.server_args + " --worker-cpu-threads 1").strip()
     devs = args.devices.split(",") if args.devices else [None, None]
     rows = []
 
