@@ -159,9 +159,9 @@ class AffinityPolicy:
     A request moved off its documents computes them where it goes, and at a few requests in flight
     such moves are most of what separates two caches of C from one of 2C; a replica batches its
     requests, so a few more in flight on one than on another cost little. Hence a slack of 16
-    (`benchmarks/experiments/router_sim.py`: 12 topics, C = 3,072 tokens, 8 in flight: 2.9% of the
-    requests moved and 7.7 points below one 2C at a slack of 4, none and 3.9 at 16; 24 topics, C =
-    8,192: 4.0 and 0.7 points). The relative bound decides under heavy load."""
+    (`benchmarks/router_affinity.py --slack 4 16`, CPU, 8 in flight: 24 topics, C = 8,192 tokens,
+    123 of 2,000 requests moved and 7.0 points below one 2C at a slack of 4, none and 1.8 at 16; 12
+    topics, C = 3,072: 16.1 and 8.0). The relative bound decides under heavy load."""
 
     imbalance: float = 0.5
     slack: int = 16
