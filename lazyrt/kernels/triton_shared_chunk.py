@@ -22,7 +22,7 @@ import triton.language as tl
 
 from lazyrt.kernels.rope import RopeCache
 from lazyrt.kernels.shared_chunk import SharedChunkMeta
-from lazyrt.kernels.triton_attention import _rope_rows
+from lazyrt.kernels.triton_attention import _num_sms, _rope_rows
 
 MIN_DOT = 16  # tl.dot needs every dim >= 16: small head halves / row blocks are zero-padded to it
 _LOG2E = 1.4426950408889634
@@ -199,12 +199,14 @@ MANY_ITEMS_STAGES = 1
 FEW_ITEMS_STAGES = 2
 
 
+def _device_sms(device: torch.device) -> int:
+    return _num_sms(device.index if device.type == "cuda" else None)
+
+
 def within_one_wave(items: int, device: torch.device) -> bool:
     """Whether a launch of `items` (work items x kv heads) fits one wave of resident programs at the
     compiler's registers. 0: not known on the host (taken as more)."""
-    from lazyrt.kernels.triton_attention import _num_sms
-
-    return 0 < items <= _num_sms(device.index if device.type == "cuda" else None) * WAVE_PROGRAMS_PER_SM
+    return 0 < items <= _device_sms(device) * WAVE_PROGRAMS_PER_SM
 
 
 def launch_settings(items: int, device: torch.device) -> tuple[int, int]:
@@ -223,9 +225,7 @@ KEY_TABLES = "kv"
 
 def persistent_programs(device: torch.device) -> int:
     """Programs of a persistent launch: one full wave (a fixed number, so CUDA graphs capture it)."""
-    from lazyrt.kernels.triton_attention import _num_sms
-
-    return _num_sms(device.index if device.type == "cuda" else None) * PROGRAMS_PER_SM
+    return _device_sms(device) * PROGRAMS_PER_SM
 
 
 def shared_chunk_attention_triton(
