@@ -85,7 +85,8 @@ def build_step(
     piece = args.piece_tokens or SHARED_PIECE_TOKENS // (2 if B <= SHARED_SMALL_BATCH else 1)  # as the engine
     if segments_only:
         return group_segments(seqs, PAGE, piece)[0]
-    kv = torch.randn(next_page, 2, PAGE, KV_HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16)
+    kv_heads = getattr(args, "kv_heads", KV_HEADS)  # a tensor-parallel rank's share: fewer
+    kv = torch.randn(next_page, 2, PAGE, kv_heads, HEAD_DIM, device=dev, dtype=torch.bfloat16)
     i32 = dict(dtype=torch.int32, device=dev)
     meta = AttentionMetadata(
         qo_indptr=torch.tensor(qo, **i32), positions=torch.tensor(positions, dtype=torch.long, device=dev),
@@ -235,7 +236,7 @@ def flashinfer_run(full: AttentionMetadata, q: torch.Tensor, kv: torch.Tensor, q
     ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     n_seq = full.kv_indptr.numel() - 1
     last = torch.full((n_seq,), PAGE, dtype=torch.int32, device="cuda")
-    dims = (Q_HEADS, KV_HEADS, HEAD_DIM, PAGE)
+    dims = (q.shape[1], kv.shape[3], HEAD_DIM, PAGE)
     kw = dict(pos_encoding_mode="NONE", q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
     if q_len == 1:
         w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)

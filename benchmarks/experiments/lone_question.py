@@ -11,7 +11,7 @@ replay), at batch 1 and a few requests at once:
   (row, head) over blocks of parts (merge_parts_blocked_triton);
 - the per-request lazy kernel and FlashInfer's paged prefill without RoPE on the same pages.
 
-    python benchmarks/experiments/lone_question.py [--batches 1 4] [--q-len 16] [--out F]
+    python benchmarks/experiments/lone_question.py [--batches 1 4] [--q-len 16] [--kv-heads 4] [--out F]
 
 Prints the fastest configurations per batch and each merge's largest difference from the default
 merge (must stay at fp32 rounding). GPU only.
@@ -53,7 +53,7 @@ def one_step(B: int, a, bp: int, rope: RopeCache, scale: float, bench, ref: dict
     )
 
     kv, full, shared, _ = build_step(B, a, random.Random(0), "cuda", bp)
-    q = torch.randn(B * a.q_len, 32, 128, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(B * a.q_len, 4 * a.kv_heads, 128, device="cuda", dtype=torch.bfloat16)  # groups of 4
     if not ref:
         ref["per_request_us"] = bench(lambda: lazy_attention_triton(q, kv, full, rope, scale))
         try:
@@ -81,7 +81,8 @@ def one_step(B: int, a, bp: int, rope: RopeCache, scale: float, bench, ref: dict
             continue
         rows.append({
             "batch": B, "piece": a.piece_tokens, "block_pairs": bp, "block_n": bn, "stages": setting,
-            "items": shared.num_work_host * 8, "parts_per_row": round(shared.num_pairs / (B * a.q_len), 1),
+            "items": shared.num_work_host * a.kv_heads,
+            "parts_per_row": round(shared.num_pairs / (B * a.q_len), 1),
             "shared_us": round(us, 1), **{f"merge_{k}_us": round(v, 1) for k, v in merges.items()},
             "best_merge": best_merge, "total_us": round(us + merges[best_merge], 1),
             "merge_max_abs_diff": diff, **{k: round(v, 1) for k, v in ref.items()},
@@ -100,13 +101,15 @@ def main() -> None:
     ap.add_argument("--block-pairs", type=int, nargs="+", default=[4, 8, 16])
     ap.add_argument("--engine-tile", action="store_true",
                     help="time only the engine's key block, with its settings and each one it picks from")
+    ap.add_argument("--kv-heads", type=int, default=8,
+                    help="KV heads (query heads: 4x): 4 is a rank's share of Llama-3.1-8B at TP=2")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     tiles = ENGINE_TILES if args.engine_tile else TILES
     if not torch.cuda.is_available():
         ap.error("needs a CUDA device")
     base = argparse.Namespace(docs=5, doc_tokens=2048, private=args.q_len, pool=100, alpha=2.1,
-                              q_len=args.q_len, piece_tokens=None, seed=0)  # fmt: skip
+                              q_len=args.q_len, piece_tokens=None, seed=0, kv_heads=args.kv_heads)
     cfg = ModelConfig.from_hf(PRESETS["llama-3.1-8b"])
     rope = RopeCache.build(cfg, base.docs * base.doc_tokens + base.private + 1, "cuda")
     scale = 128**-0.5
