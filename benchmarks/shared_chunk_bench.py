@@ -38,9 +38,10 @@ sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 from lazyrt.kernels.metadata import AttentionMetadata  # noqa: E402
 from lazyrt.kernels.rope import RopeCache  # noqa: E402
 from lazyrt.kernels.shared_chunk import SharedChunkMeta, group_segments  # noqa: E402
+from lazyrt.kernels.waves import one_wave_items  # noqa: E402
 from lazyrt.models.config import ModelConfig  # noqa: E402
 from lazyrt.models.dummy import PRESETS  # noqa: E402
-from lazyrt.runtime.worker.step_inputs import SHARED_PIECE_TOKENS, SHARED_SMALL_BATCH  # noqa: E402
+from lazyrt.runtime.worker.step_inputs import SHARED_PIECE_TOKENS  # noqa: E402
 
 Q_HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
 
@@ -82,10 +83,16 @@ def build_step(
         seqs.append((range(qo[-1], qo[-1] + args.q_len), runs))
         qo.append(qo[-1] + args.q_len)
         kvp.append(len(full[0]))
-    piece = args.piece_tokens or SHARED_PIECE_TOKENS // (2 if B <= SHARED_SMALL_BATCH else 1)  # as the engine
+    kv_heads = getattr(args, "kv_heads", KV_HEADS)  # a tensor-parallel rank's share: fewer
+    bp = block_pairs or max(1, 64 // (Q_HEADS // KV_HEADS))
+    piece = args.piece_tokens
+    if not piece:  # as the engine (step_inputs.shared_arrays): half-size pieces within one wave
+        full = group_segments(seqs, PAGE, SHARED_PIECE_TOKENS)[0]
+        items = sum(-(-len(pairs) // bp) for _, _, pairs in full)
+        wave = one_wave_items(kv_heads, torch.device(dev))
+        piece = SHARED_PIECE_TOKENS // 2 if items <= wave else SHARED_PIECE_TOKENS
     if segments_only:
         return group_segments(seqs, PAGE, piece)[0]
-    kv_heads = getattr(args, "kv_heads", KV_HEADS)  # a tensor-parallel rank's share: fewer
     kv = torch.randn(next_page, 2, PAGE, kv_heads, HEAD_DIM, device=dev, dtype=torch.bfloat16)
     i32 = dict(dtype=torch.int32, device=dev)
     meta = AttentionMetadata(
@@ -97,15 +104,14 @@ def build_step(
         max_q_len=args.q_len, max_kv_entries=max(b - a for a, b in zip(kvp, kvp[1:])),
     )  # fmt: skip
     segments, _, _ = group_segments(seqs, PAGE, piece)
-    bp = block_pairs or max(1, 64 // (Q_HEADS // KV_HEADS))
     shared = SharedChunkMeta.build(segments, PAGE, len(positions), bp, dev)
     return kv, meta, shared, len(distinct)
 
 
 def sweep(B: int, args, rope: RopeCache, scale: float, bench) -> list[dict]:
     """The shared kernel's time on one step over tile and grid choices (same documents each)."""
-    from lazyrt.kernels.triton_attention import _num_sms
     from lazyrt.kernels.triton_shared_chunk import shared_chunk_attention_triton
+    from lazyrt.kernels.waves import num_sms as _num_sms
 
     rows = []
     for piece in (512, 1024, 2048):

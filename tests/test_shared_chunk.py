@@ -316,9 +316,10 @@ def test_triton_launch_settings_by_items():
     if shared_chunk_attention_triton is None:
         pytest.fail(f"triton is not importable: {TRITON_ERROR}")
     from lazyrt.kernels import triton_shared_chunk as tsc
+    from lazyrt.kernels.waves import WAVE_PROGRAMS_PER_SM
 
     cpu = torch.device("cpu")
-    wave = 132 * tsc.WAVE_PROGRAMS_PER_SM
+    wave = 132 * WAVE_PROGRAMS_PER_SM
     assert tsc.launch_settings(1, cpu) == tsc.launch_settings(wave, cpu) == (tsc.FEW_ITEMS_STAGES, 0)
     many = (tsc.MANY_ITEMS_STAGES, tsc.MANY_ITEMS_MAXNREG)
     assert tsc.launch_settings(wave + 1, cpu) == tsc.launch_settings(0, cpu) == many

@@ -183,6 +183,63 @@ def test_shared_arrays_reuse_the_document_grouping_across_decode_steps():
     assert hits >= 8  # only the first step and the batch changes regroup the documents
 
 
+def test_steps_within_one_wave_take_half_size_pieces(monkeypatch):
+    """shared_arrays cuts a step's runs into half-size pieces when its work items at
+    SHARED_PIECE_TOKENS fit one resident wave of the kernel (wave_items: more fit a tensor-parallel
+    rank, which holds fewer kv heads), into full ones past it. On random steps (documents longer
+    than a piece shared by several requests, questions of several rows, lone questions), with the
+    wave set at the step's own count at full size (from an independent grouping) and one below it,
+    the arrays are a from-scratch grouping at the size the count picks; a batch keeps its size while
+    its documents stay the same (decode steps), whatever the wave says later."""
+    from lazyrt.kernels.shared_chunk import build_arrays
+    from lazyrt.kernels.waves import WAVE_PROGRAMS_PER_SM, one_wave_items
+    from lazyrt.runtime.worker import step_inputs
+    from lazyrt.runtime.worker.step_inputs import SharedGrouping, shared_arrays
+
+    rng = random.Random()
+    ps, bp, full = 4, 2, 32  # pieces of 8 pages; half: 4
+    monkeypatch.setattr(step_inputs, "SHARED_PIECE_TOKENS", full)
+    pages = iter(rng.sample(range(1, 10**6), 50_000))
+    picked = {full // 2: 0, full: 0}
+    for trial in range(40):
+        docs = []
+        for _ in range(3):
+            n = rng.randint(full // 2 + 1, 3 * full)
+            docs.append(([next(pages) for _ in range(-(-n // ps))], n))
+        items = []
+        for _ in range(rng.choice([1, 2, 3, 5])):
+            pos, segs = 0, []
+            for pg, n in rng.sample(docs, rng.randint(1, 3)):
+                segs.append(Segment(pg, pos, n, is_doc=True))
+                pos += n
+            q = rng.choice([1, 1, 3, 6])  # decode rows or a question's
+            own = q + rng.randint(0, 40)
+            segs.append(Segment([next(pages) for _ in range(-(-own // ps))], pos, own))
+            items.append(_item(q, segs))
+        plan = StepPlan(items=items)
+        s = StepInputs.from_plan(plan, ps)
+        qo, T = s.qo_indptr, len(s.input_ids)
+        # independent of shared_arrays: every run of every item in one grouping
+        runs = [[(g.pages, g.num_tokens, g.start_pos) for g in it.segments if g.num_tokens] for it in items]
+        seqs = [(range(qo[i], qo[i + 1]), r) for i, r in enumerate(runs)]
+        at_full = int(build_arrays(group_segments(seqs, ps, full)[0], ps, T, bp)["num_work"][0])
+        for wave in (at_full, at_full - 1):
+            want_pt = full // 2 if at_full <= wave else full
+            want = build_arrays(group_segments(seqs, ps, want_pt)[0], ps, T, bp)
+            cache = SharedGrouping()
+            got = shared_arrays(plan, s, ps, bp, cache, force=True, wave_items=wave)
+            assert _canon_arrays(got) == _canon_arrays(want), (trial, wave)
+            picked[want_pt] += 1
+            if len(items) > 1:  # the same documents next step: the size stays, the wave notwithstanding
+                flip = 0 if want_pt < full else 10**6
+                s2 = StepInputs.from_plan(plan, ps)
+                again = shared_arrays(plan, s2, ps, bp, cache, force=True, wave_items=flip)
+                assert _canon_arrays(again) == _canon_arrays(got)
+    assert picked[full // 2] and picked[full]
+    cpu = torch.device("cpu")  # (an H100's 132 SMs off CUDA): a TP=2 rank's 4 kv heads fit twice the items
+    assert one_wave_items(4, cpu) == 2 * one_wave_items(8, cpu) == 132 * WAVE_PROGRAMS_PER_SM // 4
+
+
 @pytest.mark.parametrize("ps", [1, 4, 16])
 def test_a_lone_step_skips_the_grouping_with_the_same_arrays(ps, monkeypatch):
     """A step of one item (a question over cached documents, replayed through a shared CUDA graph)

@@ -123,10 +123,10 @@ def test_shared_graph_by_the_steps_work_items(wave_programs, tiny_model_dir, mon
     """Each batch has a shared graph for launches within one resident wave of work items and one
     past it (the kernel's launch settings differ); a step replays the one its work items x kv heads
     pick: past the wave when a wave holds nothing, within it at a tiny model's few items."""
-    from lazyrt.kernels import triton_shared_chunk
+    from lazyrt.kernels import waves
 
     if wave_programs is not None:
-        monkeypatch.setattr(triton_shared_chunk, "WAVE_PROGRAMS_PER_SM", wave_programs)
+        monkeypatch.setattr(waves, "WAVE_PROGRAMS_PER_SM", wave_programs)
     path = tiny_model_dir("llama")
     rng = random.Random()
     prompts = pool_prompts(rng, 49152, 4)
@@ -138,7 +138,7 @@ def test_shared_graph_by_the_steps_work_items(wave_programs, tiny_model_dir, mon
     assert set(graphs.shared_graphs) == {(b, few) for b in graphs.sizes if b > 1 for few in (False, True)}
     assert [o["token_ids"] for o in engine.generate(prompts, sps)] == want
     assert EagerGraphs.shared_keys
-    wave = 132 * triton_shared_chunk.WAVE_PROGRAMS_PER_SM  # (132 SMs off CUDA)
+    wave = 132 * waves.WAVE_PROGRAMS_PER_SM  # (132 SMs off CUDA)
     kv_heads = engine.runner.pool.num_kv_heads
     for b, few, items in EagerGraphs.shared_keys:
         assert few == (0 < items * kv_heads <= wave) == (wave_programs is None), (b, few, items)

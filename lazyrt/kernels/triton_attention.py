@@ -56,6 +56,7 @@ except ImportError:  # pragma: no cover - older Triton
 
 from lazyrt.kernels.metadata import AttentionMetadata
 from lazyrt.kernels.rope import RopeCache
+from lazyrt.kernels.waves import device_sms
 
 # Decode: one token per sequence. Latency/bandwidth bound, so what matters is keeping one full wave
 # of programs resident. Keys per step and resident programs per SM (from registers, d=128, 4 warps):
@@ -117,12 +118,6 @@ _LOG2E = 1.4426950408889634
 
 
 @functools.cache
-def _num_sms(device_index: int | None) -> int:
-    if device_index is None or not torch.cuda.is_available():
-        return 132  # interpreter / CPU: behave like an H100 so split choices match
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
@@ -154,7 +149,7 @@ def _rope_rows(
 def pick_num_splits(base_programs: int, max_tokens: int, device: torch.device, slots_per_sm: int) -> int:
     """Splits of each sequence's keys: fill one wave of `slots_per_sm` programs per SM (1 when the
     unsplit grid already has a program per SM)."""
-    sms = _num_sms(device.index if device.type == "cuda" else None)
+    sms = device_sms(device)
     if base_programs >= sms:
         return 1
     by_len = max(1, max_tokens // MIN_SPLIT_TOKENS)
@@ -174,7 +169,7 @@ def _pdl_ok(device: torch.device) -> bool:
 def decode_tiles(base_programs: int, max_tokens: int, device: torch.device) -> tuple[int, int]:
     """(keys per step, splits) for decode. H100, B x 8 kv heads, 10k keys: B <= 32 -> 64 keys/step
     and B*8*splits ~ 2 per SM; B = 64 -> 32 keys/step, no split (4 per SM)."""
-    sms = _num_sms(device.index if device.type == "cuda" else None)
+    sms = device_sms(device)
     if base_programs <= sms * DECODE_SLOTS_WIDE:
         return DECODE_BLOCK_N_WIDE, pick_num_splits(base_programs, max_tokens, device, DECODE_SLOTS_WIDE)
     return DECODE_BLOCK_N, pick_num_splits(base_programs, max_tokens, device, DECODE_SLOTS)
@@ -577,7 +572,7 @@ def lazy_attention_triton(
         ext_rows, block_n, warps, stages = EXTEND_ROWS, EXTEND_BLOCK_N, EXTEND_WARPS, EXTEND_STAGES
         rows = max(MIN_DOT, ext_rows, _pow2(group))
         grid0 = B * triton.cdiv(max_q_len, rows // group) * num_kv_heads
-        if grid0 >= EXTEND_LARGE_MIN_PER_SM * _num_sms(q.device.index if q.device.type == "cuda" else None):
+        if grid0 >= EXTEND_LARGE_MIN_PER_SM * device_sms(q.device):
             ext_rows, block_n, warps, stages = EXTEND_LARGE
             rows = max(MIN_DOT, ext_rows, _pow2(group))
         block_m = rows // group

@@ -22,7 +22,8 @@ import triton.language as tl
 
 from lazyrt.kernels.rope import RopeCache
 from lazyrt.kernels.shared_chunk import SharedChunkMeta
-from lazyrt.kernels.triton_attention import _num_sms, _rope_rows
+from lazyrt.kernels.triton_attention import _rope_rows
+from lazyrt.kernels.waves import device_sms, within_one_wave
 
 MIN_DOT = 16  # tl.dot needs every dim >= 16: small head halves / row blocks are zero-padded to it
 _LOG2E = 1.4426950408889634
@@ -187,26 +188,15 @@ def _shared_chunk_kernel(
 # batch 64 153.7 vs 156.8, 4 questions 79.0 vs 80.8 (the masked loop at 3 stages: 32.8 / 85.8 / 162.2 /
 # 84.2).
 PROGRAMS_PER_SM = 8  # persistent grid: programs per SM
-# At the compiler's 255 registers a thread two programs fit an SM. A launch of more items than that
-# wave runs at 168 registers and 1 stage (three programs an SM, a few spills): H100, one layer
-# (`shared_kernel_variants.py --kernel-maxnreg 168 --kernel-stages 1`, 4390f1d, 2026-11-27), decode
-# at batch 16 83.0 -> 81.0 us, batch 64 153.8 -> 146.4, 4 questions 79.4 -> 74.2; a lone question
-# (168 items, one wave) 30.8 -> 33.7, so a launch within one wave keeps 2 stages and 255 registers.
-# 128 registers spill too much (b64 231.8 us); 168 at 2 stages 169.1.
-WAVE_PROGRAMS_PER_SM = 2
+# At the compiler's 255 registers a thread two programs fit an SM (waves.WAVE_PROGRAMS_PER_SM). A
+# launch of more items than that wave runs at 168 registers and 1 stage (three programs an SM, a few
+# spills): H100, one layer (`shared_kernel_variants.py --kernel-maxnreg 168 --kernel-stages 1`,
+# 4390f1d, 2026-11-27), decode at batch 16 83.0 -> 81.0 us, batch 64 153.8 -> 146.4, 4 questions
+# 79.4 -> 74.2; a lone question (168 items, one wave) 30.8 -> 33.7, so a launch within one wave keeps
+# 2 stages and 255 registers. 128 registers spill too much (b64 231.8 us); 168 at 2 stages 169.1.
 MANY_ITEMS_MAXNREG = 168
 MANY_ITEMS_STAGES = 1
 FEW_ITEMS_STAGES = 2
-
-
-def _device_sms(device: torch.device) -> int:
-    return _num_sms(device.index if device.type == "cuda" else None)
-
-
-def within_one_wave(items: int, device: torch.device) -> bool:
-    """Whether a launch of `items` (work items x kv heads) fits one wave of resident programs at the
-    compiler's registers. 0: not known on the host (taken as more)."""
-    return 0 < items <= _device_sms(device) * WAVE_PROGRAMS_PER_SM
 
 
 def launch_settings(items: int, device: torch.device) -> tuple[int, int]:
@@ -225,7 +215,7 @@ KEY_TABLES = "kv"
 
 def persistent_programs(device: torch.device) -> int:
     """Programs of a persistent launch: one full wave (a fixed number, so CUDA graphs capture it)."""
-    return _device_sms(device) * PROGRAMS_PER_SM
+    return device_sms(device) * PROGRAMS_PER_SM
 
 
 def shared_chunk_attention_triton(

@@ -74,7 +74,8 @@ class DecodeGraphs:
         self.shared_graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.shared_block_pairs = 0
         if shared is not None:
-            from lazyrt.kernels.triton_shared_chunk import persistent_programs, within_one_wave
+            from lazyrt.kernels.triton_shared_chunk import persistent_programs
+            from lazyrt.kernels.waves import within_one_wave
 
             self.shared_block_pairs = shared[1]
             self.sh = {name: views[name] for name, _, _ in sh_specs}

@@ -14,6 +14,7 @@ from lazyrt.kernels.host_copy import to_device
 from lazyrt.kernels.metadata import AttentionMetadata
 from lazyrt.kernels.rope import RopeCache
 from lazyrt.kernels.shared_chunk import SharedChunkMeta, build_arrays, group_segments
+from lazyrt.kernels.waves import one_wave_items
 from lazyrt.models.llama import LlamaModel
 from lazyrt.retrieval.host_attention import (
     HostAttention,
@@ -69,6 +70,8 @@ class ModelRunner:
         self.shared_chunk_attention = shared_chunk_attention and rotate_keys
         c = model.config
         self.shared_block_pairs = max(1, 64 // (c.num_heads // c.num_kv_heads))  # ~64 query rows per item
+        # work items filling one resident wave of the shared kernel: fewer take smaller pieces
+        self.shared_wave_items = one_wave_items(pool.num_kv_heads, model.device)
         self.shared_steps = 0  # steps run through shared-chunk attention (tests, stats)
         self.graph_steps = 0  # steps replayed from a CUDA graph (the rest launch eagerly)
         self._piece_keys: dict = {}  # interned PieceKeys (shared_chunk.run_pieces); cleared when large
@@ -183,7 +186,7 @@ class ModelRunner:
             self._piece_keys.clear()
         return shared_arrays(
             plan, s, self.pool.page_size, self.shared_block_pairs, self._grouping, self._piece_keys,
-            self._layout, force=force,
+            self._layout, force=force, wave_items=self.shared_wave_items,
         )
 
     def step_metadata(self, plan: StepPlan, s: StepInputs) -> tuple[torch.Tensor, AttentionMetadata]:

@@ -379,18 +379,22 @@ def decode_inputs(plan: StepPlan, page_size: int, lay: DecodeLayout) -> StepInpu
 
 
 # Shared-chunk attention (kernels/shared_chunk.py) for a step when its page tables repeat runs of
-# pages (documents used by several requests): runs cut into pieces of SHARED_PIECE_TOKENS (steps of
-# up to SHARED_SMALL_BATCH sequences: half that, so their few items fill more SMs), used for steps
-# of at most SHARED_MAX_Q_LEN new tokens per sequence (decode, questions; a long prompt's own causal
-# run is the per-request kernel's work) when it reads at most 1/SHARED_MIN_SAVING of the pages.
-# H100, one layer, 5 x 2,048-token documents a request (`experiments/lone_question.py --engine-tile
-# --pieces 512 1024 [--q-len 1]`, b8311eb, 2026-11-27), us a layer with the merge, 512- vs 1024-token
-# pieces: a lone question 34.8 vs 46.9, a decode step of 2 33.8 vs 45.5 (within one resident wave
-# either way: smaller items finish sooner); past a wave, where the kernel runs three programs an SM
-# (launch_settings), the larger pieces win: 4 questions 83.2 vs 73.1, 8 questions 152.5 vs 130.7, a
-# decode step of 16 83.2 vs 77.2 (at 2 stages uncapped 512 won: 85.3 vs 96.6).
+# pages (documents used by several requests): runs cut into pieces of SHARED_PIECE_TOKENS, or half
+# that when the step's work items at the full size fit one resident wave of the kernel
+# (waves.one_wave_items: a rank of a tensor-parallel model holds fewer kv heads, so more fit), used
+# for steps of at most SHARED_MAX_Q_LEN new tokens per sequence (decode, questions; a long prompt's
+# own causal run is the per-request kernel's work) when it reads at most 1/SHARED_MIN_SAVING of the
+# pages. Within one wave smaller items finish sooner; past it the kernel runs capped at three
+# programs an SM (triton_shared_chunk.launch_settings) and larger items win. One layer, 5 x 2,048-token
+# documents a request, us with the merge, half / full pieces (programs = items x kv heads at the full
+# size; `experiments/lone_question.py --engine-tile --pieces 512 1024 [--q-len 1] [--kv-heads 4]`):
+# - H100, 8 kv heads (b8311eb, 2026-11-27): a lone question 34.8 vs 46.9 (88 programs), a decode
+#   step of 2 33.8 vs 45.5 (112); 4 questions 83.2 vs 73.1 (352), 8 questions 152.5 vs 130.7 (704),
+#   a decode step of 16 83.2 vs 77.2 (432);
+# - H200, 4 kv heads (a TP=2 rank, 6ea295c): decode steps of 4 28.3 vs 37.4 (96), 8 32.1 vs 44.2
+#   (136), 16 41.3 vs 51.3 (216); 32 65.4 vs 61.7 (344), 64 76.7 vs 72.5 (600).
+# So the split falls between 216 and 344 programs at the full size: one wave is 264 on both.
 SHARED_PIECE_TOKENS = 1024
-SHARED_SMALL_BATCH = 3
 SHARED_MAX_Q_LEN = 64
 SHARED_MIN_SAVING = 1.25
 
@@ -398,13 +402,12 @@ SHARED_MIN_SAVING = 1.25
 def shared_segments(
     plan: StepPlan, s: StepInputs, page_size: int, piece_tokens: int | None = None, intern: dict | None = None
 ) -> list | None:
-    """The step's segments for SharedChunkMeta.build when sharing pays (see above), else None.
-    intern: kept by the caller across steps (run_pieces)."""
+    """The step's segments for SharedChunkMeta.build when sharing pays (see above), else None, its
+    runs cut into pieces of piece_tokens (default SHARED_PIECE_TOKENS). intern: kept by the caller
+    across steps (run_pieces)."""
     if s.entry_logit_scale is not None or s.num_seqs < 2 or s.max_q_len > SHARED_MAX_Q_LEN:
         return None  # one sequence has nobody to share with: skip the grouping on batch-1 steps
-    if piece_tokens is None:
-        piece_tokens = SHARED_PIECE_TOKENS // (2 if s.num_seqs <= SHARED_SMALL_BATCH else 1)
-    qo, ps, pt = s.qo_indptr, page_size, piece_tokens
+    qo, ps, pt = s.qo_indptr, page_size, piece_tokens or SHARED_PIECE_TOKENS
     seqs = [
         (range(qo[i], qo[i + 1]), [segment_run(g, ps, pt, intern) for g in it.segments if g.num_tokens])
         for i, it in enumerate(plan.items)
@@ -442,37 +445,41 @@ class SharedGrouping:
 def shared_arrays(
     plan: StepPlan, s: StepInputs, page_size: int, block_pairs: int, cache: SharedGrouping,
     intern: dict | None = None, layout: DecodeLayout | None = None, force: bool = False,
+    wave_items: int = 0,
 ) -> dict[str, np.ndarray] | None:  # fmt: skip
     """build_arrays for the step's shared-chunk segments when sharing pays (as shared_segments), the
     segments ordered: the other runs' (grouped, cached in `cache`), then the items' own runs.
     layout: the DecodeLayout s was built with (from_plan), if any. force: whether it pays or not
-    (a step replayed from a shared CUDA graph: one sequence alone included)."""
+    (a step replayed from a shared CUDA graph: one sequence alone included). wave_items: work items
+    that fill one resident wave of the kernel (waves.one_wave_items); a step with no more at
+    SHARED_PIECE_TOKENS takes half-size pieces (0: always the full size). A batch keeps the size
+    picked when its documents were grouped while it decodes."""
     if s.entry_logit_scale is not None or s.max_q_len > SHARED_MAX_Q_LEN or (s.num_seqs < 2 and not force):
         return None
-    ps, qo = page_size, s.qo_indptr
-    pt = SHARED_PIECE_TOKENS // (2 if s.num_seqs <= SHARED_SMALL_BATCH else 1)
+    ps, qo, full = page_size, s.qo_indptr, SHARED_PIECE_TOKENS
     if len(plan.items) == 1:  # a lone question step (forced): nothing to group
-        rows = range(int(qo[0]), int(qo[1]))
-        lone = lone_arrays(plan.items[0], rows, ps, pt, len(s.input_ids), block_pairs)
+        item, rows = plan.items[0], range(int(qo[0]), int(qo[1]))
+        runs = [g for g in item.segments if g is not item.target and g.num_tokens]
+        pieces = sum(-(-g.num_tokens // full) for g in runs) + _own_pieces(item, full)
+        pt = _piece_tokens(pieces * -(-len(rows) // block_pairs), wave_items)
+        lone = lone_arrays(item, rows, ps, pt, len(s.input_ids), block_pairs)
         if lone is not None:
             return lone
     patched = layout is not None and layout.hit and layout.s is s  # same batch as the last step
-    if not (patched and cache.version == layout.version and cache.key is not None and cache.key[0] == pt):
+    if not (patched and cache.version == layout.version and cache.key is not None):
         rows = [range(int(qo[i]), int(qo[i + 1])) for i in range(len(plan.items))]
-        key = (pt, tuple(
+        body = tuple(
             (r.start, r.stop, tuple((g.pages, g.num_tokens, g.start_pos)
                                     for g in it.segments if g is not it.target and g.num_tokens))
             for r, it in zip(rows, plan.items)
-        ))  # fmt: skip
-        if cache.key != key:
-            seqs = [
-                (r, [segment_run(g, ps, pt, intern) for g in it.segments
-                     if g is not it.target and g.num_tokens])
-                for r, it in zip(rows, plan.items)
-            ]  # fmt: skip
-            segments, cache.per_request, cache.shared = group_segments(seqs, ps, pt)
-            cache.flat, cache.key = flatten_segments(segments, ps), key
+        )  # fmt: skip
+        if cache.key is None or cache.key[1] != body:
+            _group_documents(plan, rows, ps, full, intern, cache, body)
+            own = sum(_own_pieces(it, full) * -(-len(r) // block_pairs) for r, it in zip(rows, plan.items))
+            if _piece_tokens(_work_items(cache.flat, block_pairs) + own, wave_items) != full:
+                _group_documents(plan, rows, ps, full // 2, intern, cache, body)
         cache.version = layout.version if layout is not None else -1
+    pt = cache.key[0]
     if patched:
         arrays = _patched_arrays(cache, layout, ps, pt, len(s.input_ids), block_pairs)
         if arrays or (arrays is not None and not force):
@@ -488,6 +495,36 @@ def shared_arrays(
     if cache.per_request + per_request < SHARED_MIN_SAVING * (cache.shared + shared) and not force:
         return None
     return finish_arrays(concat_flat(cache.flat, own_flat), len(s.input_ids), block_pairs)
+
+
+def _piece_tokens(items_at_full: int, wave_items: int) -> int:
+    """A step's piece size by its work items at SHARED_PIECE_TOKENS (see SHARED_PIECE_TOKENS)."""
+    return SHARED_PIECE_TOKENS // 2 if items_at_full <= wave_items else SHARED_PIECE_TOKENS
+
+
+def _own_pieces(item: ForwardItem, pt: int) -> int:
+    """Pieces of pt tokens an item's own run (its target) is cut into by shared_arrays."""
+    if not item.target.num_tokens or not _holds(item.segments, item.target):
+        return 0
+    return -(-item.target.num_tokens // pt)
+
+
+def _work_items(flat: dict[str, np.ndarray], block_pairs: int) -> int:
+    """Work items of flattened segments (as finish_arrays: block_pairs pairs an item)."""
+    return int((-(-np.diff(flat["pair_indptr"]) // block_pairs)).sum())
+
+
+def _group_documents(
+    plan: StepPlan, rows: list[range], ps: int, pt: int, intern: dict | None, cache: SharedGrouping,
+    body: tuple,
+) -> None:  # fmt: skip
+    """Groups the step's runs other than the items' own in pieces of pt tokens into `cache`."""
+    seqs = [
+        (r, [segment_run(g, ps, pt, intern) for g in it.segments if g is not it.target and g.num_tokens])
+        for r, it in zip(rows, plan.items)
+    ]
+    segments, cache.per_request, cache.shared = group_segments(seqs, ps, pt)
+    cache.flat, cache.key = flatten_segments(segments, ps), (pt, body)
 
 
 def lone_arrays(

@@ -1,0 +1,34 @@
+"""One resident wave of the shared-chunk kernel's programs on a device: the host picks the kernel's
+launch settings (triton_shared_chunk.launch_settings) and a step's piece size
+(step_inputs.shared_arrays) by whether a launch fits it. No Triton here: the CPU engine asks too."""
+
+from __future__ import annotations
+
+import torch
+
+# At the compiler's 255 registers a thread, two of the shared-chunk kernel's programs fit an SM
+# (triton_shared_chunk has the measurements).
+WAVE_PROGRAMS_PER_SM = 2
+
+
+def num_sms(device_index: int | None) -> int:
+    """SMs of a CUDA device; off CUDA an H100's 132, so CPU runs make the same launch choices."""
+    if device_index is None or not torch.cuda.is_available():
+        return 132
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def device_sms(device: torch.device) -> int:
+    return num_sms(device.index if device.type == "cuda" else None)
+
+
+def within_one_wave(items: int, device: torch.device) -> bool:
+    """Whether a launch of `items` (work items x kv heads) fits one wave of resident programs at the
+    compiler's registers. 0: not known on the host (taken as more)."""
+    return 0 < items <= device_sms(device) * WAVE_PROGRAMS_PER_SM
+
+
+def one_wave_items(num_kv_heads: int, device: torch.device) -> int:
+    """Work items (each runs once per kv head) that fill one wave: a tensor-parallel rank holds fewer
+    kv heads, so more of its items fit."""
+    return device_sms(device) * WAVE_PROGRAMS_PER_SM // max(1, num_kv_heads)
