@@ -183,22 +183,29 @@ def test_shared_arrays_reuse_the_document_grouping_across_decode_steps():
     assert hits >= 8  # only the first step and the batch changes regroup the documents
 
 
-def test_steps_within_one_wave_take_half_size_pieces(monkeypatch):
+@pytest.mark.parametrize("ps", [1, 3, 4])
+def test_steps_within_one_wave_take_half_size_pieces(ps, monkeypatch):
     """shared_arrays cuts a step's runs into half-size pieces when its work items at
     SHARED_PIECE_TOKENS fit one resident wave of the kernel (wave_items: more fit a tensor-parallel
     rank, which holds fewer kv heads), into full ones past it. On random steps (documents longer
-    than a piece shared by several requests, questions of several rows, lone questions), with the
-    wave set at the step's own count at full size (from an independent grouping) and one below it,
-    the arrays are a from-scratch grouping at the size the count picks; a batch keeps its size while
-    its documents stay the same (decode steps), whatever the wave says later."""
-    from lazyrt.kernels.shared_chunk import build_arrays
+    than a piece shared by several requests, questions of several rows, lone questions; a page size
+    that does not divide the piece), with the wave set at the step's own count at full size (from an
+    independent grouping), one below it, and at its count were nothing shared (then no grouping at
+    full size is needed to decide), the arrays are a from-scratch grouping at the size the count
+    picks; a batch keeps its size while its documents stay the same (decode steps), whatever the
+    wave says later."""
+    from lazyrt.kernels.shared_chunk import build_arrays, run_pieces
     from lazyrt.kernels.waves import WAVE_PROGRAMS_PER_SM, one_wave_items
     from lazyrt.runtime.worker import step_inputs
     from lazyrt.runtime.worker.step_inputs import SharedGrouping, shared_arrays
 
     rng = random.Random()
-    ps, bp, full = 4, 2, 32  # pieces of 8 pages; half: 4
+    bp, full = 2, 32
     monkeypatch.setattr(step_inputs, "SHARED_PIECE_TOKENS", full)
+    grouped_at = []
+    real_group = step_inputs.group_segments
+    spy = lambda seqs, p, pt: grouped_at.append(pt) or real_group(seqs, p, pt)  # noqa: E731
+    monkeypatch.setattr(step_inputs, "group_segments", spy)
     pages = iter(rng.sample(range(1, 10**6), 50_000))
     picked = {full // 2: 0, full: 0}
     for trial in range(40):
@@ -219,16 +226,22 @@ def test_steps_within_one_wave_take_half_size_pieces(monkeypatch):
         plan = StepPlan(items=items)
         s = StepInputs.from_plan(plan, ps)
         qo, T = s.qo_indptr, len(s.input_ids)
-        # independent of shared_arrays: every run of every item in one grouping
+        # independent of shared_arrays: every run of every item in one grouping; and with none shared
         runs = [[(g.pages, g.num_tokens, g.start_pos) for g in it.segments if g.num_tokens] for it in items]
         seqs = [(range(qo[i], qo[i + 1]), r) for i, r in enumerate(runs)]
         at_full = int(build_arrays(group_segments(seqs, ps, full)[0], ps, T, bp)["num_work"][0])
-        for wave in (at_full, at_full - 1):
+        unshared = sum(sum(len(run_pieces(pg, n, ps, full)) for pg, n, _ in r) * -(-len(rows) // bp)
+                       for rows, r in seqs)  # fmt: skip
+        assert unshared >= at_full
+        for wave in (at_full, at_full - 1, unshared):
             want_pt = full // 2 if at_full <= wave else full
-            want = build_arrays(group_segments(seqs, ps, want_pt)[0], ps, T, bp)
+            want = build_arrays(real_group(seqs, ps, want_pt)[0], ps, T, bp)
             cache = SharedGrouping()
+            grouped_at.clear()
             got = shared_arrays(plan, s, ps, bp, cache, force=True, wave_items=wave)
             assert _canon_arrays(got) == _canon_arrays(want), (trial, wave)
+            if wave == unshared:  # decided without grouping at full size
+                assert full not in grouped_at, grouped_at
             picked[want_pt] += 1
             if len(items) > 1:  # the same documents next step: the size stays, the wave notwithstanding
                 flip = 0 if want_pt < full else 10**6

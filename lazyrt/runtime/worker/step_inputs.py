@@ -458,11 +458,9 @@ def shared_arrays(
         return None
     ps, qo, full = page_size, s.qo_indptr, SHARED_PIECE_TOKENS
     if len(plan.items) == 1:  # a lone question step (forced): nothing to group
-        item, rows = plan.items[0], range(int(qo[0]), int(qo[1]))
-        runs = [g for g in item.segments if g is not item.target and g.num_tokens]
-        pieces = sum(-(-g.num_tokens // full) for g in runs) + _own_pieces(item, full)
-        pt = _piece_tokens(pieces * -(-len(rows) // block_pairs), wave_items)
-        lone = lone_arrays(item, rows, ps, pt, len(s.input_ids), block_pairs)
+        item, rows1 = plan.items[0], range(int(qo[0]), int(qo[1]))
+        pt = _piece_tokens(_unshared_items(item, rows1, ps, full, block_pairs), wave_items)
+        lone = lone_arrays(item, rows1, ps, pt, len(s.input_ids), block_pairs)
         if lone is not None:
             return lone
     patched = layout is not None and layout.hit and layout.s is s  # same batch as the last step
@@ -474,10 +472,17 @@ def shared_arrays(
             for r, it in zip(rows, plan.items)
         )  # fmt: skip
         if cache.key is None or cache.key[1] != body:
-            _group_documents(plan, rows, ps, full, intern, cache, body)
-            own = sum(_own_pieces(it, full) * -(-len(r) // block_pairs) for r, it in zip(rows, plan.items))
-            if _piece_tokens(_work_items(cache.flat, block_pairs) + own, wave_items) != full:
-                _group_documents(plan, rows, ps, full // 2, intern, cache, body)
+            # its work items at full size were nothing shared: when even these fit one wave, so do
+            # the grouped ones (a segment of several users has no more items than theirs alone)
+            items, bp = plan.items, block_pairs
+            unshared = sum(_unshared_items(it, r, ps, full, bp) for r, it in zip(rows, items))
+            pt = _piece_tokens(unshared, wave_items)
+            if pt == full:  # group at full size and count
+                _group_documents(plan, rows, ps, full, intern, cache, body)
+                own = sum(_own_pieces(it, ps, full) * -(-len(r) // bp) for r, it in zip(rows, items))
+                pt = _piece_tokens(_work_items(cache.flat, bp) + own, wave_items)
+            if pt != full:
+                _group_documents(plan, rows, ps, pt, intern, cache, body)
         cache.version = layout.version if layout is not None else -1
     pt = cache.key[0]
     if patched:
@@ -502,11 +507,23 @@ def _piece_tokens(items_at_full: int, wave_items: int) -> int:
     return SHARED_PIECE_TOKENS // 2 if items_at_full <= wave_items else SHARED_PIECE_TOKENS
 
 
-def _own_pieces(item: ForwardItem, pt: int) -> int:
+def _own_pieces(item: ForwardItem, ps: int, pt: int) -> int:
     """Pieces of pt tokens an item's own run (its target) is cut into by shared_arrays."""
     if not item.target.num_tokens or not _holds(item.segments, item.target):
         return 0
-    return -(-item.target.num_tokens // pt)
+    return _pieces(item.target.num_tokens, ps, pt)
+
+
+def _unshared_items(item: ForwardItem, rows: range, ps: int, pt: int, block_pairs: int) -> int:
+    """Work items of an item's runs cut into pieces of pt tokens with none shared with another."""
+    runs = sum(_pieces(g.num_tokens, ps, pt) for g in item.segments if g is not item.target and g.num_tokens)
+    return (runs + _own_pieces(item, ps, pt)) * -(-len(rows) // block_pairs)
+
+
+def _pieces(n: int, ps: int, pt: int) -> int:
+    """Pieces a run of n tokens is cut into (as run_pieces: pt rounded down to whole pages)."""
+    pages = -(-n // ps)
+    return -(-pages // max(1, pt // ps))
 
 
 def _work_items(flat: dict[str, np.ndarray], block_pairs: int) -> int:
