@@ -41,7 +41,7 @@ from lazyrt.kernels.shared_chunk import SharedChunkMeta, group_segments  # noqa:
 from lazyrt.kernels.waves import one_wave_items  # noqa: E402
 from lazyrt.models.config import ModelConfig  # noqa: E402
 from lazyrt.models.dummy import PRESETS  # noqa: E402
-from lazyrt.runtime.worker.step_inputs import SHARED_PIECE_TOKENS  # noqa: E402
+from lazyrt.runtime.worker.step_inputs import SHARED_PIECE_TOKENS, piece_tokens_for  # noqa: E402
 
 Q_HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
 
@@ -90,7 +90,7 @@ def build_step(
         full = group_segments(seqs, PAGE, SHARED_PIECE_TOKENS)[0]
         items = sum(-(-len(pairs) // bp) for _, _, pairs in full)
         wave = one_wave_items(kv_heads, torch.device(dev))
-        piece = SHARED_PIECE_TOKENS // 2 if items <= wave else SHARED_PIECE_TOKENS
+        piece = piece_tokens_for(items, wave)
     if segments_only:
         return group_segments(seqs, PAGE, piece)[0]
     kv = torch.randn(next_page, 2, PAGE, kv_heads, HEAD_DIM, device=dev, dtype=torch.bfloat16)

@@ -4,6 +4,8 @@ launch settings (triton_shared_chunk.launch_settings) and a step's piece size
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 # At the compiler's 255 registers a thread, two of the shared-chunk kernel's programs fit an SM
@@ -11,6 +13,7 @@ import torch
 WAVE_PROGRAMS_PER_SM = 2
 
 
+@functools.cache  # asked on every eager launch
 def num_sms(device_index: int | None) -> int:
     """SMs of a CUDA device; off CUDA an H100's 132, so CPU runs make the same launch choices."""
     if device_index is None or not torch.cuda.is_available():

@@ -16,6 +16,7 @@ import torch
 
 from lazyrt.kernels.metadata import AttentionMetadata
 from lazyrt.kernels.shared_chunk import SharedChunkMeta
+from lazyrt.kernels.waves import within_one_wave
 from lazyrt.runtime.worker.step_inputs import StepInputs
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128)
@@ -75,12 +76,10 @@ class DecodeGraphs:
         self.shared_block_pairs = 0
         if shared is not None:
             from lazyrt.kernels.triton_shared_chunk import persistent_programs
-            from lazyrt.kernels.waves import within_one_wave
 
             self.shared_block_pairs = shared[1]
             self.sh = {name: views[name] for name, _, _ in sh_specs}
             self.shared_programs = persistent_programs(dev)
-            self._within_one_wave = within_one_wave
         # (no pool off CUDA: benchmarks/experiments/host_step_e2e.py fills the buffers on the CPU)
         self.pool = torch.cuda.graph_pool_handle() if dev.type == "cuda" else None
         for b in reversed(self.sizes):  # largest first: smaller graphs reuse its memory
@@ -187,7 +186,7 @@ class DecodeGraphs:
         key = b
         if shared is not None:
             items = int(shared["num_work"][0]) * self.runner.pool.num_kv_heads
-            key = (b, self._within_one_wave(items, self.runner.device))
+            key = (b, within_one_wave(items, self.runner.device))
         if key not in graphs:  # before the buffers are filled: the capture's forwards clobber them
             assert shared is None, "shared graphs are captured up front"
             graphs[b] = self._capture(b, doc_logits)

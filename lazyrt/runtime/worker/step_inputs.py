@@ -459,7 +459,7 @@ def shared_arrays(
     ps, qo, full = page_size, s.qo_indptr, SHARED_PIECE_TOKENS
     if len(plan.items) == 1:  # a lone question step (forced): nothing to group
         item, rows1 = plan.items[0], range(int(qo[0]), int(qo[1]))
-        pt = _piece_tokens(_unshared_items(item, rows1, ps, full, block_pairs), wave_items)
+        pt = piece_tokens_for(_unshared_items(item, rows1, ps, full, block_pairs), wave_items)
         lone = lone_arrays(item, rows1, ps, pt, len(s.input_ids), block_pairs)
         if lone is not None:
             return lone
@@ -476,11 +476,11 @@ def shared_arrays(
             # the grouped ones (a segment of several users has no more items than theirs alone)
             items, bp = plan.items, block_pairs
             unshared = sum(_unshared_items(it, r, ps, full, bp) for r, it in zip(rows, items))
-            pt = _piece_tokens(unshared, wave_items)
+            pt = piece_tokens_for(unshared, wave_items)
             if pt == full:  # group at full size and count
                 _group_documents(plan, rows, ps, full, intern, cache, body)
                 own = sum(_own_pieces(it, ps, full) * -(-len(r) // bp) for r, it in zip(rows, items))
-                pt = _piece_tokens(_work_items(cache.flat, bp) + own, wave_items)
+                pt = piece_tokens_for(_work_items(cache.flat, bp) + own, wave_items)
             if pt != full:
                 _group_documents(plan, rows, ps, pt, intern, cache, body)
         cache.version = layout.version if layout is not None else -1
@@ -502,7 +502,7 @@ def shared_arrays(
     return finish_arrays(concat_flat(cache.flat, own_flat), len(s.input_ids), block_pairs)
 
 
-def _piece_tokens(items_at_full: int, wave_items: int) -> int:
+def piece_tokens_for(items_at_full: int, wave_items: int) -> int:
     """A step's piece size by its work items at SHARED_PIECE_TOKENS (see SHARED_PIECE_TOKENS)."""
     return SHARED_PIECE_TOKENS // 2 if items_at_full <= wave_items else SHARED_PIECE_TOKENS
 
