@@ -146,6 +146,27 @@ def test_extend_bf16(q_lens, num_splits, rotate):
     assert rel_err(out, ref) <= 1e-2
 
 
+def test_lazy_kernel_compiles_once_across_grid_sizes():
+    # A step's q_blocks and num_splits are runtime ints: a value of 1 or a multiple of 16 must not pick
+    # another compiled variant (a compile mid-serving stalls every request in flight for seconds).
+    rope = make_rope()
+
+    def run(q_len: int, splits: int) -> None:
+        kv, meta = rag_batch([q_len], docs=4, doc_len=700, rotate_keys=True)
+        q = torch.randn(q_len, Q_HEADS, HEAD_DIM, device=DEV, dtype=BF16)
+        out = lazy_attention_triton(q, kv, meta, rope, HEAD_DIM**-0.5, num_splits=splits)
+        assert rel_err(out, lazy_attention_ref(q, kv, meta, rope, HEAD_DIM**-0.5)) <= 1e-2
+
+    def variants() -> int:
+        return len(ta._lazy_attn_kernel.device_caches[torch.cuda.current_device()][0])
+
+    run(48, 3)  # 2 query blocks of 32 tokens, 3 splits: neither 1 nor a multiple of 16
+    n = variants()
+    for q_len, splits in ((16, 3), (512, 3), (48, 16), (16, 32)):  # 1 and 16 query blocks; 16, 32 splits
+        run(q_len, splits)
+    assert variants() == n
+
+
 @pytest.mark.parametrize("large_min", [2, 0])
 def test_extend_bf16_variants(monkeypatch, large_min):
     # 16-bit rotation math, with the default tile choice and with the large-grid tile on every grid.

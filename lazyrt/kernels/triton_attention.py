@@ -362,7 +362,10 @@ def _attend_block(
     return m_new, l_i, acc
 
 
-@triton.jit
+# A step's grid sizes are runtime ints, not specializations: Triton would compile another variant
+# the first time one is 1 or a multiple of 16, stalling every request in flight for ~2.5 s
+# mid-serving on an H100 (benchmarks/experiments/compile_stalls.py).
+@triton.jit(do_not_specialize=["q_blocks", "num_splits"])
 def _lazy_attn_kernel(
     q_ptr, kv_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     qo_indptr_ptr, positions_ptr, kv_indptr_ptr, kv_indices_ptr, pos_base_ptr, valid_len_ptr,
@@ -496,7 +499,7 @@ def _lazy_attn_kernel(
         tl.store(out_ptr + o_row[:, None] + cd[None, :], o.to(out_ptr.dtype.element_ty), mask=omask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])  # as _lazy_attn_kernel's
 def _merge_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, num_splits, num_q_heads, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, HEAD_P: tl.constexpr, SPLIT_P: tl.constexpr, PDL: tl.constexpr,
