@@ -14,6 +14,8 @@ every request in flight waits for it.
 H100, 2026-11-27, f61cf44, the workload above: the first point compiled one `_lazy_attn_kernel`
 variant mid-run (a step's grid size of 1 or a multiple of 16 was a Triton specialization): TTFT mean /
 p99 549.8 / 2,927.1 ms; the same point again, nothing compiled: 42.9 / 134.1 ms.
+At 5eabe54 (the grid sizes runtime ints) a variant still compiled during the first point (328.0 /
+2,127.9 ms against 42.9 / 134.5): one picked by the step's shape (tiles, split or not).
 """
 
 from __future__ import annotations
