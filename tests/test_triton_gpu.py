@@ -167,6 +167,27 @@ def test_lazy_kernel_compiles_once_across_grid_sizes():
     assert variants() == n
 
 
+def test_warm_up_compiles_what_random_steps_launch():
+    # After warm_up over a pool, steps of any shape (decode and extend, 1-300 sequences, splits by the
+    # engine's rule) launch no attention or merge variant that was not compiled already.
+    rope = make_rope()
+    pool = torch.randn(200, 2, PAGE, KV_HEADS, HEAD_DIM, device=DEV, dtype=BF16)
+    assert ta.warm_up(pool, rope, Q_HEADS, True, HEAD_DIM**-0.5) > 0
+    dev = torch.cuda.current_device()
+    variants = lambda: (len(ta._lazy_attn_kernel.device_caches[dev][0]),  # noqa: E731
+                        len(ta._merge_kernel.device_caches[dev][0]))  # fmt: skip
+    n = variants()
+    for _ in range(12):
+        batch = random.choice([1, 2, 3, random.randint(1, 80)])
+        q_lens = [1] * batch if random.random() < 0.5 else [random.randint(1, 300) for _ in range(batch)]
+        docs, doc_len = random.randint(1, 3), random.randint(20, 400)
+        kv, meta = rag_batch(q_lens, docs=docs, doc_len=doc_len, rotate_keys=True)
+        q = torch.randn(sum(q_lens), Q_HEADS, HEAD_DIM, device=DEV, dtype=BF16)
+        lazy_attention_triton(q, kv, meta, rope, HEAD_DIM**-0.5)
+    torch.cuda.synchronize()
+    assert variants() == n
+
+
 @pytest.mark.parametrize("large_min", [2, 0])
 def test_extend_bf16_variants(monkeypatch, large_min):
     # 16-bit rotation math, with the default tile choice and with the large-grid tile on every grid.

@@ -444,3 +444,33 @@ def test_apply_rope(dtype, heads, head_dim, rotary_dim):
     ref = apply_rope_ref(x, pos, rope)
     out = apply_rope_triton(x, pos, rope)
     assert out.dtype == x.dtype and rel_err(out, ref) < TOL[dtype] / 10
+
+
+@pytest.mark.parametrize("kv_heads,group", [(8, 4), (4, 4), (1, 8), (2, 1), (16, 2)])
+def test_warm_up_cases_launch_every_variant_a_step_can(kv_heads, group):
+    # Serving must never wait for a Triton compile: every variant (attention tiles, split or not,
+    # angle addition, the merge's bucket of splits) that a random step picks (splits by the engine's
+    # rule) is among those the warm-up's steps pick, with the entries and splits warm_up gives them.
+    dev = torch.device("cpu")
+    rng = random.Random(kv_heads * 31 + group)
+    warmed = set()
+    for batch, q_len, entries, splits in ta.warm_up_cases(kv_heads, group, dev):
+        warmed |= ta.launch_config(batch, q_len, entries, kv_heads, group, 16, True, dev, splits).variants()
+    for _ in range(3000):
+        batch = rng.choice([rng.randint(1, 8), rng.randint(1, 300)])
+        q_len = 1 if rng.random() < 0.5 else rng.choice([rng.randint(2, 64), rng.randint(2, 4000)])
+        entries = rng.choice([rng.randint(1, 8), rng.randint(1, 2000)])
+        cfg = ta.launch_config(batch, q_len, entries, kv_heads, group, 16, True, dev)  # the engine's splits
+        assert cfg.variants() <= warmed, (batch, q_len, entries, cfg)
+
+
+def test_warm_up_runs_every_case_over_a_small_pool():
+    # the warm-up's synthetic steps are valid steps: outputs finite over a random pool, none skipped
+    # where the pool and the rotary tables hold the longest table (64 entries)
+    page, kv_heads, group, head_dim = 4, 2, 2, 16
+    cfg = ModelConfig(model_type="llama", vocab_size=32, hidden_size=64, intermediate_size=64, num_layers=1,
+                      num_heads=kv_heads * group, num_kv_heads=kv_heads, head_dim=head_dim)  # fmt: skip
+    rope = RopeCache.build(cfg, 64 * page + 8, "cpu")
+    kv = torch.randn(70, 2, page, kv_heads, head_dim)
+    n = ta.warm_up(kv, rope, kv_heads * group, True, head_dim**-0.5)
+    assert n == len(ta.warm_up_cases(kv_heads, group, torch.device("cpu")))

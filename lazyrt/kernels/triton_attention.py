@@ -44,6 +44,7 @@ Tunables (swept on that H100; retune per GPU):
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -173,6 +174,113 @@ def decode_tiles(base_programs: int, max_tokens: int, device: torch.device) -> t
     if base_programs <= sms * DECODE_SLOTS_WIDE:
         return DECODE_BLOCK_N_WIDE, pick_num_splits(base_programs, max_tokens, device, DECODE_SLOTS_WIDE)
     return DECODE_BLOCK_N, pick_num_splits(base_programs, max_tokens, device, DECODE_SLOTS)
+
+
+class LaunchConfig(NamedTuple):
+    """How lazy_attention_triton launches a step (launch_config): tiles, splits, rotation scheme."""
+
+    decode: bool
+    rows: int  # query rows a program (query tokens x GQA group)
+    block_m: int  # query tokens a program
+    q_blocks: int
+    block_n: int  # keys a step of the key loop
+    warps: int
+    stages: int
+    angle: int  # keys rotated by angle addition (0: from the table row of each key's position)
+    num_splits: int
+
+    def variants(self) -> set[tuple]:
+        """The compiled variants the launch uses (what else it passes are runtime ints): the attention
+        kernel's, and the merge's by its power-of-two bucket of splits. A step whose variant was never
+        launched in the process waits for Triton to compile it (seconds, the whole engine waits)."""
+        split = self.num_splits > 1
+        attn = ("attention", self.decode, self.rows, self.block_m, self.block_n, self.warps, self.stages,
+                self.angle, split)  # fmt: skip
+        return {attn, ("merge", _pow2(self.num_splits))} if split else {attn}
+
+
+# Splits a warm-up case launches: every power-of-two bucket of the merge (MAX_SPLITS is one).
+WARM_UP_SPLITS = tuple(1 << i for i in range(MAX_SPLITS.bit_length()))
+
+
+def warm_up_cases(num_kv_heads: int, group: int, device: torch.device) -> list[tuple[int, int, int, int]]:
+    """(sequences, new tokens a sequence, page-table entries a sequence, splits) of synthetic steps
+    that together launch every variant launch_config picks for a model's steps (LaunchConfig.variants,
+    splits by its own rule): decode at one sequence (rotation by angle addition), at a few and past the
+    wide key tiles' grid; extend at a small and a large grid; each unsplit and, where the grid can
+    split, split. The merge's buckets of splits are taken at one sequence."""
+    sms = device_sms(device)
+    few = DECODE_ANGLE_MAX_GRID // max(1, num_kv_heads) + 1  # past the angle addition
+    narrow = sms * DECODE_SLOTS_WIDE // max(1, num_kv_heads) + 1  # past the wide decode tiles
+    large = -(-EXTEND_LARGE_MIN_PER_SM * sms // max(1, num_kv_heads))  # sequences of 1-2 query blocks
+    cases = []
+    for batch, q_len in ((1, 1), (few, 1), (narrow, 1), (1, 2), (large, 2)):
+        base = batch * num_kv_heads  # the unsplit grid (one query block a sequence)
+        for splits in WARM_UP_SPLITS if batch == 1 else (1, 2):
+            if splits == 1 or base < sms:
+                cases.append((batch, q_len, max(splits, 2), splits))  # entries: none of the splits capped
+    return cases
+
+
+def warm_up(kv: torch.Tensor, rope: RopeCache | None, num_q_heads: int, rotate: bool,
+            sm_scale: float) -> int:  # fmt: skip
+    """Compile every variant of the attention and merge kernels a step can launch over `kv` (one
+    layer's pool: [pages, 2, page_size, kv_heads, head_dim]) by running warm_up_cases' steps over its
+    first pages (outputs discarded), so that serving never waits for a compile. Returns the steps run."""
+    num_pages, _, page_size, num_kv_heads, head_dim = kv.shape
+    if rope is not None:  # keep the positions inside the rotary tables
+        num_pages = min(num_pages, rope.cos.shape[0] // page_size)
+    dev, n = kv.device, 0
+    t = lambda x, dt=torch.int32: torch.tensor(x, dtype=dt, device=dev)  # noqa: E731
+    for batch, q_len, pages, splits in warm_up_cases(num_kv_heads, num_q_heads // num_kv_heads, dev):
+        if pages > num_pages:  # a pool this small never sees a table this long
+            continue
+        ctx = pages * page_size
+        meta = AttentionMetadata(
+            qo_indptr=t([i * q_len for i in range(batch + 1)]),
+            positions=t([ctx - q_len + j for _ in range(batch) for j in range(q_len)], torch.long),
+            kv_indptr=t([i * pages for i in range(batch + 1)]),
+            kv_indices=t(list(range(pages)) * batch),
+            pos_base=t([e * page_size for e in range(pages)] * batch),
+            valid_len=t([page_size] * pages * batch),
+            store_pages=t([], torch.long), store_slots=t([], torch.long),
+            rotate_keys=rotate, max_q_len=q_len, max_kv_entries=pages,
+        )  # fmt: skip
+        q = torch.zeros(batch * q_len, num_q_heads, head_dim, dtype=kv.dtype, device=dev)
+        lazy_attention_triton(q, kv, meta, rope, sm_scale, num_splits=splits)
+        n += 1
+    return n
+
+
+def launch_config(
+    batch: int, max_q_len: int, max_kv_entries: int, num_kv_heads: int, group: int, page_size: int,
+    rotate: bool, device: torch.device, num_splits: int | None = None,
+) -> LaunchConfig:  # fmt: skip
+    """The launch of a step of `batch` sequences (host only): the decode path when max_q_len == 1,
+    tiles by the grid's size, splits of the keys (num_splits forces them, capped at max_kv_entries)."""
+    max_tokens = max_kv_entries * page_size
+    decode = max_q_len == 1
+    if decode:
+        rows, block_m, q_blocks, warps, stages = max(MIN_DOT, _pow2(group)), 1, 1, DECODE_WARPS, DECODE_STAGES
+        block_n, auto_splits = decode_tiles(batch * num_kv_heads, max_tokens, device)
+    else:
+        ext_rows, block_n, warps, stages = EXTEND_ROWS, EXTEND_BLOCK_N, EXTEND_WARPS, EXTEND_STAGES
+        rows = max(MIN_DOT, ext_rows, _pow2(group))
+        grid0 = batch * triton.cdiv(max_q_len, rows // group) * num_kv_heads
+        if grid0 >= EXTEND_LARGE_MIN_PER_SM * device_sms(device):
+            ext_rows, block_n, warps, stages = EXTEND_LARGE
+            rows = max(MIN_DOT, ext_rows, _pow2(group))
+        block_m = rows // group
+        q_blocks = triton.cdiv(max_q_len, block_m)
+        auto_splits = pick_num_splits(batch * q_blocks * num_kv_heads, max_tokens, device, EXTEND_SLOTS)
+    angle = int(DECODE_ROT_ANGLE if decode else EXTEND_ROT_ANGLE) if rotate else 0
+    if decode and batch * num_kv_heads > DECODE_ANGLE_MAX_GRID:
+        angle = 0
+    if page_size & (page_size - 1) or (block_n % page_size and page_size % block_n):
+        angle = 0  # angle addition needs key blocks of whole pages or pages of whole blocks
+    splits = auto_splits if num_splits is None else num_splits
+    splits = max(1, min(int(splits), max(1, max_kv_entries)))
+    return LaunchConfig(decode, rows, block_m, q_blocks, block_n, warps, stages, angle, splits)
 
 
 @triton.jit
@@ -563,29 +671,12 @@ def lazy_attention_triton(
         max_kv_entries = n_e if B == 1 else int((meta.kv_indptr[1:] - meta.kv_indptr[:-1]).max())
 
     rotate = bool(meta.rotate_keys)
-    decode = max_q_len == 1
     half_kv = kv.dtype in (torch.float16, torch.bfloat16)
+    cfg = launch_config(B, max_q_len, max_kv_entries, num_kv_heads, group, page_size, rotate, q.device,
+                        num_splits)
+    decode, rows, block_m, q_blocks, block_n = cfg.decode, cfg.rows, cfg.block_m, cfg.q_blocks, cfg.block_n
+    warps, stages, angle, num_splits = cfg.warps, cfg.stages, cfg.angle, cfg.num_splits
     rot_lowp = int(DECODE_ROT_LOWP if decode else EXTEND_ROT_LOWP) if half_kv else 0
-
-    max_tokens = max_kv_entries * page_size
-    if decode:
-        rows, block_m, q_blocks, warps, stages = max(MIN_DOT, _pow2(group)), 1, 1, DECODE_WARPS, DECODE_STAGES
-        block_n, auto_splits = decode_tiles(B * num_kv_heads, max_tokens, q.device)
-    else:
-        ext_rows, block_n, warps, stages = EXTEND_ROWS, EXTEND_BLOCK_N, EXTEND_WARPS, EXTEND_STAGES
-        rows = max(MIN_DOT, ext_rows, _pow2(group))
-        grid0 = B * triton.cdiv(max_q_len, rows // group) * num_kv_heads
-        if grid0 >= EXTEND_LARGE_MIN_PER_SM * device_sms(q.device):
-            ext_rows, block_n, warps, stages = EXTEND_LARGE
-            rows = max(MIN_DOT, ext_rows, _pow2(group))
-        block_m = rows // group
-        q_blocks = triton.cdiv(max_q_len, block_m)
-        auto_splits = pick_num_splits(B * q_blocks * num_kv_heads, max_tokens, q.device, EXTEND_SLOTS)
-    angle = int(DECODE_ROT_ANGLE if decode else EXTEND_ROT_ANGLE) if rotate else 0
-    if decode and B * num_kv_heads > DECODE_ANGLE_MAX_GRID:
-        angle = 0
-    if page_size & (page_size - 1) or (block_n % page_size and page_size % block_n):
-        angle = 0  # angle addition needs key blocks of whole pages or pages of whole blocks
     n_parts, part_slots = max(1, block_n // page_size), min(block_n, page_size)
     if rotate:
         assert rope is not None and rope.rotary_dim % 2 == 0 and rope.rotary_dim <= head_dim
@@ -596,9 +687,6 @@ def lazy_attention_triton(
         half = head_dim // 2
         cos = sin = q  # unused
     rest = head_dim - 2 * half
-    if num_splits is None:
-        num_splits = auto_splits
-    num_splits = max(1, min(int(num_splits), max(1, max_kv_entries)))
     head_p = max(MIN_DOT, _pow2(head_dim))
     split = num_splits > 1
     if split:

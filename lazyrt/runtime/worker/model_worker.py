@@ -198,6 +198,10 @@ class ModelWorker:
             tp_size=cfg.tensor_parallel_size,
             kv_replicas=kv_replicas(whole, cfg.tensor_parallel_size),
         )
+        if self.model.device.type == "cuda":
+            t0 = time.perf_counter()
+            steps = self.runner.warm_up_attention()
+            logger.info("attention kernels warmed up: %d steps in %.1f s", steps, time.perf_counter() - t0)
         # Under tensor parallelism the graphs capture the NCCL all-reduces too: every rank captures the
         # same batch sizes in the same order (the warm-up runs before each capture are collectives),
         # and every rank replays the same graph in each step.
