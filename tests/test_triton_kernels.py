@@ -464,13 +464,14 @@ def test_warm_up_cases_launch_every_variant_a_step_can(kv_heads, group):
         assert cfg.variants() <= warmed, (batch, q_len, entries, cfg)
 
 
-def test_warm_up_runs_every_case_over_a_small_pool():
-    # the warm-up's synthetic steps are valid steps: outputs finite over a random pool, none skipped
-    # where the pool and the rotary tables hold the longest table (64 entries)
+@pytest.mark.parametrize("entry_logits", [False, True])
+def test_warm_up_runs_every_case_over_a_small_pool(entry_logits):
+    # the warm-up's synthetic steps are valid steps (document attention's too), none skipped where the
+    # pool and the rotary tables hold the longest table (64 entries)
     page, kv_heads, group, head_dim = 4, 2, 2, 16
     cfg = ModelConfig(model_type="llama", vocab_size=32, hidden_size=64, intermediate_size=64, num_layers=1,
                       num_heads=kv_heads * group, num_kv_heads=kv_heads, head_dim=head_dim)  # fmt: skip
     rope = RopeCache.build(cfg, 64 * page + 8, "cpu")
     kv = torch.randn(70, 2, page, kv_heads, head_dim)
-    n = ta.warm_up(kv, rope, kv_heads * group, True, head_dim**-0.5)
-    assert n == len(ta.warm_up_cases(kv_heads, group, torch.device("cpu")))
+    n = ta.warm_up(kv, rope, kv_heads * group, True, head_dim**-0.5, entry_logits)
+    assert n == len(ta.warm_up_cases(kv_heads, group, torch.device("cpu"))) * (2 if entry_logits else 1)

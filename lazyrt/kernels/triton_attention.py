@@ -223,10 +223,12 @@ def warm_up_cases(num_kv_heads: int, group: int, device: torch.device) -> list[t
 
 
 def warm_up(kv: torch.Tensor, rope: RopeCache | None, num_q_heads: int, rotate: bool,
-            sm_scale: float) -> int:  # fmt: skip
+            sm_scale: float, entry_logits: bool = False) -> int:  # fmt: skip
     """Compile every variant of the attention and merge kernels a step can launch over `kv` (one
     layer's pool: [pages, 2, page_size, kv_heads, head_dim]) by running warm_up_cases' steps over its
-    first pages (outputs discarded), so that serving never waits for a compile. Returns the steps run."""
+    first pages (outputs discarded), so that serving never waits for a compile; with entry_logits each
+    step twice, the second with per-entry logit transforms (document attention's variants). Returns
+    the steps run."""
     num_pages, _, page_size, num_kv_heads, head_dim = kv.shape
     if rope is not None:  # keep the positions inside the rotary tables
         num_pages = min(num_pages, rope.cos.shape[0] // page_size)
@@ -249,6 +251,11 @@ def warm_up(kv: torch.Tensor, rope: RopeCache | None, num_q_heads: int, rotate: 
         q = torch.zeros(batch * q_len, num_q_heads, head_dim, dtype=kv.dtype, device=dev)
         lazy_attention_triton(q, kv, meta, rope, sm_scale, num_splits=splits)
         n += 1
+        if entry_logits:
+            meta.entry_logit_scale = torch.ones(batch * pages, dtype=torch.float32, device=dev)
+            meta.entry_log_mass = torch.zeros(batch * pages, dtype=torch.float32, device=dev)
+            lazy_attention_triton(q, kv, meta, rope, sm_scale, num_splits=splits)
+            n += 1
     return n
 
 

@@ -96,18 +96,19 @@ class ModelRunner:
 
             self._copy_rerotate = copy_rerotate_pages_triton
 
-    def warm_up_attention(self) -> int:
+    def warm_up_attention(self, doc_attention: bool = False) -> int:
         """Compile every variant of the Triton attention kernels a step can launch (CUDA only), so that
         no request waits for a compile mid-serving (a fresh machine's first steps of a new shape
-        stalled the engine for seconds: benchmarks/experiments/compile_stalls.py). Later starts load
-        them from Triton's disk cache. Returns the warm-up steps run (0 off CUDA)."""
+        stalled the engine for seconds: benchmarks/experiments/compile_stalls.py); doc_attention:
+        document attention's variants too (a server configured with it). Later starts load them from
+        Triton's disk cache. Returns the warm-up steps run (0 off CUDA)."""
         if self.device.type != "cuda":
             return 0
         from lazyrt.kernels.triton_attention import warm_up
 
         c = self.model.config
         q_heads = self.pool.num_kv_heads * (c.num_heads // c.num_kv_heads)  # this rank's
-        return warm_up(self.pool.kv[0], self.rope, q_heads, self.rotate_keys, c.head_dim**-0.5)
+        return warm_up(self.pool.kv[0], self.rope, q_heads, self.rotate_keys, c.head_dim**-0.5, doc_attention)
 
     def enable_cuda_graphs(self, max_batch: int, max_context: int, doc_attention: bool = False) -> None:
         """Capture decode graphs for batch sizes up to max_batch (CUDA only); with doc_attention the

@@ -198,10 +198,14 @@ class ModelWorker:
             tp_size=cfg.tensor_parallel_size,
             kv_replicas=kv_replicas(whole, cfg.tensor_parallel_size),
         )
+        # A server configured with document attention uses it in every step (its variants warmed up and
+        # its graphs captured now, not on first use mid-traffic; a request's own override still
+        # captures on demand).
+        doc_attention = (cfg.doc_attention_temperature, cfg.doc_attention_scale) != (1, 1)
         if self.model.device.type == "cuda":
             t0 = time.perf_counter()
             try:
-                steps = self.runner.warm_up_attention()
+                steps = self.runner.warm_up_attention(doc_attention)
                 took = time.perf_counter() - t0
                 logger.info("attention kernels warmed up: %d steps in %.1f s", steps, took)
             except Exception as e:  # serving still works: a step compiles what it needs on first use
@@ -211,9 +215,6 @@ class ModelWorker:
         # same batch sizes in the same order (the warm-up runs before each capture are collectives),
         # and every rank replays the same graph in each step.
         if self.model.device.type == "cuda" and cfg.cuda_graph_max_batch > 0:
-            # A server configured with document attention uses it in every step: capture those graphs
-            # now, not on first use mid-traffic (a request's own override still captures on demand).
-            doc_attention = (cfg.doc_attention_temperature, cfg.doc_attention_scale) != (1, 1)
             self.runner.enable_cuda_graphs(
                 min(cfg.cuda_graph_max_batch, cfg.max_running_requests), self.max_context, doc_attention
             )
