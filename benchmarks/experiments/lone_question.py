@@ -57,7 +57,8 @@ def one_step(B: int, a, bp: int, rope: RopeCache, scale: float, bench, ref: dict
     if not ref:
         ref["per_request_us"] = bench(lambda: lazy_attention_triton(q, kv, full, rope, scale))
         try:
-            ref["flashinfer_us"] = bench(flashinfer_run(full, q, kv, a.q_len))
+            if not a.skip_flashinfer:
+                ref["flashinfer_us"] = bench(flashinfer_run(full, q, kv, a.q_len))
         except Exception as e:  # noqa: BLE001
             print(f"flashinfer skipped: {type(e).__name__}: {str(e)[:100]}")
         print(json.dumps({"batch": B, **{k: round(v, 1) for k, v in ref.items()}}), flush=True)
@@ -103,13 +104,16 @@ def main() -> None:
                     help="time only the engine's key block, with its settings and each one it picks from")
     ap.add_argument("--kv-heads", type=int, default=8,
                     help="KV heads (query heads: 4x): 4 is a rank's share of Llama-3.1-8B at TP=2")
+    ap.add_argument("--skip-flashinfer", action="store_true",
+                    help="no FlashInfer reference (its JIT build for a new head count takes minutes)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     tiles = ENGINE_TILES if args.engine_tile else TILES
     if not torch.cuda.is_available():
         ap.error("needs a CUDA device")
     base = argparse.Namespace(docs=5, doc_tokens=2048, private=args.q_len, pool=100, alpha=2.1,
-                              q_len=args.q_len, piece_tokens=None, seed=0, kv_heads=args.kv_heads)
+                              q_len=args.q_len, piece_tokens=None, seed=0, kv_heads=args.kv_heads,
+                              skip_flashinfer=args.skip_flashinfer)
     cfg = ModelConfig.from_hf(PRESETS["llama-3.1-8b"])
     rope = RopeCache.build(cfg, base.docs * base.doc_tokens + base.private + 1, "cuda")
     scale = 128**-0.5
