@@ -4,7 +4,8 @@ the first run of a workload on a fresh machine had a TTFT tail the same run on a
 Starts `python -m lazyrt.launch` with an empty Triton cache (TRITON_CACHE_DIR), sends one request
 (rag_serving's warm-up request and a one-request point), then runs the same rag_serving point
 --points times, and after each lists the Triton kernels compiled meanwhile (the cache's new entries,
-by kernel name) beside the point's TTFT row. A kernel compiled during a point stalls the engine, so
+by kernel name) beside the point's TTFT row, and the worker's warnings of kernels compiled after
+start-up (runtime/worker/compile_watch.py). A kernel compiled during a point stalls the engine, so
 every request in flight waits for it.
 
     python benchmarks/experiments/compile_stalls.py [--points 2] [--server-args "..."] -- RAG_SERVING_ARGS
@@ -72,7 +73,8 @@ def main(argv: list[str] | None = None) -> None:
     cache = Path(tempfile.mkdtemp(prefix="triton-cache-"))
     env = {**os.environ, "TRITON_CACHE_DIR": str(cache)}
     url = f"http://127.0.0.1:{args.port}"
-    log = open(cache.parent / f"compile-stalls-server-{args.port}.log", "w")  # noqa: SIM115
+    log_path = cache.parent / f"compile-stalls-server-{args.port}.log"
+    log = open(log_path, "w")  # noqa: SIM115
     cmd = [sys.executable, "-m", "lazyrt.launch", "--port", str(args.port), *args.server_args.split()]
     server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     try:
@@ -93,7 +95,9 @@ def main(argv: list[str] | None = None) -> None:
             new = Counter(now[k] for k in now.keys() - seen.keys())
             seen = now
             what = "warm-up + 1 request" if first else f"point {i}"
-            print(f"== {what}: rc {res.returncode}; compiled meanwhile: {dict(new) or 'nothing'}")
+            late = sum("mid-serving" in ln for ln in log_path.read_text(errors="replace").splitlines())
+            print(f"== {what}: rc {res.returncode}; compiled meanwhile: {dict(new) or 'nothing'}; "
+                  f"the worker's late-compile warnings so far: {late}")
             print("\n".join(rows) or res.stderr[-2000:], flush=True)
     finally:
         server.terminate()

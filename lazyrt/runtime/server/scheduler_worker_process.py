@@ -54,12 +54,15 @@ def run_scheduler_worker_process(
     """tp: rank 0 of a tensor-parallel group (ranks 1.. are tp_follower processes, as with a worker
     process)."""
     watch = child_setup("scheduler", log_level)
+    from lazyrt.runtime.worker.compile_watch import watch_late_compiles
     from lazyrt.runtime.worker.model_worker import ModelWorker  # heavy imports after setup
 
     ctx = zmq.Context()
     inbox = socket(ctx, zmq.PULL, ipc.scheduler_in, bind=True)
     threads = set_worker_cpu_threads(cfg)
     worker = ModelWorker(cfg, tp)
+    if worker.model.device.type == "cuda":
+        watch_late_compiles()  # start-up has launched the kernels: a compile from here on stalls serving
     ready = worker.ready_info()
     logger.info("model %s loaded on %s in the scheduler process; %d KV pages; %d CPU threads",
                 ready.model_id, ready.device, ready.num_pages, threads)  # fmt: skip

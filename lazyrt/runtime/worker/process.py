@@ -21,6 +21,7 @@ TP_BROKEN = "tp_broken"  # StepFailed.kind of a step that broke the tensor-paral
 def run_worker_process(cfg: EngineConfig, ipc: IpcPaths, log_level: str, tp: TPMember | None = None) -> None:
     """tp: rank 0 of a tensor-parallel group (ranks 1.. are tp_follower processes)."""
     watch = child_setup("worker", log_level)
+    from lazyrt.runtime.worker.compile_watch import watch_late_compiles
     from lazyrt.runtime.worker.model_worker import ModelWorker  # heavy imports after setup
 
     ctx = zmq.Context()
@@ -28,6 +29,8 @@ def run_worker_process(cfg: EngineConfig, ipc: IpcPaths, log_level: str, tp: TPM
     outbox = socket(ctx, zmq.PUSH, ipc.worker_out, bind=False)
     threads = set_worker_cpu_threads(cfg)
     worker = ModelWorker(cfg, tp)
+    if worker.model.device.type == "cuda":
+        watch_late_compiles()  # start-up has launched the kernels: a compile from here on stalls serving
     info = worker.ready_info()
     logger.info("model %s loaded on %s; %d KV pages; %d CPU threads", info.model_id, info.device,
                 info.num_pages, threads)  # fmt: skip

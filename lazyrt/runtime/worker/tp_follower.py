@@ -27,6 +27,7 @@ logger = logging.getLogger("lazyrt.worker")
 def run_follower_process(cfg: EngineConfig, member: TPMember, log_level: str) -> None:
     """Process target of rank >= 1: load this rank's shard, then run every StepMsg rank 0 forwards."""
     watch = child_setup(f"tp rank {member.rank}", log_level)
+    from lazyrt.runtime.worker.compile_watch import watch_late_compiles
     from lazyrt.runtime.worker.model_worker import ModelWorker  # heavy imports after setup
 
     set_worker_cpu_threads(cfg)
@@ -34,6 +35,8 @@ def run_follower_process(cfg: EngineConfig, member: TPMember, log_level: str) ->
     ctx = zmq.Context()
     inbox = socket(ctx, zmq.PULL, member.rendezvous.plan_addrs[member.rank - 1], bind=True)
     worker = ModelWorker(cfg, member)
+    if worker.model.device.type == "cuda":
+        watch_late_compiles()  # start-up has launched the kernels: a compile from here on stalls serving
     logger.info("tensor-parallel rank %d of %d ready", member.rank, member.rendezvous.size)
     code = follow_steps(worker, inbox, watch.check, member.rank)
     logging.shutdown()
