@@ -13,13 +13,17 @@ nearly every request in the real runs), the in-flight requests' own pages, timin
 
 Prints one row per (workload point, concurrency, imbalance, slack): one replica with 2C, then two with
 C each under affinity / hash / round_robin / least_loaded: hit ratio and the share of requests the
-imbalance bound moved off their choice ("spilled").
+imbalance bound moved off their choice ("spilled"); "affinity + peer KV" also counts as hits the
+misses whose document the other replica held at the time (the bound for moving KV between
+replicas instead of recomputing it); "partitioned + peer KV": each document cached only by its owner
+replica (a hash), read from there by requests on the other (no document held twice).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import hashlib
 import itertools
 import os
 import sys
@@ -65,7 +69,7 @@ def simulate(requests: list[list[int]], doc_tokens: int, capacity: int, replicas
         policy.views[r] = ReplicaView(capacity=capacity, eviction_policy=eviction_policy, page_size=page_size)
     in_flight: collections.deque = collections.deque()
     load = dict.fromkeys(names, 0)
-    hits = misses = spilled = 0
+    hits = misses = spilled = peer = 0
     for docs in requests:
         if len(in_flight) >= concurrency:
             r, keys = in_flight.popleft()
@@ -76,11 +80,42 @@ def simulate(requests: list[list[int]], doc_tokens: int, capacity: int, replicas
         choice = policy.choose(keys, dict(load), sizes)
         spilled += choice.reason == "imbalance"
         policy.record(choice.replica, keys, sizes)
+        own = caches[choice.replica].view
+        peer += sum(1 for k in set(keys) if not own.holds(k)
+                    and any(caches[o].view.holds(k) for o in names if o != choice.replica))  # fmt: skip
         h, m = caches[choice.replica].admit(keys, sizes)
         hits, misses = hits + h, misses + m
         in_flight.append((choice.replica, keys))
         load[choice.replica] += 1
-    return {"hit_ratio": hits / max(hits + misses, 1), "spilled": spilled / max(len(requests), 1)}
+    total = max(hits + misses, 1)
+    # peer: misses whose document another replica held then (what moving KV between replicas would
+    # turn into hits; a document used twice in a request counts once)
+    return {"hit_ratio": hits / total, "spilled": spilled / max(len(requests), 1),
+            "with_peer": (hits + peer) / total}  # fmt: skip
+
+
+def simulate_partitioned(requests: list[list[int]], doc_tokens: int, capacity: int, replicas: int,
+                         concurrency: int, eviction_policy: str = "lfu", page_size: int = 16) -> float:
+    """Hit ratio when each document is cached only by one owner replica (a hash of its key) and a
+    request anywhere reads the others' documents from them (moving KV between replicas, no copy
+    kept): the replicas' caches hold no document twice."""
+    caches = [ModelCache(capacity, eviction_policy, page_size) for _ in range(replicas)]
+    in_flight: collections.deque = collections.deque()
+    hits = misses = 0
+    for docs in requests:
+        if len(in_flight) >= concurrency:
+            for r, keys in in_flight.popleft():
+                caches[r].release(keys)
+        by_owner = collections.defaultdict(list)
+        for d in dict.fromkeys(docs):
+            key = str(d).encode()
+            owner = int.from_bytes(hashlib.blake2b(key, digest_size=4).digest(), "little") % replicas
+            by_owner[owner].append(key)
+        for r, keys in by_owner.items():
+            h, m = caches[r].admit(keys, [doc_tokens] * len(keys))
+            hits, misses = hits + h, misses + m
+        in_flight.append(list(by_owner.items()))
+    return hits / max(hits + misses, 1)
 
 
 def main() -> None:
@@ -97,9 +132,9 @@ def main() -> None:
     p.add_argument("--imbalance", type=float, nargs="+", default=[0.5])
     p.add_argument("--slack", type=int, nargs="+", default=[4])
     args = p.parse_args()
-    print("| seed | in flight | imbalance | slack | one 2C | affinity (spilled) | hash | round robin "
-          "| least loaded | affinity vs one | vs round robin |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| seed | in flight | imbalance | slack | one 2C | affinity (spilled) | affinity + peer KV "
+          "| partitioned + peer KV | hash | round robin | least loaded | affinity vs one | vs round robin |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for seed in args.seed:
         cfg = WorkloadConfig(num_docs=args.num_docs, doc_tokens=args.doc_tokens, seed=seed,
                              docs_per_request=args.docs_per_request, num_requests=args.num_requests,
@@ -112,9 +147,12 @@ def main() -> None:
                 for m in ("affinity", "hash", "round_robin", "least_loaded")
             }
             a, spilled = two["affinity"]["hit_ratio"], two["affinity"]["spilled"]
+            part = simulate_partitioned(requests, args.doc_tokens, args.kv_cache_tokens, 2, conc)
             rr = two["round_robin"]["hit_ratio"]
             print(f"| {seed} | {conc} | {imb} | {slack} | {one:.3f} | {a:.3f} ({spilled:.3f}) "
-                  f"| {two['hash']['hit_ratio']:.3f} | {rr:.3f} | {two['least_loaded']['hit_ratio']:.3f} "
+                  f"| {two['affinity']['with_peer']:.3f} | {part:.3f} | {two['hash']['hit_ratio']:.3f} "
+                  f"| {rr:.3f} "
+                  f"| {two['least_loaded']['hit_ratio']:.3f} "
                   f"| {100 * (a - one):+.1f} | {100 * (a - rr):+.1f} |")
 
 if __name__ == "__main__":
