@@ -61,8 +61,7 @@ def run_scheduler_worker_process(
     inbox = socket(ctx, zmq.PULL, ipc.scheduler_in, bind=True)
     threads = set_worker_cpu_threads(cfg)
     worker = ModelWorker(cfg, tp)
-    if worker.model.device.type == "cuda":
-        watch_late_compiles()  # start-up has launched the kernels: a compile from here on stalls serving
+    watch_late_compiles(worker.model.device)  # start-up launched the kernels: a compile now stalls serving
     ready = worker.ready_info()
     logger.info("model %s loaded on %s in the scheduler process; %d KV pages; %d CPU threads",
                 ready.model_id, ready.device, ready.num_pages, threads)  # fmt: skip

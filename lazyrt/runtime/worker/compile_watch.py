@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+import torch
+
 logger = logging.getLogger("lazyrt.worker")
 
 
@@ -30,9 +32,12 @@ def late_compile_hook(previous: Callable | None = None) -> Callable:
     return hook
 
 
-def watch_late_compiles() -> bool:
+def watch_late_compiles(device: torch.device | None = None) -> bool:
     """From now on, log each Triton kernel variant this process launches for the first time (call
-    it once start-up has launched what it will). False where this Triton has no such hook."""
+    it once start-up has launched what it will). False off CUDA (a device given that is not) or
+    where this Triton has no such hook."""
+    if device is not None and device.type != "cuda":
+        return False
     try:
         from triton import knobs
     except ImportError:

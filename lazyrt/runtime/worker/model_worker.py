@@ -202,15 +202,14 @@ class ModelWorker:
         # its graphs captured now, not on first use mid-traffic; a request's own override still
         # captures on demand).
         doc_attention = (cfg.doc_attention_temperature, cfg.doc_attention_scale) != (1, 1)
-        if self.model.device.type == "cuda":
-            t0 = time.perf_counter()
-            try:
-                steps = self.runner.warm_up_attention(doc_attention)
-                took = time.perf_counter() - t0
-                logger.info("attention kernels warmed up: %d steps in %.1f s", steps, took)
-            except Exception as e:  # serving still works: a step compiles what it needs on first use
-                logger.warning("attention kernel warm-up failed (kernels compile on first use instead): "
-                               "%s: %s", type(e).__name__, str(e)[:300])  # fmt: skip
+        t0 = time.perf_counter()
+        try:
+            if steps := self.runner.warm_up_attention(doc_attention):  # 0 off CUDA
+                logger.info("attention kernels warmed up: %d steps in %.1f s", steps,
+                            time.perf_counter() - t0)
+        except Exception as e:  # serving still works: a step compiles what it needs on first use
+            logger.warning("attention kernel warm-up failed (kernels compile on first use instead): %s: %s",
+                           type(e).__name__, str(e)[:300])  # fmt: skip
         # Under tensor parallelism the graphs capture the NCCL all-reduces too: every rank captures the
         # same batch sizes in the same order (the warm-up runs before each capture are collectives),
         # and every rank replays the same graph in each step.

@@ -29,8 +29,7 @@ def run_worker_process(cfg: EngineConfig, ipc: IpcPaths, log_level: str, tp: TPM
     outbox = socket(ctx, zmq.PUSH, ipc.worker_out, bind=False)
     threads = set_worker_cpu_threads(cfg)
     worker = ModelWorker(cfg, tp)
-    if worker.model.device.type == "cuda":
-        watch_late_compiles()  # start-up has launched the kernels: a compile from here on stalls serving
+    watch_late_compiles(worker.model.device)  # start-up launched the kernels: a compile now stalls serving
     info = worker.ready_info()
     logger.info("model %s loaded on %s; %d KV pages; %d CPU threads", info.model_id, info.device,
                 info.num_pages, threads)  # fmt: skip

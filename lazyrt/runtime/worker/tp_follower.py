@@ -35,8 +35,7 @@ def run_follower_process(cfg: EngineConfig, member: TPMember, log_level: str) ->
     ctx = zmq.Context()
     inbox = socket(ctx, zmq.PULL, member.rendezvous.plan_addrs[member.rank - 1], bind=True)
     worker = ModelWorker(cfg, member)
-    if worker.model.device.type == "cuda":
-        watch_late_compiles()  # start-up has launched the kernels: a compile from here on stalls serving
+    watch_late_compiles(worker.model.device)  # start-up launched the kernels: a compile now stalls serving
     logger.info("tensor-parallel rank %d of %d ready", member.rank, member.rendezvous.size)
     code = follow_steps(worker, inbox, watch.check, member.rank)
     logging.shutdown()
