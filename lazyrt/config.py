@@ -126,6 +126,12 @@ class EngineConfig:
     # Registered documents (lazyrt/documents.py; requests name them by id): a sqlite file path;
     # None = $LAZYRT_CACHE_DIR/documents/<model id>.sqlite; "none" = no store.
     document_store: str | None = None
+    # Peer KV (server only): replicas on one host keep one copy of each document between them and read
+    # each other's pages (runtime/scheduler/peer_kv.py). This replica's peer address first, then every
+    # other replica's (tcp://127.0.0.1:PORT or ipc://PATH); empty = off.
+    kv_peers: tuple[str, ...] = ()
+    # Peer KV: how long to wait for a peer's answer before computing its documents here.
+    kv_peer_timeout_s: float = 10.0
     seed: int = 0
 
     def validate(self) -> None:
@@ -163,9 +169,36 @@ class EngineConfig:
         check_doc_positions(self.cache_mode, self.doc_positions, recompute)
         check_store_option(self.document_store)
         check_tensor_parallel_size(self)
+        check_kv_peers(self)
         if self.tp_fused_all_reduce_norm is True and not self.tp_peer_all_reduce:
             raise ValueError("tp_fused_all_reduce_norm=True needs tp_peer_all_reduce (its workspace is in "
                              "the peer path's memory)")  # fmt: skip
+
+
+def check_kv_peers(cfg: EngineConfig) -> None:
+    """Validates kv_peers (ValueError naming it): this replica's address and at least one other, all
+    distinct, tcp:// or ipc://; chunk modes only; one device, no host-tier retrieval attention."""
+    peers = cfg.kv_peers
+    if not peers:
+        return
+    if isinstance(peers, str) or len(peers) < 2 or len(set(peers)) != len(peers):
+        raise ValueError(f"kv_peers={peers!r}: needs this replica's address and at least one other "
+                         "replica's, all distinct")  # fmt: skip
+    for a in peers:
+        if not isinstance(a, str) or not a.startswith(("tcp://", "ipc://")) or a in ("tcp://", "ipc://"):
+            raise ValueError(f"kv_peers: {a!r} is not a ZMQ address (tcp://127.0.0.1:PORT or ipc://PATH)")
+        if a.startswith("tcp://") and ("*" in a or a.count(":") < 2):
+            raise ValueError(f"kv_peers: {a!r}: name a host and a port (replicas share one host: tcp://127.0.0.1:PORT)")
+    if cfg.cache_mode not in ("lazy", "block"):
+        raise ValueError(f"kv_peers: needs cache_mode lazy or block (documents cached as chunks), not "
+                         f"{cfg.cache_mode!r}")  # fmt: skip
+    if cfg.tensor_parallel_size != 1:
+        raise ValueError("kv_peers: not supported with tensor_parallel_size > 1 yet")
+    if cfg.retrieval_attention:
+        raise ValueError("kv_peers: not supported with retrieval_attention")
+    t = cfg.kv_peer_timeout_s
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
+        raise ValueError(f"kv_peer_timeout_s={t!r}: must be a number of seconds > 0")
 
 
 def check_tensor_parallel_size(cfg: EngineConfig) -> None:

@@ -204,6 +204,29 @@ def build_parser() -> argparse.ArgumentParser:
         "NCCL; CPU: gloo); heads must divide by N",
     )
     p.add_argument(
+        "--kv-peer-addr",
+        default=None,
+        metavar="ADDR",
+        help="peer KV: this replica's address for the other replicas on this host (tcp://127.0.0.1:PORT "
+        "or ipc://PATH); with --kv-peers, each document is cached by one replica and read from its pages "
+        "by the others (route requests by load: `lazyrt.router --policy least_loaded`)",
+    )
+    p.add_argument(
+        "--kv-peers",
+        nargs="+",
+        default=[],
+        metavar="ADDR",
+        help="peer KV: the other replicas' --kv-peer-addr (every replica lists the others; on GPUs each "
+        "must see the others' devices: pick its own with --device cuda:N, not CUDA_VISIBLE_DEVICES)",
+    )
+    p.add_argument(
+        "--kv-peer-timeout",
+        type=float,
+        default=d.kv_peer_timeout_s,
+        metavar="SECONDS",
+        help="peer KV: compute a peer's documents here when it has not answered in this many seconds",
+    )
+    p.add_argument(
         "--tp-peer-all-reduce",
         action=argparse.BooleanOptionalAction,
         default=d.tp_peer_all_reduce,
@@ -285,14 +308,23 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         tp_peer_all_reduce=args.tp_peer_all_reduce,
         tp_fused_all_reduce_norm=args.tp_fused_all_reduce_norm,
         document_store=args.document_store,
+        kv_peers=kv_peers(args),
+        kv_peer_timeout_s=args.kv_peer_timeout,
         seed=args.seed,
     )
 
 
+def kv_peers(args: argparse.Namespace) -> tuple[str, ...]:
+    """EngineConfig.kv_peers from --kv-peer-addr and --kv-peers (one without the other: an error)."""
+    if bool(args.kv_peer_addr) != bool(args.kv_peers):
+        raise ValueError("--kv-peer-addr and --kv-peers go together (this replica's address and the others')")
+    return (args.kv_peer_addr, *args.kv_peers) if args.kv_peer_addr else ()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    cfg = engine_config(args)
     try:
+        cfg = engine_config(args)
         cfg.validate()
         check_devices(cfg)
     except ValueError as e:

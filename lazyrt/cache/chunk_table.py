@@ -45,6 +45,12 @@ class Chunk:
     host_pages: list[int] = field(default_factory=list)  # its copy in the host tier; [] = none
     loading: bool = False  # a load from the host is queued and not yet taken into a step
     content: PartKey | None = None  # (cond_tokens, tokens): the table's index key (hash kept)
+    # Peer KV: the peer replica this copy was read from (-1: computed or loaded here). Such a copy is
+    # dropped once no request holds it (its owner keeps the document); fetching: its pages are asked
+    # for and not yet answered.
+    peer: int = -1
+    fetching: bool = False
+    ready_seq: int = 0  # the step whose kernels or copies filled its pages (0: before any step)
 
     @property
     def num_tokens(self) -> int:
@@ -63,6 +69,9 @@ class ChunkTableStats:
     offload_pages: int = 0
     load_pages: int = 0
     host_evictions: int = 0  # host copies dropped to make room in the host tier
+    peer_fetches: int = 0  # chunk uses read from the peer replica that owns them (not hits or misses here)
+    peer_loads: int = 0  # chunks copied from a peer's pool
+    peer_load_pages: int = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -74,6 +83,7 @@ class Transfer:
     src: list[int]
     dst: list[int]
     num_tokens: int = 0  # the chunk's tokens (offloads: the worker may index its keys on the way out)
+    peer: int = -1  # a peer load: the peer replica whose pool holds src
 
 
 class ChunkTable:
@@ -102,6 +112,7 @@ class ChunkTable:
         # copies not yet taken into a step: device -> host for evicted chunks, host -> device for hits
         self._offloads: list[Transfer] = []
         self._loads: list[Transfer] = []
+        self._peer_loads: list[Transfer] = []
         self.policy: EvictionPolicy = make_policy(eviction_policy)
         self.eviction_policy = eviction_policy
         # Min-heap of (priority, seq, chunk) over every chunk (evictable or not). An entry is live
@@ -254,6 +265,27 @@ class ChunkTable:
         self._loads.append(Transfer(chunk, chunk.host_pages, pages))
         self.stats.loads += 1
         self.stats.load_pages += len(pages)
+
+    def peer_load(self, chunk: Chunk, peer: int, src: list[int]) -> None:
+        """A chunk being fetched gets its KV from peer `peer`'s pages `src` (held there for this
+        replica): the copy is queued and the chunk is ready for any kernel of the step that takes it
+        (take_peer_loads: copies run before the step's kernels) or later."""
+        self._check_member(chunk)
+        if not chunk.fetching or chunk.ready:
+            raise ValueError("peer_load: the chunk is not being fetched")
+        if len(src) != len(chunk.pages):
+            raise ValueError(f"peer_load: {len(src)} peer pages for a chunk of {len(chunk.pages)}")
+        chunk.fetching, chunk.ready, chunk.peer = False, True, peer
+        self._peer_loads.append(Transfer(chunk, list(src), chunk.pages, len(chunk.tokens), peer))
+        self.stats.peer_loads += 1
+        self.stats.peer_load_pages += len(src)
+
+    def take_peer_loads(self) -> list[Transfer]:
+        """Peer copies owed since the last call, for the step about to be sent (after its host loads,
+        before its kernels); those whose chunk has left the table since are dropped."""
+        loads = [t for t in self._peer_loads if t.chunk.pages is t.dst and t.chunk.heap_seq >= 0]
+        self._peer_loads = []
+        return loads
 
     def take_transfers(self) -> tuple[list[Transfer], list[Transfer]]:
         """(offloads, loads) owed since the last call, for the step about to be sent: the worker

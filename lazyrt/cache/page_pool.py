@@ -6,6 +6,8 @@ import heapq
 
 import torch
 
+from lazyrt.cache.kv_share import shared_zeros
+
 
 class OutOfPages(RuntimeError):
     """Raised when an allocation asks for more pages than are free."""
@@ -29,6 +31,7 @@ class PagePool:
         dtype: torch.dtype,
         device: str | torch.device = "cpu",
         scratch_pages: int = 0,
+        shared: bool = False,
     ) -> None:
         if min(num_layers, num_pages, page_size, num_kv_heads, head_dim) <= 0:
             raise ValueError("PagePool dimensions must all be positive")
@@ -45,7 +48,12 @@ class PagePool:
         shape = (num_pages + scratch_pages, 2, page_size, num_kv_heads, head_dim)
         # One allocation for all layers (block-mode copies touch every layer in one kernel launch);
         # kv[layer] is a contiguous view of it.
-        self.kv_all = torch.zeros((num_layers, *shape), dtype=dtype, device=self.device)
+        # shared: other processes of this host can map it (peer KV; `export` says how: kv_share.py)
+        self.export: list | None = None
+        if shared:
+            self.kv_all, self.export = shared_zeros((num_layers, *shape), dtype, self.device)
+        else:
+            self.kv_all = torch.zeros((num_layers, *shape), dtype=dtype, device=self.device)
         self.kv: list[torch.Tensor] = list(self.kv_all.unbind(0))
         # A sorted list is a valid min-heap; _is_free makes double-free detection O(1).
         self._free_heap: list[int] = list(range(num_pages))

@@ -43,6 +43,9 @@ class Engine:
             model=model, device=device, dtype=dtype, page_size=page_size, cache_mode=cache_mode, **kwargs
         )
         cfg.validate()
+        if cfg.kv_peers:
+            raise ValueError("kv_peers: a server option (replicas exchange KV through their scheduler "
+                             "processes); the offline Engine has no peers")  # fmt: skip
         self.config = cfg
         # The offline Engine runs the server's step code in one process: the same ModelWorker and
         # EngineCore (plan -> StepMsg -> worker -> StepResult), called directly instead of over ZMQ,

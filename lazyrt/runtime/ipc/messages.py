@@ -160,6 +160,10 @@ class StepMsg:
     # offloads, then [host pages, device pages] loads.
     offloads: list[list] = field(default_factory=list)
     loads: list[list] = field(default_factory=list)
+    # Peer KV, run after the host loads and before `copies`: [peer, the peer's pages, device pages];
+    # peer_pools: [peer, its KV pool's export] for a peer this worker has not mapped yet (or again)
+    peer_loads: list[list] = field(default_factory=list)
+    peer_pools: list[list] = field(default_factory=list)
 
 
 @message
@@ -208,6 +212,59 @@ class WorkerReady:
     host_pages: int = 0  # pages of the host KV tier (0 = off)
     page_bytes: int = 0  # bytes of one KV page, all layers (host tier traffic in /cache_stats)
     tool_format: str | None = None  # set by the tokenizer process: its chat template's tool calls
+    kv_export: list | None = None  # the KV pool, mappable by peer replicas (kv_peers; cache/kv_share.py)
+
+
+# ---- scheduler <-> the schedulers of peer replicas (kv_peers: runtime/scheduler/peer_kv.py) ------
+@message
+@dataclass(slots=True)
+class PeerHello:
+    """A replica asks a peer for its KV pool (sent at start-up, and again while it has no answer)."""
+
+    sender: str  # the sender's peer address: where the answer goes
+    model_id: str
+
+
+@message
+@dataclass(slots=True)
+class PeerWelcome:
+    sender: str
+    model_id: str
+    cache_mode: str
+    page_size: int
+    kv_export: list  # its KV pool, for the worker to map
+
+
+@message
+@dataclass(slots=True)
+class PeerEnsure:
+    """Hold these documents' chunks (computed after `prefix`) for the sender, computing the missing
+    ones, and answer with their pages once their KV is on the device."""
+
+    sender: str
+    fetch_id: int
+    prefix: list[int]
+    docs: list[list[int]]
+
+
+@message
+@dataclass(slots=True)
+class PeerPages:
+    """The answer to a PeerEnsure: each document's pages, or None where the owner could not hold it
+    (no room: the sender computes that one itself). They stay held until the sender's PeerRelease."""
+
+    sender: str
+    fetch_id: int
+    pages: list[list[int] | None]
+
+
+@message
+@dataclass(slots=True)
+class PeerRelease:
+    """The sender has copied the pages of its fetch (or no longer needs them): the owner may evict them."""
+
+    sender: str
+    fetch_id: int
 
 
 # ---- scheduler -> detokenizer -> HTTP ----------------------------------------------------------

@@ -45,6 +45,9 @@ class EngineCore:
         self.failed_rids: list[int] = []  # the requests the last failed step aborted: tell their clients
         # steps sent (overlapped: of them, deferred), and the worker's shared-chunk step count
         self.step_counts = {"steps": 0, "overlapped_steps": 0, "shared_chunk_steps": 0, "graph_steps": 0}
+        # the last step() had nothing to run until a peer replica answers (peer KV): the loop waits
+        # for messages instead of stepping again at once
+        self.waiting_on_peers = False
 
     @property
     def has_work(self) -> bool:
@@ -89,10 +92,14 @@ class EngineCore:
             self.failed_rids.append(req.rid)
 
     def _step(self) -> list[TokenOut]:
+        self.waiting_on_peers = False
         plan = self._planned = self.scheduler.schedule()
         if not plan.items and not plan.probes:
             if self._in_flight is not None:  # e.g. every running request waits on its last token
                 return self._collect()
+            if self.scheduler.peers is not None and self.scheduler.peers.busy:
+                self.waiting_on_peers = True  # their answers come to the scheduler loop
+                return []
             # a request that gave up on its documents' rounds says why (Scheduler._chunk_round)
             why = next((f": a request waits for its documents ({r.error})" for r in self.scheduler.waiting
                         if r.error), " (no runnable work)")  # fmt: skip
@@ -138,6 +145,7 @@ class EngineCore:
         c["graph_steps"] = result.graph_steps
 
     def _apply(self, plan: StepPlan, result: StepResult) -> list[TokenOut]:
+        self.scheduler.on_step_complete(plan)
         sampled = [it.request for it in plan.items if it.request is not None]
         if len(result.tokens) != len(sampled):
             raise RuntimeError(f"the worker returned {len(result.tokens)} tokens for {len(sampled)} requests")
@@ -187,6 +195,7 @@ class EngineCore:
             "chunk_misses": s.chunks.stats.misses,
             "chunk_evictions": s.chunks.stats.evictions,
             **host_tier_stats(s),
+            **peer_stats(s),
             "radix_hit_tokens": s.radix.stats.hit_tokens,
             **self.step_counts,
             "running_requests": len(s.running),
@@ -220,6 +229,15 @@ def host_tier_stats(s: Scheduler) -> dict:
         "host_offload_bytes": st.offload_pages * s.page_bytes,
         "host_load_bytes": st.load_pages * s.page_bytes,
     }
+
+
+def peer_stats(s: Scheduler) -> dict:
+    """Peer KV (kv_peers): chunk uses read from peers, copies, and the protocol's counters."""
+    if s.peers is None:
+        return {}
+    st = s.chunks.stats
+    return {"chunk_peer_fetches": st.peer_fetches, "peer_loads": st.peer_loads,
+            "peer_load_bytes": st.peer_load_pages * s.page_bytes, **s.peers.stats_dict()}  # fmt: skip
 
 
 def request_timings(
@@ -271,6 +289,8 @@ def request_meta(req: Request) -> dict:
     }
     if req.host_chunks:
         meta["host_attended_chunks"] = req.host_chunks
+    if req.peer_chunks:
+        meta["peer_chunks"] = req.peer_chunks
     if req.chunk_rounds:  # its documents were computed in rounds while it waited
         meta["chunk_rounds"] = req.chunk_rounds
     if req.score_logprobs is not None:

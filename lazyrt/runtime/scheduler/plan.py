@@ -57,19 +57,24 @@ class StepPlan:
     # chunks' pages host -> device; the worker runs both before the block copies and the kernels.
     offloads: list[Transfer] = field(default_factory=list)
     loads: list[Transfer] = field(default_factory=list)
+    # Peer KV: chunks copied from peer replicas' pools (Transfer.peer), after the host loads; and
+    # [peer, pool export] for the peers the worker must map first
+    peer_loads: list[Transfer] = field(default_factory=list)
+    peer_pools: list[list] = field(default_factory=list)
     # Deviation recompute probes (recompute.py): documents run in context through the first layers,
     # writing no KV; the worker returns each one's per-page K/V deviation. Run after the items.
     probes: list[ForwardItem] = field(default_factory=list)
     probe_for: list[tuple[Request, int]] = field(default_factory=list)  # scheduler side: (request, doc)
     # Scheduler side, for meta["timings_ms"] (wall clock; EngineCore stamps them): the step was sent
     # to the worker, its launch answered (a deferred step), the call that brings its tokens back sent.
+    seq: int = 0  # the scheduler's count of steps planned (peer KV: which steps have completed)
     sent_at: float = 0.0
     launched_at: float = 0.0
     collect_sent_at: float = 0.0
 
     @property
     def has_copies(self) -> bool:
-        return bool(self.copies or self.offloads or self.loads)
+        return bool(self.copies or self.offloads or self.loads or self.peer_loads)
 
     @property
     def num_tokens(self) -> int:

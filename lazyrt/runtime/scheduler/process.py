@@ -26,6 +26,11 @@ from lazyrt.runtime.ipc.messages import (
     ControlReq,
     ControlResp,
     ErrorOut,
+    PeerEnsure,
+    PeerHello,
+    PeerPages,
+    PeerRelease,
+    PeerWelcome,
     StepFailed,
     StepMsg,
     StepResult,
@@ -45,10 +50,14 @@ from lazyrt.runtime.ipc.sockets import (
 )
 from lazyrt.runtime.scheduler.engine_core import EngineCore, NoProgress, WorkerLink
 from lazyrt.runtime.scheduler.late_planning import LatePlanner, next_step_decode_only
+from lazyrt.runtime.scheduler.peer_kv import PeerKV
+from lazyrt.runtime.scheduler.peer_link import PeerLink
 from lazyrt.runtime.scheduler.request import Request
 from lazyrt.runtime.scheduler.scheduler import RequestRejected, Scheduler
 
 logger = logging.getLogger("lazyrt.scheduler")
+PEER_MESSAGES = (PeerHello, PeerWelcome, PeerEnsure, PeerPages, PeerRelease)
+PEER_WAIT_S = 0.05  # waiting on a peer replica's answer: how long a poll may block (timeouts checked)
 
 # What a client whose request died with a device out-of-memory step can tell the operator.
 OOM_HINT = (
@@ -99,20 +108,25 @@ def step_result(msg: StepMsg, answer: StepResult | StepFailed, late: LatePlanner
 
 
 class SocketInbox:
-    """The scheduler's inbox: wait up to a timeout for a message, then take it."""
+    """The scheduler's inbox: wait up to a timeout for a message, then take it. Several sockets (the
+    tokenizer's, and peer replicas' with peer KV) are served in turn."""
 
-    def __init__(self, sock: zmq.Socket):
-        self.sock = sock
+    def __init__(self, *socks: zmq.Socket):
+        self.socks = list(socks)
+        self._ready: list[zmq.Socket] = []
 
     def poll(self, timeout_s: float) -> bool:
         """Waits up to timeout_s, never longer (late planning's deadline), for a message."""
+        if self._ready:
+            return True
         ms = int(timeout_s * 1e3)  # zmq polls in whole milliseconds: round down, sleep a last fraction
         if ms == 0 and timeout_s > 0:
             time.sleep(timeout_s)
-        return bool(poll([self.sock], ms))
+        self._ready = poll(self.socks, ms)
+        return bool(self._ready)
 
     def recv(self) -> object:
-        return recv(self.sock)
+        return recv(self._ready.pop(0) if self._ready else self.socks[0])
 
 
 def run_scheduler_process(cfg: EngineConfig, ipc: IpcPaths, log_level: str) -> None:
@@ -149,8 +163,15 @@ def scheduler_loop(
     sched = Scheduler.from_config(pool, cfg, ready.model_id, ready.host_pages, ready.page_bytes)
     late = LatePlanner() if cfg.overlap_schedule and cfg.late_planning else None
     core = EngineCore(sched, make_link(late), set(ready.eos_ids), overlap=cfg.overlap_schedule)
+    link = None
+    if cfg.kv_peers:  # peer KV: the other replicas' schedulers talk to this one
+        link = PeerLink(ctx, list(cfg.kv_peers))
+        sched.peers = PeerKV(sched, list(cfg.kv_peers), ready.model_id, cfg.cache_mode, ready.page_size,
+                             ready.kv_export, timeout_s=cfg.kv_peer_timeout_s)  # fmt: skip
+        logger.info("kv_peers: listening on %s for %s", cfg.kv_peers[0], ", ".join(cfg.kv_peers[1:]))
     send(to_detok, ready)
-    return (loop_cls or SchedulerLoop)(core, cfg.cache_mode, SocketInbox(inbox), to_detok, watch, late)
+    box = SocketInbox(inbox, link.inbox) if link is not None else SocketInbox(inbox)
+    return (loop_cls or SchedulerLoop)(core, cfg.cache_mode, box, to_detok, watch, late, link)
 
 
 class SchedulerLoop:
@@ -165,9 +186,10 @@ class SchedulerLoop:
         to_detok: zmq.Socket,
         watch: ParentWatch,
         late: LatePlanner | None = None,
+        peer_link: PeerLink | None = None,
     ):
         self.core, self.cache_mode, self.inbox, self.to_detok = core, cache_mode, inbox, to_detok
-        self.watch, self.late = watch, late
+        self.watch, self.late, self.peer_link = watch, late, peer_link
 
     def run(self) -> None:
         while True:
@@ -175,12 +197,18 @@ class SchedulerLoop:
 
     def run_once(self) -> None:
         """Serves the inbox, then runs one step if there is work."""
-        # Block for input only when idle; between steps just drain what has arrived.
-        timeout = 0 if self.core.has_work else PARENT_CHECK_MS / 1e3
+        # Block for input only when idle (or waiting on a peer replica's answer); between steps just
+        # drain what has arrived.
+        busy = self.core.has_work and not self.core.waiting_on_peers
+        timeout = 0 if busy else (PEER_WAIT_S if self.core.waiting_on_peers else PARENT_CHECK_MS / 1e3)
         while self.inbox.poll(timeout):
             self.handle(self.inbox.recv())
             timeout = 0
         self.watch.check()
+        peers = self.core.scheduler.peers
+        if peers is not None:
+            peers.tick()
+            self._send_peers()
         if not self.core.has_work:
             return
         if self.late is not None:
@@ -196,8 +224,14 @@ class SchedulerLoop:
         except WorkerStepError as e:
             self.fail_step(e)  # EngineCore has aborted the requests; new ones are served
             return
+        finally:
+            self._send_peers()
         if outs:
             send(self.to_detok, TokenBatch(outs))
+
+    def _send_peers(self) -> None:
+        if self.peer_link is not None:
+            self.peer_link.send_all(self.core.scheduler.peers.take_outbox())
 
     def _serve_one(self, timeout_s: float) -> bool:
         """Handles one inbox message if one comes within timeout_s (late planning's wait)."""
@@ -217,6 +251,9 @@ class SchedulerLoop:
                 self.core.add(req)
             except RequestRejected as e:
                 send(self.to_detok, ErrorOut(msg.rid, str(e), e.param))
+        elif isinstance(msg, PEER_MESSAGES) and self.core.scheduler.peers is not None:
+            self.core.scheduler.peers.handle(msg)
+            self._send_peers()
         elif isinstance(msg, AbortReq):
             self.core.abort(msg.rid, msg.reason)
         elif isinstance(msg, ControlReq):

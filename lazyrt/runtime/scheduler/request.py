@@ -88,6 +88,7 @@ class Request:
     cached_tokens: int = 0
     chunk_hits: int = 0
     chunk_misses: int = 0
+    peer_chunks: int = 0  # documents read from the peer replica that owns them (peer KV)
     arrival: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     # Server path only (wall clock, shared by the processes): HTTP received it, the tokenizer process

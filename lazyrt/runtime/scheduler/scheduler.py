@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -29,6 +30,9 @@ from lazyrt.config import (
 from lazyrt.runtime.scheduler.plan import PENDING_TOKEN, ChunkJob, ForwardItem, PageCopy, StepPlan
 from lazyrt.runtime.scheduler.recompute import page_budget, page_runs, select_pages
 from lazyrt.runtime.scheduler.request import Request, RequestState, Segment
+
+if TYPE_CHECKING:
+    from lazyrt.runtime.scheduler.peer_kv import PeerKV
 
 
 class RequestRejected(ValueError):
@@ -98,6 +102,10 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.jobs: list[ChunkJob] = []
+        # Peer KV (runtime/scheduler/peer_kv.py): set by the scheduler process when kv_peers is on.
+        self.peers: PeerKV | None = None
+        self._seq = 0  # steps planned so far (StepPlan.seq)
+        self.complete_seq = 0  # the last step whose results came back: its device work is done
 
     # ---- intake -------------------------------------------------------------------------------
 
@@ -308,7 +316,8 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        # (chunk jobs alone: documents a peer replica asked this one to compute)
+        return bool(self.waiting or self.running or self.jobs)
 
     # ---- admission ----------------------------------------------------------------------------
     def _make_room(self, n_pages: int) -> None:
@@ -494,20 +503,30 @@ class Scheduler:
         self._unpin(req)  # its admission holds its own refs now
         req.host_chunks = len(at_host)
         self.host_attended += len(at_host)
+        fetched: dict[int, list[Chunk]] = {}  # peer KV: owner -> the documents it is asked for
         for key, c in found.items():
-            if key not in req.staged:  # its rounds counted those (misses)
+            # (a document's key: its cond is the prefix, the prefix chunk's is empty)
+            owner = self.peers.owner(key) if c is None and self.peers is not None and key[0] == prefix else 0
+            if key not in req.staged and not owner:  # its rounds counted those (misses)
                 self.chunks.record_use(c)
             if c is None:
                 c = self.chunks.insert(key[0], key[1], self.pool.alloc(self.pages_for(len(key[1]))))
                 self.chunks.acquire(c)
                 found[key] = c
+                if owner:
+                    fetched.setdefault(owner, []).append(c)
             elif not c.pages and key not in at_host:  # ready for this step's kernels: its load runs first
                 self.chunks.load(c, self.pool.alloc(self.pages_for(c.num_tokens)))
         # Jobs for new chunks; each job holds its own refs until its KV is written.
         prefix_chunk = found[parts[0]] if prefix else None
+        for owner, cs in fetched.items():
+            self.peers.fetch(owner, cs, prefix, prefix_chunk)
+            req.peer_chunks += len(cs)
         for key, c in found.items():
             cond = key[0]
-            if not c.ready and key not in at_host and all(j.chunk is not c for j in self.jobs):
+            if c.ready or c.fetching or key in at_host:
+                continue
+            if all(j.chunk is not c for j in self.jobs):
                 self._queue_job(ChunkJob(c, prefix_chunk if cond else None))
         req.chunks = list(found.values())
         probe = self._probe_budget(req)
@@ -527,7 +546,7 @@ class Scheduler:
                 pos = len(prefix)  # every doc right after the prefix (APE's parallel encoding)
             probe_docs.append((len(req.segments), hit))
             req.chunk_hits += int(hit)
-            req.chunk_misses += int(not hit)
+            req.chunk_misses += int(not hit and c.peer < 0)  # (a peer's: counted by its owner)
             # Page-granular copy-on-write: the doc is alternating runs of the chunk's pages (shared,
             # never written) and request-owned pages recomputed in context with the suffix.
             for recompute, lo, n in page_runs(len(d), self.page_size, sel):
@@ -646,6 +665,15 @@ class Scheduler:
             # the evictions freed or read the pages the loads fill (steps run in order on the device,
             # so an earlier step still in flight reads the evicted pages before they are reused).
             plan.offloads, plan.loads = self.chunks.take_transfers()
+            plan.peer_loads = self.chunks.take_peer_loads()
+            self._seq += 1
+            plan.seq = self._seq
+            for t in plan.loads + plan.peer_loads:
+                t.chunk.ready_seq = plan.seq
+            if self.peers is not None:
+                self.peers.on_planned(plan.seq)
+                if plan.peer_loads:
+                    plan.peer_pools = self.peers.take_pools()
         return plan
 
     def _plan_prefill(self, req: Request, plan: StepPlan, budget: int) -> int:
@@ -833,9 +861,16 @@ class Scheduler:
             if item.job is not None:
                 job = item.job
                 job.chunk.ready = True
+                job.chunk.ready_seq = plan.seq
                 for x in (job.chunk, job.cond):
                     if x is not None:
                         self.chunks.release(x)
+
+    def on_step_complete(self, plan: StepPlan) -> None:
+        """The step's results came back: its device work (and every earlier step's) is done."""
+        self.complete_seq = max(self.complete_seq, plan.seq)
+        if self.peers is not None:
+            self.peers.on_complete(self.complete_seq)
 
     def finish(self, req: Request, reason: str, keep_kv: bool = True) -> None:
         """Release everything the request holds. Plain prompts leave their full pages in the radix,
@@ -849,6 +884,8 @@ class Scheduler:
             self.running.remove(req)
             for c in req.chunks:
                 self.chunks.release(c)
+                if c.peer >= 0 and not c.ref_count and not c.fetching and c.heap_seq >= 0:
+                    self.pool.free(self.chunks.remove(c))  # a peer's document: its owner keeps it
             self.pool.free(req.copied_pages)
             self.pool.free(req.recomputed_pages)
             own = req.own.pages if req.own else []
@@ -903,8 +940,10 @@ class Scheduler:
         offloads += [t for p in plans for t in p.offloads]
         loads += [t for p in plans for t in p.loads]
         self.pool.free(self.chunks.drop_unfinished(offloads, loads))
-        for c in [c for c in self.chunks if not c.ready and c.pages and c.ref_count == 0]:
+        for c in [c for c in self.chunks if not c.ready and c.pages and c.ref_count == 0 and not c.fetching]:
             self.pool.free(self.chunks.remove(c))
+        if self.peers is not None:
+            self.peers.forget_pools()
         return failed
 
     def flush(self) -> int:

@@ -29,7 +29,9 @@ class StepEncoder:
         probes = [self._item(it) for it in plan.probes]  # no request: segments always sent
         offloads = [[list(t.src), list(t.dst), t.num_tokens] for t in plan.offloads]
         loads = [[list(t.src), list(t.dst)] for t in plan.loads]
-        return StepMsg(items, copies, list(release), probes, defer, offloads, loads)
+        peer_loads = [[t.peer, list(t.src), list(t.dst)] for t in plan.peer_loads]
+        pools = plan.peer_pools
+        return StepMsg(items, copies, list(release), probes, defer, offloads, loads, peer_loads, pools)
 
     def _item(self, it: ForwardItem) -> StepItem:
         req = it.request
@@ -114,6 +116,8 @@ class StepDecoder:
         plan.copies = [PageCopy(list(s), list(d), delta) for s, d, delta in msg.copies]
         plan.offloads = [Transfer(None, list(s), list(d), n) for s, d, n in msg.offloads]
         plan.loads = [Transfer(None, list(s), list(d)) for s, d in msg.loads]
+        plan.peer_loads = [Transfer(None, list(s), list(d), peer=p) for p, s, d in msg.peer_loads]
+        plan.peer_pools = [list(x) for x in msg.peer_pools]
         return plan
 
 

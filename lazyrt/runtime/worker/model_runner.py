@@ -28,6 +28,7 @@ from lazyrt.runtime.scheduler.plan import PENDING_TOKEN, ForwardItem, PageCopy, 
 from lazyrt.runtime.scheduler.recompute import PROBE_LAYER
 from lazyrt.runtime.worker.citations import DocumentAttention
 from lazyrt.runtime.worker.host_segments import has_host_segments, split_host_segments
+from lazyrt.runtime.worker.peer_pools import PeerPools
 from lazyrt.runtime.worker.step_inputs import (
     SHARED_MAX_Q_LEN,
     SHARED_PIECE_TOKENS,
@@ -56,6 +57,7 @@ class ModelRunner:
         self.model = model
         self.tp_size, self.kv_replicas = tp_size, kv_replicas
         self.host_kv = host_kv  # the host KV tier's pages (None = off)
+        self.peer_pools = PeerPools(pool)  # peer KV: other replicas' pools, mapped when a step asks
         # retrieval attention over host segments (None = off); its indexes; steps that used it
         self.retrieval = retrieval
         cuda = model.device.type == "cuda"
@@ -239,6 +241,10 @@ class ModelRunner:
             self._index_on_offload(t)
         for t in plan.loads:
             self.host_kv.load(t.src, t.dst)
+        if plan.peer_pools:
+            self.peer_pools.map(plan.peer_pools)
+        if plan.peer_loads:  # after the host loads, before block copies (which may read these chunks)
+            self.peer_pools.load(plan.peer_loads)
         if plan.copies:
             self.copy_pages(plan.copies)
 

@@ -177,7 +177,7 @@ class ModelWorker:
         graphs: the start-up allocations after the weights."""
         self.pool = PagePool(
             c.num_layers, self._num_pages(dtype, c), cfg.page_size, c.num_kv_heads, c.head_dim, dtype, dev,
-            scratch_pages=1,
+            scratch_pages=1, shared=bool(cfg.kv_peers),  # peer replicas map it (peer KV)
         )  # fmt: skip
         host_pages = cfg.host_kv_cache_tokens // cfg.page_size
         self.host_kv = HostKVPool(self.pool, host_pages) if host_pages else None
@@ -278,6 +278,7 @@ class ModelWorker:
                 self.pool.dtype,
             )
             * self.config.tensor_parallel_size,  # a page id's KV on every rank
+            kv_export=self.pool.export,
         )
 
     def execute(self, msg: StepMsg) -> StepResult:
@@ -382,6 +383,8 @@ class ModelWorker:
             tokens, logprobs = self._sample(rows, logits, processed)
         if not msg.defer:
             self.runner.prev_tokens = None  # the scheduler has every token before its next plan
+            if tokens is None and self.model.device.type == "cuda":
+                torch.cuda.current_stream().synchronize()  # an answer means the step's work is done
             sampled = tokens.tolist() if tokens is not None else []
             lps = logprob_entries(len(sampled), [r.params for r in rows], logprobs)
             result = StepResult(
@@ -414,7 +417,8 @@ class ModelWorker:
         """A deferred step's sampled tokens: the next step's decode inputs on the device, and the
         host's copy on its way."""
         self.runner.prev_tokens = (tokens, {r.rid: i for i, r in enumerate(rows)}) if rows else None
-        return DeferredTokens(tokens, [r.params for r in rows], logprobs, start)
+        cuda = self.model.device.type == "cuda"
+        return DeferredTokens(tokens, [r.params for r in rows], logprobs, start, cuda)
 
     def _sample(self, rows: list, logits: torch.Tensor, processed: torch.Tensor) -> tuple:
         """Draws each row's token from its processed logits; logprobs (if asked) from the model's."""
@@ -473,7 +477,10 @@ class DeferredTokens:
         params: list[SamplingParams] | None = None,
         logprobs: tuple | None = None,
         start: torch.cuda.Event | None = None,
+        cuda: bool = False,
     ):
+        """cuda: the step ran on CUDA (its result waits for the device even when it sampled nothing:
+        an answer means its work is done, which peer KV relies on)."""
         self.host, self.event, self.params = tokens, None, params or []
         self.logprobs = logprobs
         self.start = start
@@ -482,6 +489,7 @@ class DeferredTokens:
             if logprobs is not None:
                 rows, *tensors = logprobs
                 self.logprobs = (rows, *(_pinned_copy(t) for t in tensors))
+        if cuda or (tokens is not None and tokens.is_cuda):
             self.event = torch.cuda.Event(enable_timing=start is not None)
             self.event.record()
 
