@@ -70,7 +70,8 @@ class Replica:
         self.out: dict[int, list[int]] = {}
 
     def add(self, rid: int, prefix: list[int], docs: list[list[int]], suffix: list[int], n: int) -> None:
-        req = Request(rid, SamplingParams(max_tokens=n, ignore_eos=True), prefix=prefix, docs=docs, suffix=suffix)
+        params = SamplingParams(max_tokens=n, ignore_eos=True)
+        req = Request(rid, params, prefix=prefix, docs=docs, suffix=suffix)
         req.max_new_tokens = n
         self.core.add(req)
         self.out[rid] = []

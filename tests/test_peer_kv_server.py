@@ -1,0 +1,85 @@
+"""Peer KV end to end: two `lazyrt.launch` replicas with --kv-peers on loopback answer as a replica
+without peers does, while each document is cached by one of them only."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+
+import httpx
+import pytest
+from server_util import DOCS, ServerProc
+
+from lazyrt.launch import main as launch_main
+
+MORE = [
+    "The lorn was introduced in 1921, replacing the silver crown.",
+    "Arvania has three official languages and one sign language.",
+    "The Feller glacier shrank by a third between 1950 and 2000.",
+]
+
+
+def _chat(url: str, docs: list[str], q: str) -> dict:
+    body = {"messages": [{"role": "user", "content": q}], "documents": docs, "max_tokens": 12}
+    body["temperature"] = 0
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.fixture(scope="module")
+def replicas():
+    d = tempfile.mkdtemp(prefix="lazyrt-peers-")
+    addrs = [f"ipc://{os.path.join(d, n)}" for n in ("a", "b")]
+    base = ("--device", "cpu", "--kv-cache-tokens", "8192", "--log-level", "warning")
+    a = ServerProc(*base, "--kv-peer-addr", addrs[0], "--kv-peers", addrs[1])
+    b = ServerProc(*base, "--kv-peer-addr", addrs[1], "--kv-peers", addrs[0])
+    ref = ServerProc(*base)
+    try:
+        for s in (a, b, ref):
+            s.wait_healthy()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # each has the other's pool
+            stats = [httpx.get(s.url + "/cache_stats", timeout=10).json() for s in (a, b)]
+            if all(st.get("kv_peers_up") == 1 for st in stats):
+                break
+            time.sleep(0.2)
+        else:
+            raise AssertionError("the replicas did not see each other:\n" + a.read_log() + b.read_log())
+        yield a, b, ref
+    finally:
+        for s in (a, b, ref):
+            s.stop()
+
+
+@pytest.mark.slow
+def test_replicas_with_peers_answer_as_one_without(replicas):
+    a, b, ref = replicas
+    sets = [DOCS, MORE, DOCS[:1] + MORE[1:], MORE[::-1] + DOCS[1:2], DOCS[::-1], [MORE[0], DOCS[2]]]
+    for i, docs in enumerate(sets):
+        where = a if i % 2 == 0 else b
+        q = "What is the capital of Arvania?" if i % 3 else "How tall is Mount Feller?"
+        got, want = _chat(where.url, docs, q), _chat(ref.url, docs, q)
+        assert got["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"], i
+    sa, sb, sr = (httpx.get(s.url + "/cache_stats", timeout=10).json() for s in (a, b, ref))
+    assert sa["chunk_peer_fetches"] + sb["chunk_peer_fetches"] > 0
+    assert sa["peer_loads"] + sb["peer_loads"] > 0
+    # one copy of each document between them (each keeps its own copy of the shared prompt prefix)
+    assert sa["chunks"] + sb["chunks"] == sr["chunks"] + 1
+    assert sa["peer_pins_held"] == sb["peer_pins_held"] == 0  # every fetch released
+    assert sa["chunk_hits"] + sa["chunk_misses"] + sb["chunk_hits"] + sb["chunk_misses"] == (
+        sr["chunk_hits"] + sr["chunk_misses"]
+    )
+
+
+def test_peer_flags_go_together(capsys):
+    for argv, match in [
+        (["--kv-peers", "ipc:///tmp/x"], "--kv-peer-addr and --kv-peers go together"),
+        (["--kv-peer-addr", "ipc:///tmp/x", "--kv-peers", "ipc:///tmp/x"], "all distinct"),
+        (["--kv-peer-addr", "ipc:///tmp/x", "--kv-peers", "ipc:///tmp/y", "--cache-mode", "prefix"],
+         "cache_mode lazy or block"),
+    ]:  # fmt: skip
+        with pytest.raises(SystemExit) as e:
+            launch_main(argv)
+        assert e.value.code == 2 and match in capsys.readouterr().err
