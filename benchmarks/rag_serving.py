@@ -108,8 +108,10 @@ def server_supports(flag: str) -> bool:
 
 
 def launch_server(
-    args, mode: str, kv_cache_tokens: int | None = None, extra: list[str] | None = None
+    args, mode: str, kv_cache_tokens: int | None = None, extra: list[str] | None = None, wait: bool = True
 ) -> Server:
+    """Starts `python -m lazyrt.launch` for the mode; waits until it is healthy unless wait=False (the
+    caller then calls wait_healthy: replicas that start side by side)."""
     port = free_port()
     cmd = [sys.executable, "-m", "lazyrt.launch", "--port", str(port), "--cache-mode", mode]
     cmd += ["--load-format", args.load_format, "--device", args.device, "--seed", str(args.seed)]
@@ -127,6 +129,8 @@ def launch_server(
     print(f"[bench] launching: {shlex.join(cmd)}  (log {log.name})", flush=True)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     srv = Server(f"http://127.0.0.1:{port}", proc, log.name, cmd)
+    if not wait:
+        return srv
     try:
         wait_healthy(srv, args.startup_timeout)
     except BaseException:

@@ -1,7 +1,9 @@
 """Issue 17's router goals, side by side in one run: the chunk hit ratio and the throughput of the same
 RAG workload (rag_workload.py, Zipf popularity) on
   one    one replica with 2C tokens of KV,
-  affinity / hash / round_robin / least_loaded   two replicas with C each behind python -m lazyrt.router.
+  affinity / hash / round_robin / least_loaded   two replicas with C each behind python -m lazyrt.router;
+  with --kv-peers also two replicas with C each that keep each document once between them and read
+  each other's pages (lazyrt.launch --kv-peers), behind the router with --peer-policies.
 Goals: affinity's hit ratio within 2 points of `one`'s and >= 10 points above round robin's;
 saturation throughput >= 1.8x one replica's (on separate devices: --devices 0,1).
 
@@ -21,12 +23,13 @@ import os
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from rag_serving import free_port, launch_server, load_tokenizer  # noqa: E402
+from rag_serving import free_port, launch_server, load_tokenizer, wait_healthy  # noqa: E402
 from rag_workload import WorkloadConfig, build_workload, fallback_words, single_token_words  # noqa: E402
 
 
@@ -115,6 +118,12 @@ def main() -> int:
     p.add_argument("--policies", nargs="+", default=policies, choices=policies, help="router policies to run")
     p.add_argument("--slack", type=int, nargs="+", default=None,
                    help="run affinity and hash once per router --slack (default: the router's)")
+    p.add_argument("--kv-peers", action="store_true",
+                   help="also run two replicas with peer KV (each document cached once between them)")
+    p.add_argument("--peer-policies", nargs="+", default=["least_loaded"], choices=policies,
+                   help="--kv-peers: router policies to run over the peer replicas")
+    p.add_argument("--no-plain", action="store_true", help="skip the replicas without peer KV")
+    p.add_argument("--skip-one", action="store_true", help="skip the one replica with 2C")
     p.add_argument("--startup-timeout", type=float, default=600)
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     args = p.parse_args()
@@ -131,25 +140,80 @@ def main() -> int:
     devs = args.devices.split(",") if args.devices else [None, None]
     rows = []
 
-    def launch(kv: int, dev: str | None):
+    def launch(kv: int, dev: str | None, wait: bool = True):
         if dev is not None:
             os.environ["CUDA_VISIBLE_DEVICES"] = dev
         try:
-            return launch_server(args, "lazy", kv)
+            return launch_server(args, "lazy", kv, wait=wait)
         finally:
             os.environ.pop("CUDA_VISIBLE_DEVICES", None)
 
-    one = launch(2 * args.kv_cache_tokens, devs[0])
+    if not args.skip_one:
+        one = launch(2 * args.kv_cache_tokens, devs[0])
+        try:
+            wall = asyncio.run(run_point(one.url, wl, args))
+            ratio, h, m = hit_ratio([one.url])
+            rows.append({"setup": "one replica, 2C", "hit_ratio": ratio, "hits": h, "misses": m,
+                         "wall_s": wall})  # fmt: skip
+        finally:
+            one.stop()
+    runs = [(pol, sl) for pol in args.policies
+            for sl in (args.slack if args.slack and pol in ("affinity", "hash") else [None])]  # fmt: skip
+    if not args.no_plain:
+        reps = healthy([launch(args.kv_cache_tokens, d, wait=False) for d in devs], args)
+        run_policies(args, wl, reps, runs, "", rows)
+    if args.kv_peers:
+        reps = launch_peers(args, devs)
+        run_policies(args, wl, reps, [(pol, None) for pol in args.peer_policies], ", peer KV", rows)
+    print("\n| setup | chunk hit ratio | hits | misses | wall s | req/s |\n|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['setup']} | {r['hit_ratio']:.3f} | {r['hits']} | {r['misses']} | {r['wall_s']:.1f} | "
+              f"{args.num_requests / r['wall_s']:.2f} |")  # fmt: skip
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+    return 0
+
+
+def healthy(reps: list, args) -> list:
+    """Waits until every replica (started side by side) is healthy; stops them all if one is not."""
     try:
-        wall = asyncio.run(run_point(one.url, wl, args))
-        ratio, h, m = hit_ratio([one.url])
-        rows.append({"setup": "one replica, 2C", "hit_ratio": ratio, "hits": h, "misses": m, "wall_s": wall})
-    finally:
-        one.stop()
-    reps = [launch(args.kv_cache_tokens, d) for d in devs]
+        for r in reps:
+            wait_healthy(r, args.startup_timeout)
+    except BaseException:
+        for r in reps:
+            r.stop()
+        raise
+    return reps
+
+
+def launch_peers(args, devs: list[str | None]) -> list:
+    """Two replicas with peer KV: each sees every device and takes its own with --device cuda:N."""
+    d = tempfile.mkdtemp(prefix="lazyrt-bench-peers-")
+    addrs = [f"ipc://{os.path.join(d, f'r{i}')}" for i in range(2)]
+    reps = []
     try:
-        runs = [(pol, sl) for pol in args.policies
-                for sl in (args.slack if args.slack and pol in ("affinity", "hash") else [None])]  # fmt: skip
+        for i, dev in enumerate(devs):
+            extra = ["--kv-peer-addr", addrs[i], "--kv-peers", addrs[1 - i]]
+            extra += ["--device", f"cuda:{dev}"] if dev is not None else []
+            reps.append(launch_server(args, "lazy", args.kv_cache_tokens, extra, wait=False))
+        for r in reps:
+            wait_healthy(r, args.startup_timeout)
+        deadline = time.monotonic() + 120
+        while not all(httpx.get(r.url + "/cache_stats", timeout=30).json().get("kv_peers_up") for r in reps):
+            if time.monotonic() > deadline:
+                raise TimeoutError("the peer replicas never saw each other")
+            time.sleep(0.3)
+    except BaseException:
+        for r in reps:
+            r.stop()
+        raise
+    return reps
+
+
+def run_policies(args, wl, reps: list, runs: list, tag: str, rows: list) -> None:
+    """Each (policy, slack) over the replicas, their caches flushed first; the replicas are stopped after."""
+    try:
         for policy, slack in runs:
             for r in reps:
                 httpx.post(r.url + "/flush_cache", timeout=60)
@@ -166,22 +230,17 @@ def main() -> int:
             _, h, m = hit_ratio([r.url for r in reps])
             h, m = h - before[1], m - before[2]
             held = [httpx.get(r.url + "/cache_stats", timeout=60).json()["chunks"] for r in reps]
-            label = f"2 x C, {policy}" + (f", slack {slack}" if slack is not None else "")
+            label = f"2 x C{tag}, {policy}" + (f", slack {slack}" if slack is not None else "")
             rows.append({"setup": label, "hit_ratio": h / max(h + m, 1), "hits": h, "misses": m,
                          "wall_s": wall, "reasons": reasons, "replica_chunks": held,
                          "view_documents": [v["documents"] for v in views.values()]})  # fmt: skip
+            if tag:
+                stats = [httpx.get(r.url + "/cache_stats", timeout=60).json() for r in reps]
+                rows[-1]["peer"] = [{k: v for k, v in st.items() if "peer" in k} for st in stats]
             print(rows[-1])
     finally:
         for r in reps:
             r.stop()
-    print("\n| setup | chunk hit ratio | hits | misses | wall s | req/s |\n|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['setup']} | {r['hit_ratio']:.3f} | {r['hits']} | {r['misses']} | {r['wall_s']:.1f} | "
-              f"{args.num_requests / r['wall_s']:.2f} |")  # fmt: skip
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"args": vars(args), "rows": rows}, f, indent=1)
-    return 0
 
 
 if __name__ == "__main__":

@@ -4,11 +4,15 @@ without peers does, while each document is cached by one of them only."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import tempfile
+import textwrap
 import time
 
 import httpx
 import pytest
+import torch
 from server_util import DOCS, ServerProc
 
 from lazyrt.launch import main as launch_main
@@ -28,6 +32,15 @@ def _chat(url: str, docs: list[str], q: str) -> dict:
     return r.json()
 
 
+def _wait_peers_up(a: ServerProc, b: ServerProc) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # each has the other's pool
+        if all(httpx.get(s.url + "/cache_stats", timeout=10).json().get("kv_peers_up") == 1 for s in (a, b)):
+            return
+        time.sleep(0.2)
+    raise AssertionError("the replicas did not see each other:\n" + a.read_log() + b.read_log())
+
+
 @pytest.fixture(scope="module")
 def replicas():
     d = tempfile.mkdtemp(prefix="lazyrt-peers-")
@@ -39,14 +52,7 @@ def replicas():
     try:
         for s in (a, b, ref):
             s.wait_healthy()
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:  # each has the other's pool
-            stats = [httpx.get(s.url + "/cache_stats", timeout=10).json() for s in (a, b)]
-            if all(st.get("kv_peers_up") == 1 for st in stats):
-                break
-            time.sleep(0.2)
-        else:
-            raise AssertionError("the replicas did not see each other:\n" + a.read_log() + b.read_log())
+        _wait_peers_up(a, b)
         yield a, b, ref
     finally:
         for s in (a, b, ref):
@@ -83,3 +89,73 @@ def test_peer_flags_go_together(capsys):
         with pytest.raises(SystemExit) as e:
             launch_main(argv)
         assert e.value.code == 2 and match in capsys.readouterr().err
+
+
+def _two_gpus() -> bool:
+    return torch.cuda.is_available() and torch.cuda.device_count() >= 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["lazy", "block"])
+def test_gpu_replicas_read_each_others_pages_over_cuda_ipc(mode):
+    if not _two_gpus():
+        pytest.skip("needs 2 GPUs")
+    d = tempfile.mkdtemp(prefix="lazyrt-peers-gpu-")
+    addrs = [f"ipc://{os.path.join(d, n)}" for n in ("a", "b")]
+    base = ("--model", "tiny-llama", "--load-format", "dummy", "--dtype", "bfloat16", "--cache-mode", mode,
+            "--kv-cache-tokens", "16384", "--log-level", "warning")  # fmt: skip
+    a = ServerProc(*base, "--device", "cuda:0", "--kv-peer-addr", addrs[0], "--kv-peers", addrs[1])
+    b = ServerProc(*base, "--device", "cuda:1", "--kv-peer-addr", addrs[1], "--kv-peers", addrs[0])
+    ref = ServerProc(*base, "--device", "cuda:0")
+    try:
+        for s in (a, b, ref):
+            s.wait_healthy()
+        _wait_peers_up(a, b)
+        sets = [DOCS, MORE, DOCS[:1] + MORE[1:], MORE[::-1] + DOCS[1:2], DOCS[::-1], [MORE[0], DOCS[2]]] * 2
+        for i, docs in enumerate(sets):
+            where = a if i % 2 == 0 else b
+            q = "What is the capital of Arvania?" if i % 3 else "How tall is Mount Feller?"
+            got, want = _chat(where.url, docs, q), _chat(ref.url, docs, q)
+            assert got["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"], i
+        sa, sb, sr = (httpx.get(s.url + "/cache_stats", timeout=10).json() for s in (a, b, ref))
+        assert sa["peer_loads"] > 0 and sb["peer_loads"] > 0  # both directions over CUDA IPC
+        assert sa["chunks"] + sb["chunks"] == sr["chunks"] + 1
+        assert sa["peer_pins_held"] == sb["peer_pins_held"] == 0
+    finally:
+        for s in (a, b, ref):
+            s.stop()
+
+
+@pytest.mark.gpu
+def test_gpu_pool_export_is_read_by_another_process_on_another_device():
+    if not _two_gpus():
+        pytest.skip("needs 2 GPUs")
+    from lazyrt.cache.kv_share import import_shared
+    from lazyrt.runtime.ipc.messages import decode
+
+    code = textwrap.dedent("""
+        import sys, torch
+        from lazyrt.cache.kv_share import shared_zeros
+        from lazyrt.runtime.ipc.messages import encode
+        t, export = shared_zeros((4, 64, 2, 16, 8, 128), torch.bfloat16, torch.device("cuda:1"))
+        g = torch.Generator(device="cuda:1").manual_seed(7)
+        t.copy_(torch.randn(t.shape, generator=g, device="cuda:1").bfloat16())
+        torch.cuda.synchronize()
+        print(encode(export).hex(), flush=True)
+        sys.stdin.readline()  # keep the pool alive until the reader is done
+    """)
+    pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "text": True}
+    child = subprocess.Popen([sys.executable, "-c", code], **pipes)
+    try:
+        export = decode(bytes.fromhex(child.stdout.readline().strip()))
+        kv = import_shared(export, torch.device("cuda:0"))
+        assert kv.device == torch.device("cuda:0") and kv.shape == (4, 64, 2, 16, 8, 128)
+        g = torch.Generator(device="cuda:1").manual_seed(7)
+        want = torch.randn(kv.shape, generator=g, device="cuda:1").bfloat16().to("cuda:0")
+        src = torch.tensor([5, 9, 63, 0], device="cuda:0")
+        got = kv.index_select(1, src)  # a kernel on cuda:0 gathering the other process's pages
+        torch.testing.assert_close(got, want.index_select(1, src), rtol=0, atol=0)
+    finally:
+        child.stdin.write("\n")
+        child.stdin.close()
+        child.wait(60)

@@ -76,6 +76,7 @@ def import_shared(export: list, device: torch.device) -> torch.Tensor:
         _, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync, shape, dtype = export
         if device.type != "cuda":
             raise ValueError(f"kv_peers: a peer's KV pool is on a GPU but this replica runs on {device}")
+        torch.cuda._lazy_init()  # (as torch.multiprocessing's rebuild does before opening a handle)
         index = device.index if device.index is not None else torch.cuda.current_device()
         storage = torch.UntypedStorage._new_shared_cuda(
             index, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync

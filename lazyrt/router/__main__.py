@@ -2,6 +2,7 @@
 
   python -m lazyrt.router --worker http://127.0.0.1:30001 --worker http://127.0.0.1:30002
   python -m lazyrt.router --dp 2 -- --model /models/llama --device cuda   # starts the replicas itself
+  python -m lazyrt.router --dp 2 --dp-devices 0,1 --dp-kv-peers -- --model /models/llama   # peer KV
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from functools import partial
 
@@ -37,7 +39,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dp", type=int, default=0, help="start N replicas (lazyrt.launch)")
     p.add_argument("--dp-base-port", type=int, default=31000, help="--dp: the replicas' first port")
     p.add_argument("--dp-devices", default=None,
-                   help="--dp: CUDA devices, one per replica (CUDA_VISIBLE_DEVICES), e.g. 0,1")  # fmt: skip
+                   help="--dp: CUDA devices, one per replica (CUDA_VISIBLE_DEVICES; with --dp-kv-peers "
+                        "--device cuda:N, every device visible), e.g. 0,1")  # fmt: skip
+    p.add_argument("--dp-kv-peers", action="store_true",
+                   help="--dp: the replicas keep each document once between them and read each other's "
+                        "KV pages (lazyrt.launch --kv-peers; one host); routing then defaults to "
+                        "least_loaded, since any replica reads every cached document")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=30000, help="port to listen on")
     p.add_argument("--imbalance", type=float, default=0.5,
@@ -46,22 +53,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slack", type=int, default=16,
                    help="see --imbalance (a replica batches: a few more requests in flight cost less "
                         "than a request computing its documents away from them)")  # fmt: skip
-    p.add_argument("--policy", default="affinity", choices=POLICIES,
-                   help="affinity: where the documents are (the router's view of each cache), else their "
-                        "rendezvous owners; hash: the owners only; least_loaded, round_robin: baselines")
+    p.add_argument("--policy", default=None, choices=POLICIES,
+                   help="affinity (the default): where the documents are (the router's view of each "
+                        "cache), else their rendezvous owners; hash: the owners only; least_loaded (the "
+                        "default with --dp-kv-peers), round_robin: baselines")
     p.add_argument("--api-key", default=None, help="required from clients, and sent to the replicas")
     p.add_argument("--log-level", default="info", help="debug | info | warning | error")
     return p
 
 
-def _start_replicas(n: int, base_port: int, devices: str | None, extra: list[str]) -> list[subprocess.Popen]:
+def _start_replicas(
+    n: int, base_port: int, devices: str | None, extra: list[str], kv_peers: bool = False
+) -> list[subprocess.Popen]:
     devs = devices.split(",") if devices else []
     if devs and len(devs) != n:
         raise SystemExit(f"--dp-devices names {len(devs)} devices for --dp {n}")
+    # peer KV: each replica's address for the others (a private directory, removed with the router's tmp)
+    peer_dir = tempfile.mkdtemp(prefix="lazyrt-router-peers-") if kv_peers else ""
+    addrs = [f"ipc://{os.path.join(peer_dir, f'r{i}')}" for i in range(n)] if kv_peers else []
     procs = []
     for i in range(n):
-        env = dict(os.environ, PYTHONUNBUFFERED="1", **({"CUDA_VISIBLE_DEVICES": devs[i]} if devs else {}))
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
         cmd = [sys.executable, "-m", "lazyrt.launch", "--port", str(base_port + i), *extra]
+        if kv_peers:  # replicas read each other's GPU memory: every device stays visible
+            cmd += ["--kv-peer-addr", addrs[i], "--kv-peers", *(a for j, a in enumerate(addrs) if j != i)]
+            cmd += ["--device", f"cuda:{devs[i]}"] if devs else []
+        elif devs:
+            env["CUDA_VISIBLE_DEVICES"] = devs[i]
         # SIGTERM when the router dies, even by SIGKILL: a replica holds a GPU and a port
         on_death = partial(signal_when_parent_dies, signal.SIGTERM)
         out = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT}  # tagged lines: _tag_output
@@ -121,6 +139,10 @@ def main(argv: list[str] | None = None) -> int:
         build_parser().error("give --worker URL (repeat) or --dp N")
     if args.imbalance < 0 or args.slack < 0:
         build_parser().error("--imbalance and --slack must be >= 0")
+    if args.dp_kv_peers and args.dp < 2:
+        build_parser().error("--dp-kv-peers needs --dp 2 or more (replicas it starts on this host)")
+    if args.policy is None:
+        args.policy = "least_loaded" if args.dp_kv_peers else "affinity"
     fmt = "%(asctime)s %(name)s %(levelname)s %(message)s"
     set_process_name("lazyrt-router")
     logging.basicConfig(level=args.log_level.upper(), format=fmt)
@@ -131,7 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     # this process before it stops its replicas (they would keep their GPUs), so raise instead.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _interrupt)
-    procs = _start_replicas(args.dp, args.dp_base_port, args.dp_devices, extra) if args.dp > 0 else []
+    procs = []
+    if args.dp > 0:
+        procs = _start_replicas(args.dp, args.dp_base_port, args.dp_devices, extra, args.dp_kv_peers)
     urls = list(args.worker) + [f"http://127.0.0.1:{args.dp_base_port + i}" for i in range(args.dp)]
     policy = AffinityPolicy(args.imbalance, args.slack, args.policy)
     state = RouterState([Replica(u.rstrip("/")) for u in urls], policy, args.api_key)
