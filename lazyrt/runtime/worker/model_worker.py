@@ -90,6 +90,8 @@ class ModelWorker:
         if tp is not None and dev.startswith("cuda"):
             dev = f"cuda:{tp.rank}"  # one GPU per rank
             torch.cuda.set_device(dev)
+        elif dev.startswith("cuda:"):
+            torch.cuda.set_device(dev)  # Triton launches on the current device, not the tensors'
         dtype_name = (
             cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if dev.startswith("cuda") else "float32")
         )
