@@ -227,3 +227,30 @@ def test_bad_peer_configuration_is_refused():
 
     with pytest.raises(ValueError, match="server option"):
         Engine(model="tiny-llama", load_format="dummy", device="cpu", kv_peers=tuple(NAMES))
+
+
+def test_pins_of_a_reader_that_never_releases_expire():
+    rng = random.Random(8)
+    a, b = Replica(4096, NAMES, True), Replica(4096, NAMES[::-1], True)
+    pump(a, b)
+    pump(a, b)
+    docs, reqs = workload(rng, 200, 6, 3)
+    for r in reqs:
+        a.add(*r)
+    for _ in range(200):  # until b has answered a's fetches; a's releases are never delivered
+        for _, msg in a.sched.peers.take_outbox():
+            if type(msg).__name__ != "PeerRelease":
+                b.sched.peers.handle(decode(encode(msg)))
+        for _, msg in b.sched.peers.take_outbox():
+            a.sched.peers.handle(decode(encode(msg)))
+        a.step()
+        b.step()
+        if not (a.core.has_work or b.core.has_work):
+            break
+    pins = b.sched.peers._pins
+    assert pins and all(p.answered_at for p in pins.values())
+    held = [c for p in pins.values() for c in p.chunks if c is not None]
+    assert held and all(c.ref_count > 0 for c in held)
+    b.sched.peers.tick(now=1e12)  # long past the lease
+    assert not pins and b.sched.peers.stats.lease_expired > 0
+    assert all(c.ref_count == 0 for c in b.sched.chunks)  # evictable again

@@ -102,7 +102,8 @@ def test_gpu_replicas_read_each_others_pages_over_cuda_ipc(mode):
         pytest.skip("needs 2 GPUs")
     d = tempfile.mkdtemp(prefix="lazyrt-peers-gpu-")
     addrs = [f"ipc://{os.path.join(d, n)}" for n in ("a", "b")]
-    base = ("--model", "tiny-llama", "--load-format", "dummy", "--dtype", "bfloat16", "--cache-mode", mode,
+    # (smollm2's shape: FlashInfer's kernels, which block mode's steps use, need head_dim >= 64)
+    base = ("--model", "smollm2-135m", "--load-format", "dummy", "--dtype", "bfloat16", "--cache-mode", mode,
             "--kv-cache-tokens", "16384", "--log-level", "warning")  # fmt: skip
     a = ServerProc(*base, "--device", "cuda:0", "--kv-peer-addr", addrs[0], "--kv-peers", addrs[1])
     b = ServerProc(*base, "--device", "cuda:1", "--kv-peer-addr", addrs[1], "--kv-peers", addrs[0])

@@ -403,3 +403,45 @@ def test_dp_router_exits_naming_the_replica_when_none_is_left():
     assert r.returncode == 1, r.stderr[-2000:]
     assert "--kv-cache-tokens" in r.stderr  # the replica's own error
     assert "exited with code 2" in r.stderr and "no --dp replica is left" in r.stderr
+
+
+@pytest.mark.slow
+def test_dp_kv_peers_wires_the_replicas_as_peers():
+    """`--dp 2 --dp-kv-peers` starts replicas that read each other's documents (peer KV) and routes by
+    load; the answers are the same as a replica's alone would be."""
+    port, base = free_port(), free_port()
+    cmd = [sys.executable, "-m", "lazyrt.router", "--dp", "2", "--dp-kv-peers", "--dp-base-port", str(base),
+           "--port", str(port), "--log-level", "warning", "--",
+           "--device", "cpu", "--kv-cache-tokens", "4096", "--log-level", "warning"]  # fmt: skip
+    router = subprocess.Popen(cmd, env=dict(os.environ))
+    url = f"http://127.0.0.1:{port}"
+    below: set[int] = set()
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert router.poll() is None and time.monotonic() < deadline, "the replicas did not start"
+            try:
+                reps = httpx.get(url + "/cache_stats", timeout=5).json()["replicas"]
+                up = httpx.get(url + "/health", timeout=5).json().get("replicas_up")
+                if up == 2 and len(reps) == 2 and all(r["stats"].get("kv_peers_up") == 1 for r in reps):
+                    break
+            except (httpx.TransportError, KeyError, TypeError, AttributeError):
+                pass
+            time.sleep(0.5)
+        below = _descendants(router.pid)
+        docs_sets = [DOCS, DOCS[::-1], DOCS[1:], [DOCS[2], DOCS[0]]]
+        for docs in docs_sets:  # one at a time: least_loaded alternates ties by name
+            got = _chat(url, docs, "What is the capital of Arvania?")
+            assert got.status_code == 200, got.text
+        stats = httpx.get(url + "/cache_stats", timeout=30).json()
+        assert sum(r["stats"]["chunk_peer_fetches"] for r in stats["replicas"]) > 0
+        metrics = httpx.get(url + "/metrics", timeout=30).text
+        assert 'reason="least_loaded"' in metrics and 'reason="affinity"' not in metrics
+        assert sum(r["stats"]["chunks"] for r in stats["replicas"]) == 1 + 1 + len(DOCS)  # a prefix each
+    finally:
+        router.terminate()
+        router.wait(60)
+        _wait_gone(below)
+    bad = subprocess.run([sys.executable, "-m", "lazyrt.router", "--dp", "1", "--dp-kv-peers"],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert bad.returncode == 2 and "--dp-kv-peers needs --dp 2" in bad.stderr
