@@ -54,15 +54,15 @@ def test_shared_pool_is_mapped_by_another_process():
 class Replica:
     """One replica's scheduler and worker, wired as the scheduler process wires them."""
 
-    def __init__(self, kv_tokens: int, names: list[str] | None, overlap: bool, seed: int = 5):
+    def __init__(self, kv_tokens: int, names: list[str] | None, overlap: bool, seed: int = 5, host: int = 0):
         cfg = EngineConfig(model="tiny-llama", load_format="dummy", device="cpu", dtype="float32",
                            kv_cache_tokens=kv_tokens, seed=seed, overlap_schedule=overlap,
-                           kv_peers=tuple(names or ()))  # fmt: skip
+                           kv_peers=tuple(names or ()), host_kv_cache_tokens=host)  # fmt: skip
         cfg.validate()
         self.worker = ModelWorker(cfg)
         ready = self.worker.ready_info()
         pool = PagePool(1, ready.num_pages, ready.page_size, 1, 1, torch.float32, "meta")
-        self.sched = Scheduler.from_config(pool, cfg, ready.model_id)
+        self.sched = Scheduler.from_config(pool, cfg, ready.model_id, ready.host_pages, ready.page_bytes)
         self.core = EngineCore(self.sched, self.worker, set(), overlap=overlap)
         if names:
             self.sched.peers = PeerKV(self.sched, names, ready.model_id, cfg.cache_mode, ready.page_size,
@@ -254,3 +254,22 @@ def test_pins_of_a_reader_that_never_releases_expire():
     b.sched.peers.tick(now=1e12)  # long past the lease
     assert not pins and b.sched.peers.stats.lease_expired > 0
     assert all(c.ref_count == 0 for c in b.sched.chunks)  # evictable again
+
+
+def test_an_owner_loads_a_document_back_from_its_host_tier_before_answering():
+    rng = random.Random(13)
+    # b's device pool holds ~2 documents: the rest of what it owns moves to its host tier and is
+    # loaded back when a asks for it again (answered once the load has run)
+    a, b = Replica(4096, NAMES, True), Replica(160, NAMES[::-1], True, host=4096)
+    ref = Replica(4096, None, True)
+    pump(a, b)
+    pump(a, b)
+    docs, reqs = workload(rng, 200, 8, 14)
+    for r in reqs:
+        a.add(*r)
+        ref.add(*r)
+        run(a, b)
+        while ref.core.has_work:
+            ref.step()
+        assert a.out[r[0]] == ref.out[r[0]]
+    assert b.sched.chunks.stats.loads > 0 and b.sched.peers.stats.pins > 0

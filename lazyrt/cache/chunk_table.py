@@ -280,6 +280,11 @@ class ChunkTable:
         self.stats.peer_loads += 1
         self.stats.peer_load_pages += len(src)
 
+    @property
+    def owes_copies(self) -> bool:
+        """Copies between the tiers or from peers are queued and no step has taken them yet."""
+        return bool(self._offloads or self._loads or self._peer_loads)
+
     def take_peer_loads(self) -> list[Transfer]:
         """Peer copies owed since the last call, for the step about to be sent (after its host loads,
         before its kernels); those whose chunk has left the table since are dropped."""

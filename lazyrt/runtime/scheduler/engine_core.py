@@ -94,7 +94,7 @@ class EngineCore:
     def _step(self) -> list[TokenOut]:
         self.waiting_on_peers = False
         plan = self._planned = self.scheduler.schedule()
-        if not plan.items and not plan.probes:
+        if not plan.items and not plan.probes and not plan.has_copies:
             if self._in_flight is not None:  # e.g. every running request waits on its last token
                 return self._collect()
             if self.scheduler.peers is not None and self.scheduler.peers.busy:

@@ -178,28 +178,47 @@ class PeerKV:
         prefix = tuple(msg.prefix)
         if prefix:
             cond = chunks.get(PartKey((), prefix))
+        held_cond = cond
+        if cond is not None:
+            chunks.acquire(cond)  # held while the pin is set up (the jobs after it take their own refs)
+            if not cond.pages and not self._to_device(cond):
+                chunks.release(cond)
+                for _ in msg.docs:
+                    chunks.record_use(None)
+                self._pins[(sender, msg.fetch_id)] = PeerPin(sender, msg.fetch_id, [None] * len(msg.docs))
+                self._answer_ready()
+                return
         held: list[Chunk | None] = []
         for d in msg.docs:
             c = chunks.get(PartKey(prefix, tuple(d)))
             if c is not None and not c.fetching and c.peer < 0:
                 chunks.record_use(c)
                 chunks.acquire(c)
-                if not c.pages:  # only in the host tier: loaded back (room permitting)
-                    s._make_room(len(c.host_pages))
-                    if s.pool.num_free < len(c.host_pages):
-                        chunks.release(c)
-                        c = None
-                    else:
-                        chunks.load(c, s.pool.alloc(len(c.host_pages)))
+                if not c.pages and not self._to_device(c):
+                    chunks.release(c)
+                    c = None
             else:
                 c = self._compute(tuple(d), prefix, cond)
                 if c is not None and prefix and cond is None:
                     cond = chunks.get(PartKey((), prefix))
             held.append(c)
+        if held_cond is not None:
+            chunks.release(held_cond)
         self.stats.pins += 1
         self.stats.pinned_chunks += sum(c is not None for c in held)
         self._pins[(sender, msg.fetch_id)] = PeerPin(sender, msg.fetch_id, held)
         self._answer_ready()
+
+    def _to_device(self, c: Chunk) -> bool:
+        """A held chunk found only in the host tier is loaded back (its copy runs before the next
+        step's kernels); False when the pool has no room for it."""
+        s = self.sched
+        n = len(c.host_pages)
+        s._make_room(n)
+        if s.pool.num_free < n:
+            return False
+        s.chunks.load(c, s.pool.alloc(n))
+        return True
 
     def _compute(self, doc: tuple[int, ...], prefix: tuple[int, ...], cond: Chunk | None) -> Chunk | None:
         """A document a peer asked for and nobody here has: computed as for a request of this
@@ -238,7 +257,8 @@ class PeerKV:
                 ):  # its job was dropped (a failed step): give it up
                     self.sched.chunks.release(c)
                     pin.chunks[i] = None
-            if all(c is None or (c.ready and c.ready_seq <= done) for c in pin.chunks):
+            # (a load from the host tier: ready_seq is set when a step takes it, `loading` until then)
+            if all(c is None or (c.ready and not c.loading and c.ready_seq <= done) for c in pin.chunks):
                 pin.answered_at = now
                 pages = [list(c.pages) if c is not None else None for c in pin.chunks]
                 self.outbox.append((pin.sender, PeerPages(self.names[0], pin.fetch_id, pages)))

@@ -316,8 +316,9 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        # (chunk jobs alone: documents a peer replica asked this one to compute)
-        return bool(self.waiting or self.running or self.jobs)
+        # (chunk jobs, or copies, alone: documents a peer replica asked this one to compute or load back)
+        owed = self.peers is not None and self.chunks.owes_copies
+        return bool(self.waiting or self.running or self.jobs or owed)
 
     # ---- admission ----------------------------------------------------------------------------
     def _make_room(self, n_pages: int) -> None:
@@ -659,7 +660,9 @@ class Scheduler:
         for item in plan.items:
             if item.request is not None:
                 item.request.pending_tokens += 1  # EngineCore applies it when the step's tokens arrive
-        if plan.items or plan.probes:
+        if plan.items or plan.probes or (self.peers is not None and self.chunks.owes_copies):
+            # (peer KV: a document a peer waits for may need only its load from the host tier: a step
+            # of copies alone)
             # Host tier copies owed by this schedule's evictions and hits (and any earlier one that
             # sent no step): before this step's kernels, the first that can write the device pages
             # the evictions freed or read the pages the loads fill (steps run in order on the device,
