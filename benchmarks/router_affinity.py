@@ -114,8 +114,9 @@ def main() -> int:
     p.add_argument("--output-tokens", type=int, default=1)
     p.add_argument("--server-args", default="")
     p.add_argument("--router-args", default="", help="more lazyrt.router flags, e.g. '--imbalance 2'")
-    policies = ["affinity", "hash", "round_robin", "least_loaded"]
-    p.add_argument("--policies", nargs="+", default=policies, choices=policies, help="router policies to run")
+    policies = ["affinity", "hash", "round_robin", "least_loaded", "owner"]
+    p.add_argument("--policies", nargs="+", default=policies[:4], choices=policies,
+                   help="router policies to run")
     p.add_argument("--slack", type=int, nargs="+", default=None,
                    help="run affinity and hash once per router --slack (default: the router's)")
     p.add_argument("--kv-peers", action="store_true",

@@ -69,10 +69,12 @@ class Replica:
                                       ready.kv_export, timeout_s=30)  # fmt: skip
         self.out: dict[int, list[int]] = {}
 
-    def add(self, rid: int, prefix: list[int], docs: list[list[int]], suffix: list[int], n: int) -> None:
+    def add(self, rid: int, prefix: list[int], docs: list[list[int]], suffix: list[int], n: int,
+            doc_keys: list[bytes] | None = None) -> None:  # fmt: skip
         params = SamplingParams(max_tokens=n, ignore_eos=True)
         req = Request(rid, params, prefix=prefix, docs=docs, suffix=suffix)
         req.max_new_tokens = n
+        req.doc_keys = list(doc_keys or [])
         self.core.add(req)
         self.out[rid] = []
 
@@ -273,3 +275,22 @@ def test_an_owner_loads_a_document_back_from_its_host_tier_before_answering():
             ref.step()
         assert a.out[r[0]] == ref.out[r[0]]
     assert b.sched.chunks.stats.loads > 0 and b.sched.peers.stats.pins > 0
+
+
+def test_owners_follow_the_documents_placement_keys_as_the_router_hashes_them():
+    from lazyrt.cache.placement import doc_key, owner
+
+    rng = random.Random(21)
+    a, b = Replica(4096, NAMES, True), Replica(4096, NAMES[::-1], True)
+    pump(a, b)
+    pump(a, b)
+    docs, reqs = workload(rng, 200, 10, 10)
+    key = {tuple(d): doc_key(f"text of document {i}") for i, d in enumerate(docs)}
+    for i, (rid, prefix, ds, suffix, n) in enumerate(reqs):
+        (a if i % 2 else b).add(rid, prefix, ds, suffix, n, [key[tuple(d)] for d in ds])
+        run(a, b)
+    home = {NAMES[0]: a, NAMES[1]: b}
+    used = {tuple(d) for _, _, ds, _, _ in reqs for d in ds}
+    for d in used:
+        held = [rep for rep in (a, b) if any(c.tokens == d for c in rep.sched.chunks)]
+        assert held == [home[owner(key[d], NAMES)]]

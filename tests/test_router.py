@@ -407,8 +407,8 @@ def test_dp_router_exits_naming_the_replica_when_none_is_left():
 
 @pytest.mark.slow
 def test_dp_kv_peers_wires_the_replicas_as_peers():
-    """`--dp 2 --dp-kv-peers` starts replicas that read each other's documents (peer KV) and routes by
-    load; the answers are the same as a replica's alone would be."""
+    """`--dp 2 --dp-kv-peers` starts replicas that read each other's documents (peer KV) and routes
+    each request to the replica owning most of its documents."""
     port, base = free_port(), free_port()
     cmd = [sys.executable, "-m", "lazyrt.router", "--dp", "2", "--dp-kv-peers", "--dp-base-port", str(base),
            "--port", str(port), "--log-level", "warning", "--",
@@ -430,13 +430,13 @@ def test_dp_kv_peers_wires_the_replicas_as_peers():
             time.sleep(0.5)
         below = _descendants(router.pid)
         docs_sets = [DOCS, DOCS[::-1], DOCS[1:], [DOCS[2], DOCS[0]]]
-        for docs in docs_sets:  # one at a time: least_loaded alternates ties by name
+        for docs in docs_sets:
             got = _chat(url, docs, "What is the capital of Arvania?")
             assert got.status_code == 200, got.text
         stats = httpx.get(url + "/cache_stats", timeout=30).json()
         assert sum(r["stats"]["chunk_peer_fetches"] for r in stats["replicas"]) > 0
         metrics = httpx.get(url + "/metrics", timeout=30).text
-        assert 'reason="least_loaded"' in metrics and 'reason="affinity"' not in metrics
+        assert 'reason="owner"' in metrics and 'reason="affinity"' not in metrics
         assert sum(r["stats"]["chunks"] for r in stats["replicas"]) == 1 + 1 + len(DOCS)  # a prefix each
     finally:
         router.terminate()
@@ -445,3 +445,27 @@ def test_dp_kv_peers_wires_the_replicas_as_peers():
     bad = subprocess.run([sys.executable, "-m", "lazyrt.router", "--dp", "1", "--dp-kv-peers"],
                          capture_output=True, text=True, timeout=60)  # fmt: skip
     assert bad.returncode == 2 and "--dp-kv-peers needs --dp 2" in bad.stderr
+
+
+def test_owner_policy_routes_where_peer_kv_replicas_cache_the_documents():
+    from lazyrt.cache.placement import owner as place
+
+    pol = AffinityPolicy(mode="owner", slack=2)
+    load = {"http://a": 0, "http://b": 0}
+    keys = [doc_key(f"document {i}") for i in range(40)]
+    assert pol.choose(keys[:3], load).reason == "least_loaded"  # no peer names learnt yet
+    pol.peer_names = {"http://a": "ipc:///x/a", "http://b": "ipc:///x/b"}
+    by_name = {v: k for k, v in pol.peer_names.items()}
+    rng = random.Random(4)
+    for _ in range(50):
+        ks = rng.sample(keys, 3)
+        sizes = [rng.randrange(1, 100) for _ in ks]
+        owns = dict.fromkeys(load, 0)
+        for k, n in zip(ks, sizes):  # what the replicas compute (PeerKV.owner)
+            owns[by_name[place(k, list(pol.peer_names.values()))]] += n
+        c = pol.choose(ks, load, sizes)
+        assert c.reason == "owner" and c.held == owns[c.replica] == max(owns.values())
+    # the load bound still applies
+    c = pol.choose(keys[:1], {"http://a": 9, "http://b": 0} if by_name[place(keys[0], list(by_name))] == "http://a"
+                   else {"http://a": 0, "http://b": 9})  # fmt: skip
+    assert c.reason == "imbalance"

@@ -6,6 +6,8 @@
 - host_pool.py: HostKVPool: the host tier's KV bytes (pinned on CUDA) and the copies to and from it.
 - radix_cache.py: RadixCache: page-granular prefix cache for plain prompts and prefix mode.
 - eviction.py: the chunk eviction policies (lru, lfu, gdsf).
+- kv_share.py: a KV pool other processes of the host can map (peer KV: CUDA IPC, /dev/shm).
+- placement.py: which replica owns a document (rendezvous hashing; the router and peer KV agree).
 
 May import: nothing from lazyrt (the scheduler and the worker build on it).
 """

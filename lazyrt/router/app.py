@@ -187,6 +187,10 @@ def create_router_app(state: RouterState) -> FastAPI:
             # what documents can hold now: the pool less the running requests' own pages (and the
             # prefix cache's), refreshed every check as the load changes
             capacity = (s["chunk_pages"] + s["free_pages"]) * s["page_size"]
+            if s.get("kv_peer_addr"):  # peer KV: the name its documents' owners are hashed with
+                state.policy.peer_names[replica.url] = s["kv_peer_addr"]
+            else:
+                state.policy.peer_names.pop(replica.url, None)
             if not was:  # (re)joined: its cache may be new; learn its size and policy
                 view.reset(capacity, s.get("eviction_policy", "lfu"), s["page_size"])
             else:

@@ -17,25 +17,18 @@ two caches of C then hold less than one of 2C (docs/benchmarks.md, router).
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from lazyrt.cache.eviction import Access, EvictionPolicy, make_policy
+from lazyrt.cache.placement import doc_key, owner
 
-POLICIES = ("affinity", "hash", "least_loaded", "round_robin")
+__all__ = ["POLICIES", "AffinityPolicy", "Choice", "ReplicaView", "doc_key", "doc_tokens", "owner"]
+
+POLICIES = ("affinity", "hash", "owner", "least_loaded", "round_robin")
 ID_DOC_TOKENS = 512  # a registered document's size, unknown to the router
 
 
-def _weight(key: bytes, replica: str) -> int:
-    return int.from_bytes(hashlib.blake2b(key + b"\x00" + replica.encode(), digest_size=8).digest(), "big")
-
-
-def doc_key(doc: object) -> bytes:
-    """A document's routing key: its text (a plain string or {"text"}), or {"id"} for a registered one."""
-    if isinstance(doc, dict):
-        doc = f"id:{doc['id']}" if "id" in doc else doc.get("text", "")
-    return hashlib.blake2b(str(doc).encode(), digest_size=16).digest()
 
 
 def doc_tokens(doc: object, chars_per_token: float = 4.0, id_tokens: dict[str, int] | None = None) -> int:
@@ -46,11 +39,6 @@ def doc_tokens(doc: object, chars_per_token: float = 4.0, id_tokens: dict[str, i
             return (id_tokens or {}).get(str(doc["id"]), ID_DOC_TOKENS)
         return doc_tokens(doc.get("text", ""), chars_per_token)
     return max(1, round(len(str(doc)) / chars_per_token))
-
-
-def owner(key: bytes, replicas: Sequence[str]) -> str:
-    """The rendezvous-hashing owner of a key among replicas."""
-    return max(replicas, key=lambda r: _weight(key, r))
 
 
 @dataclass
@@ -153,8 +141,10 @@ class ReplicaView:
 @dataclass
 class AffinityPolicy:
     """imbalance: a replica is skipped when its load exceeds (1 + imbalance) x the least load + slack.
-    mode: "affinity" (the above), "hash" (rendezvous owners only, no view of the caches), or the
-    baselines "least_loaded" and "round_robin", which ignore documents.
+    mode: "affinity" (the above), "hash" (rendezvous owners only, no view of the caches), "owner" (peer
+    KV replicas: where most of the request's document tokens are owned, by the owners the replicas
+    compute from their peer addresses, `peer_names`), or the baselines "least_loaded" and
+    "round_robin", which ignore documents.
 
     A request moved off its documents computes them where it goes, and at a few requests in flight
     such moves are most of what separates two caches of C from one of 2C; a replica batches its
@@ -171,6 +161,7 @@ class AffinityPolicy:
     # replicas' caches; 4 is English prose, synthetic or code-heavy text is far from it)
     chars_per_token: float = 4.0
     id_tokens: dict[str, int] = field(default_factory=dict)  # documents registered through the router
+    peer_names: dict[str, str] = field(default_factory=dict)  # replica URL -> its peer KV address
     _turn: int = 0  # round_robin: requests routed so far
     _observed: int = 0
 
@@ -201,9 +192,19 @@ class AffinityPolicy:
         if self.mode == "round_robin":
             self._turn += 1
             return Choice(replicas[(self._turn - 1) % len(replicas)], "round_robin")
-        if not keys or self.mode == "least_loaded":
+        named = {r: self.peer_names[r] for r in replicas if r in self.peer_names}
+        if not keys or self.mode == "least_loaded" or (self.mode == "owner" and not named):
             return Choice(least, "least_loaded")
         sizes = list(sizes) if sizes is not None else [1] * len(keys)
+        if self.mode == "owner":  # where peer KV caches them: the replicas hash each text the same way
+            by_name = {n: r for r, n in named.items()}
+            owns = {r: 0 for r in replicas}
+            for k, n in zip(keys, sizes):
+                owns[by_name[owner(k, list(named.values()))]] += n
+            best = max(replicas, key=lambda r: (owns[r], -load[r], r))
+            if load[best] > (1 + self.imbalance) * load[least] + self.slack:
+                return Choice(least, "imbalance", owns[least])
+            return Choice(best, "owner", owns[best])
         held = {r: 0 for r in replicas}
         if self.mode == "affinity":
             for r in replicas:

@@ -116,6 +116,8 @@ class TokenizedReq:
     docs: list[list[int]] = field(default_factory=list)  # (sent as array.array by the tokenizer process)
     suffix: list[int] = field(default_factory=list)
     score_len: int = 0  # the last score_len prompt tokens are scored (see Request.score_len)
+    # one per doc: its placement key (cache/placement.py: of its text, or registry id), or empty
+    doc_keys: list[bytes] = field(default_factory=list)
     received_at: float = 0.0  # wall clock: HTTP got it / the tokenizer process got it / finished it
     tokenizing_at: float = 0.0
     tokenized_at: float = 0.0

@@ -24,12 +24,12 @@ The protocol, between the schedulers (one-way ZMQ messages, each naming its send
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from lazyrt.cache import placement
 from lazyrt.cache.chunk_table import Chunk, PartKey
 from lazyrt.runtime.ipc.messages import PeerEnsure, PeerHello, PeerPages, PeerRelease, PeerWelcome
 from lazyrt.runtime.scheduler.plan import ChunkJob
@@ -105,14 +105,16 @@ class PeerKV:
             self._hello(i, now)
 
     # ---- ownership ----------------------------------------------------------------------------
-    def owner(self, key: PartKey) -> int:
+    def owner(self, key: PartKey, doc_key: bytes | None = None) -> int:
         """The replica that keeps this chunk (0 = this one): the rendezvous owner among this replica
-        and the peers that answer. Every replica with the same peers up picks the same one."""
+        and the peers that answer, of the document's placement key (its text's: cache/placement.py,
+        which the router's `owner` policy hashes the same way) or else of the chunk's key. Every
+        replica with the same peers up picks the same one."""
         if not self.exports:
             return 0
-        digest = self.sched.chunks.make_key(key[0], key[1])
-        up = [0, *self.exports]
-        return max(up, key=lambda i: hashlib.blake2b(digest + self.names[i].encode(), digest_size=8).digest())
+        digest = doc_key if doc_key is not None else self.sched.chunks.make_key(key[0], key[1])
+        name = placement.owner(digest, [self.names[i] for i in (0, *self.exports)])
+        return self._index[name]
 
     # ---- this replica asks --------------------------------------------------------------------
     def fetch(self, peer: int, chunks: list[Chunk], prefix: tuple[int, ...], cond: Chunk | None) -> None:
@@ -385,6 +387,7 @@ class PeerKV:
     def stats_dict(self) -> dict:
         st = self.stats
         return {
+            "kv_peer_addr": self.names[0],
             "kv_peers_up": len(self.exports),
             "peer_fetches_sent": st.fetches_sent,
             "peer_fetch_timeouts": st.fetch_timeouts,

@@ -89,6 +89,9 @@ class Request:
     chunk_hits: int = 0
     chunk_misses: int = 0
     peer_chunks: int = 0  # documents read from the peer replica that owns them (peer KV)
+    # peer KV: each document's placement key (cache/placement.py, of its text or registry id), to find
+    # its owner as the router does; empty: owners by the chunks' keys
+    doc_keys: list[bytes] = field(default_factory=list)
     arrival: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     # Server path only (wall clock, shared by the processes): HTTP received it, the tokenizer process

@@ -505,9 +505,12 @@ class Scheduler:
         req.host_chunks = len(at_host)
         self.host_attended += len(at_host)
         fetched: dict[int, list[Chunk]] = {}  # peer KV: owner -> the documents it is asked for
+        placement = dict(zip(doc_keys, req.doc_keys)) if self.peers is not None else {}
         for key, c in found.items():
             # (a document's key: its cond is the prefix, the prefix chunk's is empty)
-            owner = self.peers.owner(key) if c is None and self.peers is not None and key[0] == prefix else 0
+            owner = 0
+            if c is None and self.peers is not None and key[0] == prefix:
+                owner = self.peers.owner(key, placement.get(key))
             if key not in req.staged and not owner:  # its rounds counted those (misses)
                 self.chunks.record_use(c)
             if c is None:

@@ -10,5 +10,6 @@ or (--tokenizer-in-http) inside the HTTP process.
 - document_ops.py: the document store's operations (/v1/documents), run here beside the tokenizer.
 - detokenizer.py: incremental detokenization (whole characters only, stop strings held back).
 
-May import: lazyrt.documents, lazyrt.prompt, lazyrt.sampling_params, lazyrt.runtime.ipc
+May import: lazyrt.documents, lazyrt.prompt, lazyrt.sampling_params, lazyrt.runtime.ipc,
+lazyrt.cache (placement keys only)
 """

@@ -7,6 +7,7 @@ request field at fault.
 
 from __future__ import annotations
 
+from lazyrt.cache.placement import doc_key
 from lazyrt.documents import DocumentError, DocumentStore
 from lazyrt.prompt import RagPrompt
 from lazyrt.runtime.ipc.messages import GenerateReq, TokenizedReq
@@ -112,6 +113,8 @@ class RequestTokenizer:
             if not suffix:
                 raise InvalidRequest("there must be at least one token after the documents", req.param)
             out = TokenizedReq(req.rid, req.sampling, 0, prefix=prefix, docs=doc_ids, suffix=suffix)
+            if req.docs and len(req.docs) == len(doc_ids):  # peer KV: owners as the router places them
+                out.doc_keys = [doc_key(d) for d in req.docs]
         else:
             if not plain:
                 raise InvalidRequest("the prompt is empty", req.param)
