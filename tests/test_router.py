@@ -407,6 +407,8 @@ def test_dp_router_exits_naming_the_replica_when_none_is_left():
 
 @pytest.mark.slow
 def test_dp_kv_peers_wires_the_replicas_as_peers():
+    from lazyrt.cache.placement import owner as place
+
     """`--dp 2 --dp-kv-peers` starts replicas that read each other's documents (peer KV) and routes
     each request to the replica owning most of its documents."""
     port, base = free_port(), free_port()
@@ -429,15 +431,22 @@ def test_dp_kv_peers_wires_the_replicas_as_peers():
                 pass
             time.sleep(0.5)
         below = _descendants(router.pid)
-        docs_sets = [DOCS, DOCS[::-1], DOCS[1:], [DOCS[2], DOCS[0]]]
-        for docs in docs_sets:
-            got = _chat(url, docs, "What is the capital of Arvania?")
+        # two documents owned by different replicas (as both the router and the replicas hash them): a
+        # request with both reads one from the other replica wherever it goes
+        names = [r["stats"]["kv_peer_addr"] for r in reps]
+        facts = [f"Fact {i}: the Arvanian lorn was minted in {1900 + i}." for i in range(64)]
+        by_owner = {n: [f for f in facts if place(doc_key(f), names) == n] for n in names}
+        pair = [by_owner[names[0]][0], by_owner[names[1]][0]]
+        for docs in (pair, pair[::-1], DOCS):
+            got = _chat(url, docs, "When was the lorn minted?")
             assert got.status_code == 200, got.text
         stats = httpx.get(url + "/cache_stats", timeout=30).json()
         assert sum(r["stats"]["chunk_peer_fetches"] for r in stats["replicas"]) > 0
         metrics = httpx.get(url + "/metrics", timeout=30).text
         assert 'reason="owner"' in metrics and 'reason="affinity"' not in metrics
-        assert sum(r["stats"]["chunks"] for r in stats["replicas"]) == 1 + 1 + len(DOCS)  # a prefix each
+        for r in stats["replicas"]:  # each document cached by its owner only (and a prefix chunk)
+            held = r["stats"]["chunks"] - 1
+            assert held == sum(place(doc_key(d), names) == r["stats"]["kv_peer_addr"] for d in pair + DOCS)
     finally:
         router.terminate()
         router.wait(60)
