@@ -412,7 +412,8 @@ def test_dp_kv_peers_wires_the_replicas_as_peers():
     """`--dp 2 --dp-kv-peers` starts replicas that read each other's documents (peer KV) and routes
     each request to the replica owning most of its documents."""
     port, base = free_port(), free_port()
-    cmd = [sys.executable, "-m", "lazyrt.router", "--dp", "2", "--dp-kv-peers", "--dp-base-port", str(base),
+    cmd = [sys.executable, "-m", "lazyrt.router", "--dp", "2", "--dp-kv-peers", "--policy", "owner",
+           "--dp-base-port", str(base),
            "--port", str(port), "--log-level", "warning", "--",
            "--device", "cpu", "--kv-cache-tokens", "4096", "--log-level", "warning"]  # fmt: skip
     router = subprocess.Popen(cmd, env=dict(os.environ))

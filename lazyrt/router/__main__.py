@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dp-kv-peers", action="store_true",
                    help="--dp: the replicas keep each document once between them and read each other's "
                         "KV pages (lazyrt.launch --kv-peers; one host); routing then defaults to "
-                        "owner (the replica that owns most of a request's documents)")
+                        "least_loaded (any replica reads every cached document)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=30000, help="port to listen on")
     p.add_argument("--imbalance", type=float, default=0.5,
@@ -55,9 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "than a request computing its documents away from them)")  # fmt: skip
     p.add_argument("--policy", default=None, choices=POLICIES,
                    help="affinity (the default): where the documents are (the router's view of each "
-                        "cache), else their rendezvous owners; hash: the owners only; owner (the default "
-                        "with --dp-kv-peers): where peer KV replicas cache most of the documents; "
-                        "least_loaded, round_robin: baselines")
+                        "cache), else their rendezvous owners; hash: the owners only; owner: where peer KV "
+                        "replicas cache most of the documents (fewer copies, less even load); "
+                        "least_loaded (the default with --dp-kv-peers), round_robin")
     p.add_argument("--api-key", default=None, help="required from clients, and sent to the replicas")
     p.add_argument("--log-level", default="info", help="debug | info | warning | error")
     return p
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dp_kv_peers and args.dp < 2:
         build_parser().error("--dp-kv-peers needs --dp 2 or more (replicas it starts on this host)")
     if args.policy is None:
-        args.policy = "owner" if args.dp_kv_peers else "affinity"
+        args.policy = "least_loaded" if args.dp_kv_peers else "affinity"
     fmt = "%(asctime)s %(name)s %(levelname)s %(message)s"
     set_process_name("lazyrt-router")
     logging.basicConfig(level=args.log_level.upper(), format=fmt)
