@@ -105,6 +105,25 @@ def run(a: Replica, b: Replica, max_rounds: int = 500) -> None:
     raise AssertionError("the replicas did not finish")
 
 
+def peers(a_tokens: int, b_tokens: int, b_host: int = 0) -> tuple[Replica, Replica]:
+    """Replicas a and b (overlapped scheduling) after their hello: each has mapped the other's pool."""
+    a, b = Replica(a_tokens, NAMES, True), Replica(b_tokens, NAMES[::-1], True, host=b_host)
+    pump(a, b)
+    pump(a, b)
+    return a, b
+
+
+def on_a_and_reference(a: Replica, reqs: list) -> Replica:
+    """Every request added to a, and run to the end on a replica without peers (the reference)."""
+    ref = Replica(4096, None, True)
+    for r in reqs:
+        a.add(*r)
+        ref.add(*r)
+    while ref.core.has_work:
+        ref.step()
+    return ref
+
+
 def workload(rng: random.Random, vocab: int, n_docs: int, n_req: int) -> tuple[list, list]:
     docs = [[rng.randrange(3, vocab) for _ in range(rng.randrange(20, 70))] for _ in range(n_docs)]
     prefix = [rng.randrange(3, vocab) for _ in range(9)]
@@ -150,16 +169,9 @@ def test_two_replicas_read_each_others_documents_with_the_same_tokens(overlap):
 def test_concurrent_requests_a_full_owner_and_pages_equal_the_owners():
     rng = random.Random(3)
     # b's pool is small: documents it owns but cannot hold are computed by the replica asking
-    a, b = Replica(4096, NAMES, True), Replica(96, NAMES[::-1], True)
-    ref = Replica(4096, None, True)
-    pump(a, b)
-    pump(a, b)
+    a, b = peers(4096, 96)
     docs, reqs = workload(rng, 200, 10, 16)
-    for r in reqs:
-        a.add(*r)
-        ref.add(*r)
-    while ref.core.has_work:
-        ref.step()
+    ref = on_a_and_reference(a, reqs)
     # watch the copies: after each step, a peer copy's pages equal the owner's
     checked = 0
     for _ in range(800):
@@ -183,18 +195,11 @@ def test_concurrent_requests_a_full_owner_and_pages_equal_the_owners():
     assert a.sched.pool.num_free + a.sched.chunks.num_pages == a.sched.pool.num_pages
 
 
-def test_a_peer_that_never_answers_is_computed_here(monkeypatch):
+def test_a_peer_that_never_answers_is_computed_here():
     rng = random.Random(5)
-    a, b = Replica(4096, NAMES, True), Replica(4096, NAMES[::-1], True)
-    ref = Replica(4096, None, True)
-    pump(a, b)
-    pump(a, b)
+    a, b = peers(4096, 4096)
     docs, reqs = workload(rng, 200, 6, 4)
-    for r in reqs:
-        a.add(*r)
-        ref.add(*r)
-    while ref.core.has_work:
-        ref.step()
+    ref = on_a_and_reference(a, reqs)
     a.step()  # admitted: asks b, which never hears of it
     lost = a.sched.peers.take_outbox()
     assert any(type(m).__name__ == "PeerEnsure" for _, m in lost)
@@ -233,9 +238,7 @@ def test_bad_peer_configuration_is_refused():
 
 def test_pins_of_a_reader_that_never_releases_expire():
     rng = random.Random(8)
-    a, b = Replica(4096, NAMES, True), Replica(4096, NAMES[::-1], True)
-    pump(a, b)
-    pump(a, b)
+    a, b = peers(4096, 4096)
     docs, reqs = workload(rng, 200, 6, 3)
     for r in reqs:
         a.add(*r)
@@ -262,10 +265,8 @@ def test_an_owner_loads_a_document_back_from_its_host_tier_before_answering():
     rng = random.Random(13)
     # b's device pool holds ~2 documents: the rest of what it owns moves to its host tier and is
     # loaded back when a asks for it again (answered once the load has run)
-    a, b = Replica(4096, NAMES, True), Replica(160, NAMES[::-1], True, host=4096)
+    a, b = peers(4096, 160, b_host=4096)
     ref = Replica(4096, None, True)
-    pump(a, b)
-    pump(a, b)
     docs, reqs = workload(rng, 200, 8, 14)
     for r in reqs:
         a.add(*r)
@@ -281,9 +282,7 @@ def test_owners_follow_the_documents_placement_keys_as_the_router_hashes_them():
     from lazyrt.cache.placement import doc_key, owner
 
     rng = random.Random(21)
-    a, b = Replica(4096, NAMES, True), Replica(4096, NAMES[::-1], True)
-    pump(a, b)
-    pump(a, b)
+    a, b = peers(4096, 4096)
     docs, reqs = workload(rng, 200, 10, 10)
     key = {tuple(d): doc_key(f"text of document {i}") for i, d in enumerate(docs)}
     for i, (rid, prefix, ds, suffix, n) in enumerate(reqs):

@@ -32,6 +32,18 @@ def _chat(url: str, docs: list[str], q: str) -> dict:
     return r.json()
 
 
+def ask_both_and_compare(a: ServerProc, b: ServerProc, ref: ServerProc, rounds: int) -> list[dict]:
+    """Document sets sent to a and b in turn and to the reference: the same text back from each;
+    returns the three replicas' /cache_stats."""
+    sets = [DOCS, MORE, DOCS[:1] + MORE[1:], MORE[::-1] + DOCS[1:2], DOCS[::-1], [MORE[0], DOCS[2]]] * rounds
+    for i, docs in enumerate(sets):
+        where = a if i % 2 == 0 else b
+        q = "What is the capital of Arvania?" if i % 3 else "How tall is Mount Feller?"
+        got, want = _chat(where.url, docs, q), _chat(ref.url, docs, q)
+        assert got["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"], i
+    return [httpx.get(s.url + "/cache_stats", timeout=10).json() for s in (a, b, ref)]
+
+
 def _wait_peers_up(a: ServerProc, b: ServerProc) -> None:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:  # each has the other's pool
@@ -62,13 +74,7 @@ def replicas():
 @pytest.mark.slow
 def test_replicas_with_peers_answer_as_one_without(replicas):
     a, b, ref = replicas
-    sets = [DOCS, MORE, DOCS[:1] + MORE[1:], MORE[::-1] + DOCS[1:2], DOCS[::-1], [MORE[0], DOCS[2]]]
-    for i, docs in enumerate(sets):
-        where = a if i % 2 == 0 else b
-        q = "What is the capital of Arvania?" if i % 3 else "How tall is Mount Feller?"
-        got, want = _chat(where.url, docs, q), _chat(ref.url, docs, q)
-        assert got["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"], i
-    sa, sb, sr = (httpx.get(s.url + "/cache_stats", timeout=10).json() for s in (a, b, ref))
+    sa, sb, sr = ask_both_and_compare(a, b, ref, 1)
     assert sa["chunk_peer_fetches"] + sb["chunk_peer_fetches"] > 0
     assert sa["peer_loads"] + sb["peer_loads"] > 0
     # one copy of each document between them (each keeps its own copy of the shared prompt prefix)
@@ -112,13 +118,7 @@ def test_gpu_replicas_read_each_others_pages_over_cuda_ipc(mode):
         for s in (a, b, ref):
             s.wait_healthy()
         _wait_peers_up(a, b)
-        sets = [DOCS, MORE, DOCS[:1] + MORE[1:], MORE[::-1] + DOCS[1:2], DOCS[::-1], [MORE[0], DOCS[2]]] * 2
-        for i, docs in enumerate(sets):
-            where = a if i % 2 == 0 else b
-            q = "What is the capital of Arvania?" if i % 3 else "How tall is Mount Feller?"
-            got, want = _chat(where.url, docs, q), _chat(ref.url, docs, q)
-            assert got["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"], i
-        sa, sb, sr = (httpx.get(s.url + "/cache_stats", timeout=10).json() for s in (a, b, ref))
+        sa, sb, sr = ask_both_and_compare(a, b, ref, 2)
         assert sa["peer_loads"] + sb["peer_loads"] > 0  # over CUDA IPC
         assert sa["chunks"] + sb["chunks"] == sr["chunks"] + 1
         assert sa["peer_pins_held"] == sb["peer_pins_held"] == 0
