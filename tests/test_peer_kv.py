@@ -293,3 +293,24 @@ def test_owners_follow_the_documents_placement_keys_as_the_router_hashes_them():
     for d in used:
         held = [rep for rep in (a, b) if any(c.tokens == d for c in rep.sched.chunks)]
         assert held == [home[owner(key[d], NAMES)]]
+
+
+def test_a_failed_step_releases_the_fetches_it_copied():
+    rng = random.Random(18)
+    a, b = peers(4096, 4096)
+    docs, reqs = workload(rng, 200, 8, 6)
+    for r in reqs:
+        a.add(*r)
+    for _ in range(100):  # until a step has taken a peer copy (overlapped: it is still in flight)
+        pump(a, b)
+        a.step()
+        b.step()
+        if any(f.load_seq >= 0 for f in a.sched.peers._fetches.values()):
+            break
+    taken = [f.fetch_id for f in a.sched.peers._fetches.values() if f.load_seq >= 0]
+    assert taken
+    a.core._fail_running()  # what EngineCore does when a step raises
+    released = [m.fetch_id for _, m in a.sched.peers.take_outbox() if type(m).__name__ == "PeerRelease"]
+    assert set(taken) <= set(released)
+    assert all(c.peer < 0 for c in a.sched.chunks)  # the copies went with their requests
+    assert a.sched.pool.num_free + a.sched.chunks.num_pages == a.sched.pool.num_pages

@@ -339,9 +339,14 @@ class PeerKV:
         self._pools_sent.update(i for i, _ in new)
         return new
 
-    def forget_pools(self) -> None:
-        """A step failed: the worker may not have mapped what it carried; send them all again."""
+    def on_failed(self) -> None:
+        """A step failed and every running request with it (Scheduler.fail_running): the worker may
+        not have mapped the pools it carried (sent again with the next step), and the copies taken
+        into the failed steps will not complete: their fetches are released now (the chunks they
+        filled are dropped with their requests)."""
         self._pools_sent.clear()
+        for f in [f for f in self._fetches.values() if f.load_seq >= 0]:
+            self._release(f)
 
     def tick(self, now: float | None = None) -> None:
         """Timeouts: fetches not answered in timeout_s are computed here (the peer is taken as down

@@ -949,7 +949,7 @@ class Scheduler:
         for c in [c for c in self.chunks if not c.ready and c.pages and c.ref_count == 0 and not c.fetching]:
             self.pool.free(self.chunks.remove(c))
         if self.peers is not None:
-            self.peers.forget_pools()
+            self.peers.on_failed()
         return failed
 
     def flush(self) -> int:
