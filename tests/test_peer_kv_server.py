@@ -3,6 +3,7 @@ without peers does, while each document is cached by one of them only."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -160,3 +161,25 @@ def test_gpu_pool_export_is_read_by_another_process_on_another_device():
         child.stdin.write("\n")
         child.stdin.close()
         child.wait(60)
+
+
+@pytest.mark.slow
+def test_router_placement_header_is_followed_and_checked(replicas):
+    a, b, ref = replicas
+    peers = [httpx.get(s.url + "/cache_stats", timeout=10).json()["kv_peer_addr"] for s in (a, b)]
+    docs = [f"Placed fact {i}: the Arvanian pim weighs {i + 2} grams." for i in range(3)]
+    before = [httpx.get(s.url + "/cache_stats", timeout=10).json() for s in (a, b)]
+    body = {"messages": [{"role": "user", "content": "What does a pim weigh?"}], "documents": docs,
+            "max_tokens": 8, "temperature": 0}  # fmt: skip
+    owners = {"x-lazyrt-doc-owners": json.dumps([peers[1], peers[1], None])}  # two on b, one as a decides
+    got = httpx.post(a.url + "/v1/chat/completions", json=body, headers=owners, timeout=120)
+    want = httpx.post(ref.url + "/v1/chat/completions", json=body, timeout=120)
+    assert got.status_code == 200 and got.json()["choices"] == want.json()["choices"]
+    after = [httpx.get(s.url + "/cache_stats", timeout=10).json() for s in (a, b)]
+    assert after[0]["chunk_peer_fetches"] - before[0]["chunk_peer_fetches"] >= 2  # read from b
+    assert after[1]["chunks"] - before[1]["chunks"] >= 2  # b holds them
+    for header, why in [("[1, 2", "JSON list"), ('["x"]', "1 owners for 3 documents")]:
+        r = httpx.post(a.url + "/v1/chat/completions", json=body, headers={"x-lazyrt-doc-owners": header},
+                       timeout=60)  # fmt: skip
+        assert r.status_code == 400 and r.json()["error"]["param"] == "x-lazyrt-doc-owners", r.text
+        assert why in r.json()["error"]["message"]

@@ -479,3 +479,28 @@ def test_owner_policy_routes_where_peer_kv_replicas_cache_the_documents():
     c = pol.choose(keys[:1], {"http://a": 9, "http://b": 0} if by_name[place(keys[0], list(by_name))] == "http://a"
                    else {"http://a": 0, "http://b": 9})  # fmt: skip
     assert c.reason == "imbalance"
+
+
+def test_affinity_with_peer_kv_places_each_document_once():
+    """Replicas that read each other's KV (peer names known): a document another replica's view holds
+    stays there (the request reads it from that replica); the rest go to the chosen one, and the
+    placement sent with the request names each document's holder."""
+    from lazyrt.router.app import DOC_OWNERS_HEADER
+    from lazyrt.runtime.server.doc_owners import DOC_OWNERS_HEADER as SERVER_HEADER
+
+    assert DOC_OWNERS_HEADER == SERVER_HEADER
+    pol = AffinityPolicy(mode="affinity")
+    urls = ["http://a", "http://b"]
+    for u in urls:
+        pol.view(u).reset(10_000, "lfu", 16)
+    keys = [doc_key(f"doc {i}") for i in range(6)]
+    assert pol.placement(keys[:2], urls[0]) is None  # no peer KV: nothing to place
+    pol.peer_names = {"http://a": "ipc:///p/a", "http://b": "ipc:///p/b"}
+    pol.record(urls[0], keys[:3], [100] * 3)  # a computes docs 0-2
+    assert pol.placement(keys[1:5], urls[1]) == ["ipc:///p/a", "ipc:///p/a", "ipc:///p/b", "ipc:///p/b"]
+    pol.record(urls[1], keys[1:5], [100] * 4)  # b reads 1, 2 from a and computes 3, 4
+    held = {u: {k for k in keys if pol.views[u].holds(k)} for u in urls}
+    assert held == {urls[0]: set(keys[:3]), urls[1]: set(keys[3:5])}  # nothing held twice
+    assert pol.views[urls[0]].held[keys[1]].hits == 1  # b's use counted on a's copy
+    # a request holding most of its tokens on b goes there
+    assert pol.choose(keys[2:5], {u: 0 for u in urls}, [100] * 3).replica == urls[1]

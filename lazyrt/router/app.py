@@ -27,6 +27,8 @@ from lazyrt.api_key import ApiKeyGuard
 from lazyrt.router.document_routes import add_router_document_routes
 from lazyrt.router.policy import AffinityPolicy, doc_key, doc_tokens
 
+DOC_OWNERS_HEADER = "x-lazyrt-doc-owners"  # as lazyrt/runtime/server/doc_owners.py reads it
+
 logger = logging.getLogger("lazyrt.router")
 ROUTED = ("/generate", "/score", "/v1/completions", "/v1/chat/completions")
 _HEALTH_S = 1.0
@@ -222,6 +224,9 @@ def create_router_app(state: RouterState) -> FastAPI:
         for attempt, url in enumerate(order):
             replica = state.by_url()[url]
             replica.in_flight += 1
+            owners = pol.placement(keys, url) if keys else None
+            if owners is not None:  # peer KV: where each document is (or will be) cached
+                fwd_headers[DOC_OWNERS_HEADER] = json.dumps(owners)
             try:
                 resp = await pool(url).post(url + path, data=raw, headers=fwd_headers)
             except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:

@@ -220,9 +220,43 @@ class AffinityPolicy:
         return Choice(best, "affinity" if self.mode == "affinity" else "hash", held[best])
 
     def record(self, replica: str, keys: Sequence[bytes], sizes: Sequence[int]) -> None:
-        """The request went to `replica`: its documents are (about to be) in that cache."""
-        if self.mode == "affinity" and keys:
+        """The request went to `replica`: its documents are (about to be) in that cache. With peer KV
+        replicas (peer_names known) a document another replica holds stays there (the request reads
+        it from that one: a use of its copy) and only the others go into `replica`'s cache."""
+        if self.mode != "affinity" or not keys:
+            return
+        if not self._places(replica):
             self.view(replica).add(keys, sizes)
+            return
+        mine: dict[bytes, int] = {}
+        for k, n in zip(keys, sizes):
+            holder = self._holder(k, replica)
+            if holder == replica:
+                mine[k] = n
+            else:
+                self.views[holder].add([k], [n])
+        self.view(replica).add(list(mine), list(mine.values()))
+
+    def placement(self, keys: Sequence[bytes], replica: str) -> list[str | None] | None:
+        """Peer KV, affinity: each document's owner for a request sent to `replica` (the peer address
+        of the replica whose view holds it, else `replica`'s own, which will compute it), for the
+        replicas to follow (header x-lazyrt-doc-owners); None when there is nothing to place."""
+        if self.mode != "affinity" or not keys or not self._places(replica):
+            return None
+        return [self.peer_names.get(self._holder(k, replica)) for k in keys]
+
+    def _places(self, replica: str) -> bool:
+        return replica in self.peer_names
+
+    def _holder(self, key: bytes, replica: str) -> str:
+        """The replica whose view holds key (`replica` first), else `replica`; only replicas with a
+        peer address count (the others cannot lend their pages)."""
+        if self.view(replica).holds(key):
+            return replica
+        for r in sorted(self.views):
+            if r != replica and r in self.peer_names and self.views[r].holds(key):
+                return r
+        return replica
 
     def ranked(
         self, keys: Sequence[bytes], load: dict[str, int], sizes: Sequence[int] | None = None

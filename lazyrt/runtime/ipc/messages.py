@@ -60,6 +60,9 @@ class GenerateReq:
     echo: bool = False  # /v1/completions echo: with logprobs, the prompt's tokens are scored too
     tools: list[dict] | None = None  # chat: OpenAI tool definitions, rendered by the chat template
     received_at: float = 0.0  # wall clock (time.time) when HTTP got it: per-request timings in meta
+    # peer KV: each doc's owner as the router placed it (a replica's peer address; "" = none given),
+    # from the router's x-lazyrt-doc-owners header
+    doc_owners: list[str] | None = None
 
 
 @message
@@ -118,6 +121,7 @@ class TokenizedReq:
     score_len: int = 0  # the last score_len prompt tokens are scored (see Request.score_len)
     # one per doc: its placement key (cache/placement.py: of its text, or registry id), or empty
     doc_keys: list[bytes] = field(default_factory=list)
+    doc_owners: list[str] = field(default_factory=list)  # one per doc, or empty (GenerateReq.doc_owners)
     received_at: float = 0.0  # wall clock: HTTP got it / the tokenizer process got it / finished it
     tokenizing_at: float = 0.0
     tokenized_at: float = 0.0

@@ -105,13 +105,18 @@ class PeerKV:
             self._hello(i, now)
 
     # ---- ownership ----------------------------------------------------------------------------
-    def owner(self, key: PartKey, doc_key: bytes | None = None) -> int:
-        """The replica that keeps this chunk (0 = this one): the rendezvous owner among this replica
-        and the peers that answer, of the document's placement key (its text's: cache/placement.py,
-        which the router's `owner` policy hashes the same way) or else of the chunk's key. Every
-        replica with the same peers up picks the same one."""
+    def owner(self, key: PartKey, doc_key: bytes | None = None, placed: str | None = None) -> int:
+        """The replica that keeps this chunk (0 = this one): where the router placed it (`placed`, a
+        replica's peer address: its affinity view of who holds the document) if that replica is this
+        one or a peer that answers; else the rendezvous owner among this replica and the peers that
+        answer, of the document's placement key (its text's: cache/placement.py, which the router's
+        `owner` policy hashes the same way) or else of the chunk's key. Every replica with the same
+        peers up picks the same one."""
         if not self.exports:
             return 0
+        i = self._index.get(placed) if placed else None
+        if i is not None and (i == 0 or i in self.exports):
+            return i
         digest = doc_key if doc_key is not None else self.sched.chunks.make_key(key[0], key[1])
         name = placement.owner(digest, [self.names[i] for i in (0, *self.exports)])
         return self._index[name]

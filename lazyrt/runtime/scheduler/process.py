@@ -247,7 +247,7 @@ class SchedulerLoop:
             req.tokenized_at, req.queued_at = msg.tokenized_at, time.time()
             req.score_len = msg.score_len
             req.max_new_tokens = msg.max_new_tokens
-            req.doc_keys = list(msg.doc_keys)
+            req.doc_keys, req.doc_owners = list(msg.doc_keys), list(msg.doc_owners)
             try:
                 self.core.add(req)
             except RequestRejected as e:

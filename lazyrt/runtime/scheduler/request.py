@@ -92,6 +92,7 @@ class Request:
     # peer KV: each document's placement key (cache/placement.py, of its text or registry id), to find
     # its owner as the router does; empty: owners by the chunks' keys
     doc_keys: list[bytes] = field(default_factory=list)
+    doc_owners: list[str] = field(default_factory=list)  # peer KV: owners the router placed ("" = none)
     arrival: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     # Server path only (wall clock, shared by the processes): HTTP received it, the tokenizer process

@@ -506,11 +506,12 @@ class Scheduler:
         self.host_attended += len(at_host)
         fetched: dict[int, list[Chunk]] = {}  # peer KV: owner -> the documents it is asked for
         placement = dict(zip(doc_keys, req.doc_keys)) if self.peers is not None else {}
+        placed = dict(zip(doc_keys, req.doc_owners)) if self.peers is not None else {}
         for key, c in found.items():
             # (a document's key: its cond is the prefix, the prefix chunk's is empty)
             owner = 0
             if c is None and self.peers is not None and key[0] == prefix:
-                owner = self.peers.owner(key, placement.get(key))
+                owner = self.peers.owner(key, placement.get(key), placed.get(key))
             if key not in req.staged and not owner:  # its rounds counted those (misses)
                 self.chunks.record_use(c)
             if c is None:

@@ -15,6 +15,7 @@
 - pipeline_client.py: sends GenerateReqs to the tokenizer (its process, or its loop in this one),
   routes TextOuts back per request.
 - metrics.py: Prometheus metrics in the server's own registry.
+- doc_owners.py: the router's x-lazyrt-doc-owners header (peer KV: where each document is cached).
 
 The top of the process tree: it may start every process, but it never touches the model or the
 caches itself (the scheduler and worker run elsewhere; with --tokenizer-in-http it tokenizes).

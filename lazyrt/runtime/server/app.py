@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from lazyrt.api_key import ApiKeyGuard
 from lazyrt.runtime.ipc.messages import ErrorOut, TextOut
+from lazyrt.runtime.server.doc_owners import DOC_OWNERS_HEADER, doc_owners_header
 from lazyrt.runtime.server.document_routes import add_document_routes
 from lazyrt.runtime.server.metrics import ServerMetrics
 from lazyrt.runtime.server.pipeline_client import PipelineClient
@@ -222,10 +223,17 @@ def create_app(state: ServerState) -> FastAPI:
             if client.failed:
                 raise ApiError(503, client.failed, None, "server_error")
             parsed = parse(await read_json(request))
+            reqs = parsed.requests()
+            owners = doc_owners_header(request.headers.get(DOC_OWNERS_HEADER))
+            for req in reqs if owners is not None else []:
+                n = len(req.docs or [])
+                if len(owners) != n:
+                    raise ApiError(400, f"{DOC_OWNERS_HEADER}: {len(owners)} owners for {n} documents",
+                                   DOC_OWNERS_HEADER)  # fmt: skip
+                req.doc_owners = owners
         except ApiError as e:
             state.metrics.errors.labels(endpoint, str(e.status)).inc()
             return error_response(e)
-        reqs = parsed.requests()
         queues, rids, trackers = [], [], []
         for req in reqs:  # all at once: they batch together (and share their documents' KV)
             req.rid, req.received_at = client.new_rid(), received_at

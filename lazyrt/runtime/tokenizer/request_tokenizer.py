@@ -115,6 +115,8 @@ class RequestTokenizer:
             out = TokenizedReq(req.rid, req.sampling, 0, prefix=prefix, docs=doc_ids, suffix=suffix)
             if req.docs and len(req.docs) == len(doc_ids):  # peer KV: owners as the router places them
                 out.doc_keys = [doc_key(d) for d in req.docs]
+                if req.doc_owners is not None and len(req.doc_owners) == len(doc_ids):
+                    out.doc_owners = list(req.doc_owners)
         else:
             if not plain:
                 raise InvalidRequest("the prompt is empty", req.param)
