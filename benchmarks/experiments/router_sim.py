@@ -49,7 +49,7 @@ class ModelCache:
         hits = sum(1 for k in keys if v.holds(k))
         v.add([], [])  # (sets up its policy)
         need = sum(-(-n // v.page_size) for k, n in dict(zip(keys, sizes)).items() if not v.holds(k))
-        v._make_room(need, set(keys) | {k for k, n in self.pins.items() if n > 0})
+        v.make_room(need, set(keys) | {k for k, n in self.pins.items() if n > 0})
         v.add(keys, sizes)
         self.pins.update(keys)
         return hits, len(keys) - hits

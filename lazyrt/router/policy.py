@@ -94,7 +94,7 @@ class ReplicaView:
                 self._access(self.held[k], "acquire")
         new = [(k, HeldDocument(n, range(-(-n // self.page_size)))) for k, n in order if k not in self.held]
         if self.capacity is not None:
-            self._make_room(sum(len(d.pages) for _, d in new), {k for k, _ in order})
+            self.make_room(sum(len(d.pages) for _, d in new), {k for k, _ in order})
         fresh = dict(new)
         for k, _ in order:
             d = fresh.get(k)
@@ -114,7 +114,7 @@ class ReplicaView:
         if self._policy.on_access(d, kind, self._tick):
             d.seq = self._tick
 
-    def _make_room(self, need: int, keep: set[bytes]) -> None:
+    def make_room(self, need: int, keep: set[bytes]) -> None:
         assert self._policy is not None and self.capacity is not None
         limit = self.capacity // self.page_size
         while self.pages + need > limit:

@@ -166,7 +166,7 @@ class PeerKV:
             return
         if cond is not None and cond.heap_seq < 0:
             cond = None  # cannot happen while a request holds both; never compute after a dropped prefix
-        s._queue_job(ChunkJob(c, cond))
+        s.queue_job(ChunkJob(c, cond))
 
     def on_planned(self, seq: int) -> None:
         """Step `seq` took every peer copy owed so far (ChunkTable.take_peer_loads)."""
@@ -221,7 +221,7 @@ class PeerKV:
         step's kernels); False when the pool has no room for it."""
         s = self.sched
         n = len(c.host_pages)
-        s._make_room(n)
+        s.make_room(n)
         if s.pool.num_free < n:
             return False
         s.chunks.load(c, s.pool.alloc(n))
@@ -235,19 +235,19 @@ class PeerKV:
         if existing is not None:  # a copy read from a peer, or one being fetched: not this replica's
             return None
         need = s.pages_for(len(doc)) + (s.pages_for(len(prefix)) if prefix and cond is None else 0)
-        s._make_room(need)
+        s.make_room(need)
         if s.pool.num_free < need:
             chunks.record_use(None)
             return None
         if prefix and cond is None:
             cond = chunks.insert((), prefix, s.pool.alloc(s.pages_for(len(prefix))))
-            s._queue_job(ChunkJob(cond, None))
+            s.queue_job(ChunkJob(cond, None))
         chunks.record_use(None)
         c = chunks.insert(prefix, doc, s.pool.alloc(s.pages_for(len(doc))))
         chunks.acquire(c)
         if cond is not None and not cond.ready and all(j.chunk is not cond for j in s.jobs):
-            s._queue_job(ChunkJob(cond, None))
-        s._queue_job(ChunkJob(c, cond))
+            s.queue_job(ChunkJob(cond, None))
+        s.queue_job(ChunkJob(c, cond))
         return c
 
     def _answer_ready(self) -> None:

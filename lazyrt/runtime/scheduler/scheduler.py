@@ -321,7 +321,7 @@ class Scheduler:
         return bool(self.waiting or self.running or self.jobs or owed)
 
     # ---- admission ----------------------------------------------------------------------------
-    def _make_room(self, n_pages: int) -> None:
+    def make_room(self, n_pages: int) -> None:
         short = n_pages - self.pool.num_free
         if short > 0:
             freed = self.radix.evict(short)
@@ -411,7 +411,7 @@ class Scheduler:
         if cond is not None:
             self.chunks.acquire(cond)  # kept through the eviction below
         load = self.pages_for(len(prefix)) if prefix and (cond is None or not cond.pages) else 0
-        self._make_room(load + used)
+        self.make_room(load + used)
         while take and load + used > self.pool.num_free:  # running requests hold the rest for now
             used -= self.pages_for(len(take.pop()))
         if not take:
@@ -422,21 +422,21 @@ class Scheduler:
             self.chunks.record_use(None)
             cond = self.chunks.insert((), prefix, self.pool.alloc(load))
             self.chunks.acquire(cond)
-            self._queue_job(ChunkJob(cond, None))
+            self.queue_job(ChunkJob(cond, None))
             req.staged.add(((), prefix))
         elif load:
             self.chunks.load(cond, self.pool.alloc(load))
         for d in take:
             self.chunks.record_use(None)  # a miss: computed for this request
             c = self.chunks.insert(prefix, d, self.pool.alloc(self.pages_for(len(d))))
-            self._queue_job(ChunkJob(c, cond))
+            self.queue_job(ChunkJob(c, cond))
         if cond is not None:
             self.chunks.release(cond)
         req.staged.update((prefix, d) for d in take)
         req.chunk_rounds += 1
         return False
 
-    def _queue_job(self, job: ChunkJob) -> None:
+    def queue_job(self, job: ChunkJob) -> None:
         """Each job holds its own refs until its KV is written."""
         for x in (job.chunk, job.cond):
             if x is not None:
@@ -459,7 +459,7 @@ class Scheduler:
             self.radix.lock(node)
         matched = len(pages) * self.page_size
         need = self.pages_for(len(tokens) - matched + req.max_new_tokens)
-        self._make_room(need)
+        self.make_room(need)
         if self.pool.num_free < need:
             if node is not None:
                 self.radix.unlock(node)
@@ -496,7 +496,7 @@ class Scheduler:
         )
         own_pages = self.pages_for(len(req.suffix) + req.max_new_tokens)
         need = new_pages + own_pages + self._per_use_pages(req)
-        self._make_room(need)
+        self.make_room(need)
         if self.pool.num_free < need:
             for c in held:
                 self.chunks.release(c)
@@ -532,7 +532,7 @@ class Scheduler:
             if c.ready or c.fetching or key in at_host:
                 continue
             if all(j.chunk is not c for j in self.jobs):
-                self._queue_job(ChunkJob(c, prefix_chunk if cond else None))
+                self.queue_job(ChunkJob(c, prefix_chunk if cond else None))
         req.chunks = list(found.values())
         probe = self._probe_budget(req)
         # Deviation policy: each doc as one segment until the probe step has picked the pages.
