@@ -57,6 +57,15 @@ class ModelCache:
     def release(self, keys: list[bytes]) -> None:
         self.pins.subtract(keys)
 
+    def drop_unpinned(self, keys: list[bytes]) -> None:
+        """Forget the keys no request in flight pins any more (a peer copy: dropped after use)."""
+        v = self.view
+        for k in keys:
+            if self.pins[k] <= 0 and k in v.held:
+                d = v.held.pop(k)
+                v.tokens -= d.tokens
+                v.pages -= len(d.pages)
+
 
 def simulate(requests: list[list[int]], doc_tokens: int, capacity: int, replicas: int, concurrency: int,
              mode: str = "affinity", imbalance: float = 0.5, slack: int = 4, eviction_policy: str = "lfu",
@@ -95,17 +104,27 @@ def simulate(requests: list[list[int]], doc_tokens: int, capacity: int, replicas
 
 
 def simulate_partitioned(requests: list[list[int]], doc_tokens: int, capacity: int, replicas: int,
-                         concurrency: int, eviction_policy: str = "lfu", page_size: int = 16) -> float:
+                         concurrency: int, eviction_policy: str = "lfu", page_size: int = 16,
+                         copies: str | None = None) -> float:  # fmt: skip
     """Hit ratio when each document is cached only by one owner replica (a hash of its key) and a
-    request anywhere reads the others' documents from them (moving KV between replicas, no copy
-    kept): the replicas' caches hold no document twice."""
+    request anywhere reads the others' documents from them: the replicas' caches hold no document
+    twice. copies=None: read in place (no room taken); "least_loaded" / "owner": the request runs on
+    the least-loaded replica / the one owning most of its documents and copies the others' into its
+    own cache for its life (peer KV as built: the copies are pinned pages that make room like
+    documents, shared by the requests in flight on that replica, dropped when none holds them)."""
     caches = [ModelCache(capacity, eviction_policy, page_size) for _ in range(replicas)]
     in_flight: collections.deque = collections.deque()
+    load = [0] * replicas
     hits = misses = 0
     for docs in requests:
         if len(in_flight) >= concurrency:
-            for r, keys in in_flight.popleft():
+            reader, owned, copied = in_flight.popleft()
+            for r, keys in owned:
                 caches[r].release(keys)
+            if reader is not None:
+                load[reader] -= 1
+                caches[reader].release(copied)
+                caches[reader].drop_unpinned(copied)
         by_owner = collections.defaultdict(list)
         for d in dict.fromkeys(docs):
             key = str(d).encode()
@@ -114,7 +133,16 @@ def simulate_partitioned(requests: list[list[int]], doc_tokens: int, capacity: i
         for r, keys in by_owner.items():
             h, m = caches[r].admit(keys, [doc_tokens] * len(keys))
             hits, misses = hits + h, misses + m
-        in_flight.append(list(by_owner.items()))
+        reader, copied = None, []
+        if copies is not None:
+            if copies == "owner":
+                reader = max(range(replicas), key=lambda r: (len(by_owner.get(r, [])), -load[r], -r))
+            else:
+                reader = min(range(replicas), key=lambda r: (load[r], r))
+            load[reader] += 1
+            copied = [b"copy:" + k for r, keys in by_owner.items() if r != reader for k in keys]
+            caches[reader].admit(copied, [doc_tokens] * len(copied))  # (not hits or misses: peer loads)
+        in_flight.append((reader, list(by_owner.items()), copied))
     return hits / max(hits + misses, 1)
 
 
@@ -133,8 +161,9 @@ def main() -> None:
     p.add_argument("--slack", type=int, nargs="+", default=[4])
     args = p.parse_args()
     print("| seed | in flight | imbalance | slack | one 2C | affinity (spilled) | affinity + peer KV "
-          "| partitioned + peer KV | hash | round robin | least loaded | affinity vs one | vs round robin |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| partitioned + peer KV | + copies, least loaded | + copies, owner | hash | round robin "
+          "| least loaded | affinity vs one | vs round robin |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for seed in args.seed:
         cfg = WorkloadConfig(num_docs=args.num_docs, doc_tokens=args.doc_tokens, seed=seed,
                              docs_per_request=args.docs_per_request, num_requests=args.num_requests,
@@ -148,9 +177,12 @@ def main() -> None:
             }
             a, spilled = two["affinity"]["hit_ratio"], two["affinity"]["spilled"]
             part = simulate_partitioned(requests, args.doc_tokens, args.kv_cache_tokens, 2, conc)
+            copied = {m: simulate_partitioned(requests, args.doc_tokens, args.kv_cache_tokens, 2, conc,
+                                              copies=m) for m in ("least_loaded", "owner")}  # fmt: skip
             rr = two["round_robin"]["hit_ratio"]
             print(f"| {seed} | {conc} | {imb} | {slack} | {one:.3f} | {a:.3f} ({spilled:.3f}) "
-                  f"| {two['affinity']['with_peer']:.3f} | {part:.3f} | {two['hash']['hit_ratio']:.3f} "
+                  f"| {two['affinity']['with_peer']:.3f} | {part:.3f} | {copied['least_loaded']:.3f} "
+                  f"| {copied['owner']:.3f} | {two['hash']['hit_ratio']:.3f} "
                   f"| {rr:.3f} "
                   f"| {two['least_loaded']['hit_ratio']:.3f} "
                   f"| {100 * (a - one):+.1f} | {100 * (a - rr):+.1f} |")
