@@ -113,6 +113,15 @@ def peers(a_tokens: int, b_tokens: int, b_host: int = 0) -> tuple[Replica, Repli
     return a, b
 
 
+def peers_with_requests(seed: int, n_docs: int, n_req: int) -> tuple[Replica, Replica, list]:
+    """Replicas a and b (as `peers`) with a workload's requests added to a (not run yet)."""
+    a, b = peers(4096, 4096)
+    _, reqs = workload(random.Random(seed), 200, n_docs, n_req)
+    for r in reqs:
+        a.add(*r)
+    return a, b, reqs
+
+
 def on_a_and_reference(a: Replica, reqs: list) -> Replica:
     """Every request added to a, and run to the end on a replica without peers (the reference)."""
     ref = Replica(4096, None, True)
@@ -237,11 +246,7 @@ def test_bad_peer_configuration_is_refused():
 
 
 def test_pins_of_a_reader_that_never_releases_expire():
-    rng = random.Random(8)
-    a, b = peers(4096, 4096)
-    docs, reqs = workload(rng, 200, 6, 3)
-    for r in reqs:
-        a.add(*r)
+    a, b, _ = peers_with_requests(8, 6, 3)
     for _ in range(200):  # until b has answered a's fetches; a's releases are never delivered
         for _, msg in a.sched.peers.take_outbox():
             if type(msg).__name__ != "PeerRelease":
@@ -296,11 +301,7 @@ def test_owners_follow_the_documents_placement_keys_as_the_router_hashes_them():
 
 
 def test_a_failed_step_releases_the_fetches_it_copied():
-    rng = random.Random(18)
-    a, b = peers(4096, 4096)
-    docs, reqs = workload(rng, 200, 8, 6)
-    for r in reqs:
-        a.add(*r)
+    a, b, _ = peers_with_requests(18, 8, 6)
     for _ in range(100):  # until a step has taken a peer copy (overlapped: it is still in flight)
         pump(a, b)
         a.step()
