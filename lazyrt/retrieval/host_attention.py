@@ -522,14 +522,15 @@ class HostAttention:
         return kv[:, 0].reshape(-1, *kv.shape[3:])[:n], kv[:, 1].reshape(-1, *kv.shape[3:])[:n]
 
     def _shape(self, part: HostPart) -> tuple[int, int, bool, float]:
-        """(sink, top_k, exact, scan) of a part."""
+        """(sink, top_k, exact, budget: the keys a query scans) of a part."""
         n = part.num_tokens
         sink = min(self.options.sink, n - 1)
         top_k = part.top_k or self.options.top_k
-        # scan at least 2 x top_k keys: top-k out of fewer candidates would be no choice at all
-        scan = min(1.0, max(self.options.scan, 2 * top_k / max(1, n - sink)))
+        # scan at least 2 x top_k keys: top-k out of fewer candidates would be no choice at all (kept a
+        # whole number: a list ending exactly at the budget is scanned, not lost to rounding)
+        budget = float(min(n - sink, max(self.options.scan * (n - sink), 2 * top_k)))
         exact = top_k >= n - sink or (self.options.exact_prefill and len(part.rows) > 1)
-        return sink, top_k, exact, scan
+        return sink, top_k, exact, budget
 
     def _builder_of(self, part: HostPart, layer: int, sink: int):
         return lambda: self._builder(self._part_kv(part, layer)[0], sink)()
@@ -550,11 +551,12 @@ class HostAttention:
             q1, q2 = qp[..., :half], qp[..., half:rd]  # turned back by start_pos: the segment's frame
             qp = torch.cat([q1 * cos + q2 * sin, q2 * cos - q1 * sin, qp[..., rd:]], dim=-1)
             k, v = self._part_kv(part, layer)
-            sink, top_k, exact, scan = self._shape(part)
+            sink, top_k, exact, budget = self._shape(part)
             index = local = None
             if not exact:
                 entry = self._entry(part, layer, sink)
                 index, local = entry.index, entry.local()
+            scan = budget / (part.num_tokens - sink)
             po, pl = retrieval_attention_ref(qp, k, v, index, self.rope, self.sm_scale, top_k, scan, local)
             o[part.pair0 : part.pair0 + m] = po.to(o.device)
             lse[part.pair0 : part.pair0 + m] = pl.to(lse.device)
@@ -564,10 +566,9 @@ class HostAttention:
         by_shape: dict[tuple, list[HostPart]] = {}
         for part in self.parts:
             by_shape.setdefault((part.num_tokens, *self._shape(part)), []).append(part)
-        # scan budget in keys, as search_key_index's (a list at exactly the budget is scanned)
         return [
-            self._group(parts, n, sink, top_k, exact, scan * (n - sink))
-            for (n, sink, top_k, exact, scan), parts in by_shape.items()
+            self._group(parts, n, sink, top_k, exact, budget)
+            for (n, sink, top_k, exact, budget), parts in by_shape.items()
         ]
 
     def _group(
