@@ -123,6 +123,9 @@ def main() -> int:
                    help="also run two replicas with peer KV (each document cached once between them)")
     p.add_argument("--peer-policies", nargs="+", default=["least_loaded"], choices=policies,
                    help="--kv-peers: router policies to run over the peer replicas")
+    p.add_argument("--peer-bounds", nargs="+", default=None, metavar="IMBALANCE:SLACK",
+                   help="--kv-peers: run owner and affinity once per router load bound (default: the "
+                        "router's), e.g. 0.5:16 0:2")  # fmt: skip
     p.add_argument("--no-plain", action="store_true", help="skip the replicas without peer KV")
     p.add_argument("--skip-one", action="store_true", help="skip the one replica with 2C")
     p.add_argument("--startup-timeout", type=float, default=600)
@@ -165,7 +168,10 @@ def main() -> int:
         run_policies(args, wl, reps, runs, "", rows)
     if args.kv_peers:
         reps = launch_peers(args, devs)
-        run_policies(args, wl, reps, [(pol, None) for pol in args.peer_policies], ", peer KV", rows)
+        bounds = [tuple(b.split(":")) for b in args.peer_bounds or []] or [None]
+        runs = [(pol, b) for pol in args.peer_policies
+                for b in (bounds if pol in ("owner", "affinity") else [None])]  # fmt: skip
+        run_policies(args, wl, reps, runs, ", peer KV", rows)
     print("\n| setup | chunk hit ratio | hits | misses | wall s | req/s |\n|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['setup']} | {r['hit_ratio']:.3f} | {r['hits']} | {r['misses']} | {r['wall_s']:.1f} | "
@@ -219,7 +225,10 @@ def run_policies(args, wl, reps: list, runs: list, tag: str, rows: list) -> None
             for r in reps:
                 httpx.post(r.url + "/flush_cache", timeout=60)
             before = hit_ratio([r.url for r in reps])
-            extra = args.router_args + (f" --slack {slack}" if slack is not None else "")
+            # slack: the router's --slack, or (imbalance, slack) for both
+            bound = slack if isinstance(slack, tuple) else (None, slack)
+            extra = args.router_args + (f" --imbalance {bound[0]}" if bound[0] is not None else "")
+            extra += f" --slack {bound[1]}" if bound[1] is not None else ""
             router = Router([r.url for r in reps], policy, extra)
             try:
                 router.wait(len(reps))
@@ -231,7 +240,9 @@ def run_policies(args, wl, reps: list, runs: list, tag: str, rows: list) -> None
             _, h, m = hit_ratio([r.url for r in reps])
             h, m = h - before[1], m - before[2]
             held = [httpx.get(r.url + "/cache_stats", timeout=60).json()["chunks"] for r in reps]
-            label = f"2 x C{tag}, {policy}" + (f", slack {slack}" if slack is not None else "")
+            label = f"2 x C{tag}, {policy}"
+            label += f", imbalance {bound[0]}" if bound[0] is not None else ""
+            label += f", slack {bound[1]}" if bound[1] is not None else ""
             rows.append({"setup": label, "hit_ratio": h / max(h + m, 1), "hits": h, "misses": m,
                          "wall_s": wall, "reasons": reasons, "replica_chunks": held,
                          "view_documents": [v["documents"] for v in views.values()]})  # fmt: skip

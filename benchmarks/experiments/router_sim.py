@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import hashlib
 import itertools
 import os
 import sys
@@ -33,6 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from rag_workload import WorkloadConfig, build_workload, fallback_words  # noqa: E402
 
+from lazyrt.cache.placement import owner  # noqa: E402
 from lazyrt.router.policy import AffinityPolicy, ReplicaView  # noqa: E402
 
 
@@ -105,17 +105,32 @@ def simulate(requests: list[list[int]], doc_tokens: int, capacity: int, replicas
 
 def simulate_partitioned(requests: list[list[int]], doc_tokens: int, capacity: int, replicas: int,
                          concurrency: int, eviction_policy: str = "lfu", page_size: int = 16,
-                         copies: str | None = None) -> float:  # fmt: skip
-    """Hit ratio when each document is cached only by one owner replica (a hash of its key) and a
-    request anywhere reads the others' documents from them: the replicas' caches hold no document
-    twice. copies=None: read in place (no room taken); "least_loaded" / "owner": the request runs on
-    the least-loaded replica / the one owning most of its documents and copies the others' into its
-    own cache for its life (peer KV as built: the copies are pinned pages that make room like
-    documents, shared by the requests in flight on that replica, dropped when none holds them)."""
-    caches = [ModelCache(capacity, eviction_policy, page_size) for _ in range(replicas)]
+                         copies: str | None = None, imbalance: float = 0.5,
+                         slack: int = 16) -> dict:  # fmt: skip
+    """Hit ratio when each document is cached by one owner replica and a request anywhere reads the
+    others' documents from them: the replicas' caches hold no document twice. copies=None: owners by
+    hashing, read in place (no room taken); else the router policy (lazyrt.router.policy, with the
+    replicas' peer names, imbalance and slack) that peer KV runs behind: "least_loaded", "owner" (the
+    replica owning most of the request's tokens; owners by hashing) or "affinity" (the router's views,
+    and its placement: a document another replica's view holds stays there, the rest are owned by the
+    replica the request goes to). The request copies the documents it does not own into its replica's
+    cache for its life (peer KV as built: pinned pages that make room like documents, shared by that
+    replica's requests in flight, dropped when none holds them). Also: the mean difference of the two
+    replicas' requests in flight at each routing (load unevenness: a throughput cost the model leaves
+    out) and the share of document uses read from a peer."""
+    names = [f"r{i}" for i in range(replicas)]
+    peer_of = {r: f"peer-{r}" for r in names}
+    by_peer = {n: r for r, n in peer_of.items()}
+    caches = {r: ModelCache(capacity, eviction_policy, page_size) for r in names}
+    policy = None
+    if copies is not None:
+        policy = AffinityPolicy(imbalance=imbalance, slack=slack, mode=copies, peer_names=dict(peer_of))
+        for r in names:
+            policy.views[r] = ReplicaView(capacity, eviction_policy, page_size)
     in_flight: collections.deque = collections.deque()
-    load = [0] * replicas
-    hits = misses = 0
+    load = dict.fromkeys(names, 0)
+    hits = misses = uses = remote = 0
+    uneven = 0.0
     for docs in requests:
         if len(in_flight) >= concurrency:
             reader, owned, copied = in_flight.popleft()
@@ -125,25 +140,32 @@ def simulate_partitioned(requests: list[list[int]], doc_tokens: int, capacity: i
                 load[reader] -= 1
                 caches[reader].release(copied)
                 caches[reader].drop_unpinned(copied)
-        by_owner = collections.defaultdict(list)
-        for d in dict.fromkeys(docs):
-            key = str(d).encode()
-            owner = int.from_bytes(hashlib.blake2b(key, digest_size=4).digest(), "little") % replicas
-            by_owner[owner].append(key)
-        for r, keys in by_owner.items():
-            h, m = caches[r].admit(keys, [doc_tokens] * len(keys))
-            hits, misses = hits + h, misses + m
-        reader, copied = None, []
-        if copies is not None:
-            if copies == "owner":
-                reader = max(range(replicas), key=lambda r: (len(by_owner.get(r, [])), -load[r], -r))
-            else:
-                reader = min(range(replicas), key=lambda r: (load[r], r))
+        keys = list(dict.fromkeys(str(d).encode() for d in docs))
+        sizes = [doc_tokens] * len(keys)
+        reader = None
+        if policy is None:
+            owners = [owner(k, names) for k in keys]
+        else:
+            uneven += max(load.values()) - min(load.values())
+            reader = policy.choose(keys, dict(load), sizes).replica
+            placed = policy.placement(keys, reader)
+            owners = ([by_peer[n] for n in placed] if placed is not None
+                      else [by_peer[owner(k, list(peer_of.values()))] for k in keys])  # fmt: skip
+            policy.record(reader, keys, sizes)
             load[reader] += 1
-            copied = [b"copy:" + k for r, keys in by_owner.items() if r != reader for k in keys]
+        by_owner = collections.defaultdict(list)
+        for k, r in zip(keys, owners):
+            by_owner[r].append(k)
+        for r, ks in by_owner.items():
+            h, m = caches[r].admit(ks, [doc_tokens] * len(ks))
+            hits, misses = hits + h, misses + m
+        copied = [b"copy:" + k for r, ks in by_owner.items() if r != reader for k in ks] if reader else []
+        if copied:
             caches[reader].admit(copied, [doc_tokens] * len(copied))  # (not hits or misses: peer loads)
+        uses, remote = uses + len(keys), remote + len(copied)
         in_flight.append((reader, list(by_owner.items()), copied))
-    return hits / max(hits + misses, 1)
+    n = max(len(requests), 1)
+    return {"hit_ratio": hits / max(hits + misses, 1), "uneven": uneven / n, "remote": remote / max(uses, 1)}
 
 
 def main() -> None:
@@ -160,10 +182,11 @@ def main() -> None:
     p.add_argument("--imbalance", type=float, nargs="+", default=[0.5])
     p.add_argument("--slack", type=int, nargs="+", default=[4])
     args = p.parse_args()
+    peers = ("least_loaded", "owner", "affinity")
     print("| seed | in flight | imbalance | slack | one 2C | affinity (spilled) | affinity + peer KV "
-          "| partitioned + peer KV | + copies, least loaded | + copies, owner | hash | round robin "
-          "| least loaded | affinity vs one | vs round robin |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| partitioned + peer KV | " + " | ".join(f"+ copies, {m} (uneven, remote)" for m in peers)
+          + " | hash | round robin | least loaded | affinity vs one | vs round robin |")
+    print("|---" * (12 + len(peers)) + "|")
     for seed in args.seed:
         cfg = WorkloadConfig(num_docs=args.num_docs, doc_tokens=args.doc_tokens, seed=seed,
                              docs_per_request=args.docs_per_request, num_requests=args.num_requests,
@@ -177,15 +200,15 @@ def main() -> None:
             }
             a, spilled = two["affinity"]["hit_ratio"], two["affinity"]["spilled"]
             part = simulate_partitioned(requests, args.doc_tokens, args.kv_cache_tokens, 2, conc)
-            copied = {m: simulate_partitioned(requests, args.doc_tokens, args.kv_cache_tokens, 2, conc,
-                                              copies=m) for m in ("least_loaded", "owner")}  # fmt: skip
+            copied = [simulate_partitioned(requests, args.doc_tokens, args.kv_cache_tokens, 2, conc,
+                                           copies=m, imbalance=imb, slack=slack) for m in peers]  # fmt: skip
             rr = two["round_robin"]["hit_ratio"]
+            cells = " | ".join(f"{c['hit_ratio']:.3f} ({c['uneven']:.1f}, {c['remote']:.2f})" for c in copied)
             print(f"| {seed} | {conc} | {imb} | {slack} | {one:.3f} | {a:.3f} ({spilled:.3f}) "
-                  f"| {two['affinity']['with_peer']:.3f} | {part:.3f} | {copied['least_loaded']:.3f} "
-                  f"| {copied['owner']:.3f} | {two['hash']['hit_ratio']:.3f} "
-                  f"| {rr:.3f} "
-                  f"| {two['least_loaded']['hit_ratio']:.3f} "
+                  f"| {two['affinity']['with_peer']:.3f} | {part['hit_ratio']:.3f} | {cells} "
+                  f"| {two['hash']['hit_ratio']:.3f} | {rr:.3f} | {two['least_loaded']['hit_ratio']:.3f} "
                   f"| {100 * (a - one):+.1f} | {100 * (a - rr):+.1f} |")
+
 
 if __name__ == "__main__":
     main()
