@@ -54,10 +54,12 @@ def test_shared_pool_is_mapped_by_another_process():
 class Replica:
     """One replica's scheduler and worker, wired as the scheduler process wires them."""
 
-    def __init__(self, kv_tokens: int, names: list[str] | None, overlap: bool, seed: int = 5, host: int = 0):
+    def __init__(self, kv_tokens: int, names: list[str] | None, overlap: bool, seed: int = 5, host: int = 0,
+                 cache_mode: str = "lazy"):  # fmt: skip
         cfg = EngineConfig(model="tiny-llama", load_format="dummy", device="cpu", dtype="float32",
                            kv_cache_tokens=kv_tokens, seed=seed, overlap_schedule=overlap,
-                           kv_peers=tuple(names or ()), host_kv_cache_tokens=host)  # fmt: skip
+                           kv_peers=tuple(names or ()), host_kv_cache_tokens=host,
+                           cache_mode=cache_mode)  # fmt: skip
         cfg.validate()
         self.worker = ModelWorker(cfg)
         ready = self.worker.ready_info()
@@ -143,11 +145,14 @@ def workload(rng: random.Random, vocab: int, n_docs: int, n_req: int) -> tuple[l
     return docs, reqs
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_two_replicas_read_each_others_documents_with_the_same_tokens(overlap):
-    rng = random.Random(11 + overlap)
-    a, b = Replica(4096, NAMES, overlap), Replica(4096, NAMES[::-1], overlap)
-    ref = Replica(4096, None, overlap)
+@pytest.mark.parametrize("overlap,mode", [(False, "lazy"), (True, "lazy"), (True, "block")])
+def test_two_replicas_read_each_others_documents_with_the_same_tokens(overlap, mode):
+    """In block mode too: a document read from the peer is copied (rotated) into the request's own
+    pages like one of its own chunks."""
+    rng = random.Random()
+    a = Replica(4096, NAMES, overlap, cache_mode=mode)
+    b = Replica(4096, NAMES[::-1], overlap, cache_mode=mode)
+    ref = Replica(4096, None, overlap, cache_mode=mode)
     pump(a, b)  # hello -> welcome: each maps the other's pool
     pump(a, b)
     assert a.sched.peers.exports and b.sched.peers.exports

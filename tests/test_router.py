@@ -82,8 +82,7 @@ def test_default_bound_keeps_a_few_more_in_flight_where_the_documents_are():
     assert pol.choose(keys, busy, [100] * 3).replica == R[0]
     assert pol.choose(keys, {**busy, R[0]: 47}, [100] * 3).reason == "imbalance"
     args = build_parser().parse_args(["--worker", "http://127.0.0.1:1"])
-    assert (args.imbalance, args.slack) == (pol.imbalance, pol.slack) == (None, None)
-    assert pol.bound(False) == (0.5, 16)
+    assert (args.imbalance, args.slack) == (pol.imbalance, pol.slack)
 
 
 def test_affinity_follows_what_each_replica_holds_within_its_capacity():
@@ -480,34 +479,6 @@ def test_owner_policy_routes_where_peer_kv_replicas_cache_the_documents():
     c = pol.choose(keys[:1], {"http://a": 9, "http://b": 0} if by_name[place(keys[0], list(by_name))] == "http://a"
                    else {"http://a": 0, "http://b": 9})  # fmt: skip
     assert c.reason == "imbalance"
-
-
-@pytest.mark.parametrize("mode", ["owner", "affinity"])
-def test_the_load_bound_is_tighter_over_peer_kv_replicas(mode):
-    """Without given bounds: 0.5 x the least load + 16 without peer KV, within 2 of the least load over
-    peer KV replicas (a request moved off its documents copies them, it does not compute them);
-    given ones apply to both."""
-    rng = random.Random()
-    keys = [doc_key(f"doc {rng.random()}") for _ in range(3)]
-    urls = ["http://a", "http://b"]
-    peer_names = {"http://a": "ipc:///p/a", "http://b": "ipc:///p/b"}
-
-    def choose(pol: AffinityPolicy, extra: int):
-        """The choice with its favourite `extra` requests ahead of the other replica (4 in flight)."""
-        pol.peer_names = dict(peer_names)
-        fav = pol.choose(keys, dict.fromkeys(urls, 4), [100] * 3).replica
-        other = next(u for u in urls if u != fav)
-        return fav, pol.choose(keys, {fav: 4 + extra, other: 4}, [100] * 3)
-
-    pol = AffinityPolicy(mode=mode)
-    assert pol.bound(False) == (0.5, 16) and pol.bound(True) == (0.0, 2)
-    for extra, moved in ((2, False), (3, True)):
-        fav, c = choose(pol, extra)
-        assert (c.replica != fav, c.reason == "imbalance") == (moved, moved)
-    fav, c = choose(AffinityPolicy(mode=mode, imbalance=0.5, slack=16), 12)  # 16 <= 1.5 x 4 + 16
-    assert c.replica == fav
-    fav, c = choose(AffinityPolicy(mode=mode, imbalance=0.0, slack=0), 1)
-    assert c.replica != fav
 
 
 def test_affinity_with_peer_kv_places_each_document_once():

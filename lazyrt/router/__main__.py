@@ -47,14 +47,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "least_loaded (any replica reads every cached document)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=30000, help="port to listen on")
-    p.add_argument("--imbalance", type=float, default=None,
+    p.add_argument("--imbalance", type=float, default=0.5,
                    help="skip a request's document owner when its in-flight requests exceed "
-                        "(1 + imbalance) x the least-loaded replica's + --slack (default 0.5; 0 over "
-                        "peer KV replicas)")  # fmt: skip
-    p.add_argument("--slack", type=int, default=None,
-                   help="see --imbalance (default 16: a replica batches, and a few more requests in "
-                        "flight cost less than a request computing its documents away from them; 2 over "
-                        "peer KV replicas, where such a request copies them instead)")  # fmt: skip
+                        "(1 + imbalance) x the least-loaded replica's + --slack")  # fmt: skip
+    p.add_argument("--slack", type=int, default=16,
+                   help="see --imbalance (a replica batches: a few more requests in flight cost less "
+                        "than a request computing its documents away from them)")  # fmt: skip
     p.add_argument("--policy", default=None, choices=POLICIES,
                    help="affinity (the default): where the documents are (the router's view of each "
                         "cache), else their rendezvous owners; hash: the owners only; owner: where peer KV "
@@ -140,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     if not args.worker and args.dp <= 0:
         build_parser().error("give --worker URL (repeat) or --dp N")
-    if (args.imbalance or 0) < 0 or (args.slack or 0) < 0:
+    if args.imbalance < 0 or args.slack < 0:
         build_parser().error("--imbalance and --slack must be >= 0")
     if args.dp_kv_peers and args.dp < 2:
         build_parser().error("--dp-kv-peers needs --dp 2 or more (replicas it starts on this host)")

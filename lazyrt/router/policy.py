@@ -140,8 +140,7 @@ class ReplicaView:
 
 @dataclass
 class AffinityPolicy:
-    """imbalance: a replica is skipped when its load exceeds (1 + imbalance) x the least load + slack
-    (None: 0.5 and 16, or 0 and 2 over peer KV replicas; see `bound`).
+    """imbalance: a replica is skipped when its load exceeds (1 + imbalance) x the least load + slack.
     mode: "affinity" (the above), "hash" (rendezvous owners only, no view of the caches), "owner" (peer
     KV replicas: where most of the request's document tokens are owned, by the owners the replicas
     compute from their peer addresses, `peer_names`), or the baselines "least_loaded" and
@@ -152,17 +151,10 @@ class AffinityPolicy:
     requests, so a few more in flight on one than on another cost little. Hence a slack of 16
     (`benchmarks/router_affinity.py --slack 4 16`, CPU, 8 in flight: 24 topics, C = 8,192 tokens,
     123 of 2,000 requests moved and 7.0 points below one 2C at a slack of 4, none and 1.8 at 16; 12
-    topics, C = 3,072: 16.1 and 8.0). The relative bound decides under heavy load.
+    topics, C = 3,072: 16.1 and 8.0). The relative bound decides under heavy load."""
 
-    Over peer KV replicas a request moved off its choice copies the documents it does not own from
-    the other replica (~1 ms a 2,048-token 8B document on the GPU) instead of computing them, so the
-    load is kept near even: its only cost is the copies' pages while it runs, and uneven load costs
-    throughput (owner at slack 16: 9% slower than least loaded on 2 x H200). router_sim.py, 8 in
-    flight: imbalance 0 / slack 2 keeps the replicas within ~1.5 requests of each other on average (least
-    loaded: 1.0; slack 16: up to 6) and most of the routing's gain over least loaded."""
-
-    imbalance: float | None = None
-    slack: int | None = None
+    imbalance: float = 0.5
+    slack: int = 16
     mode: str = "affinity"
     views: dict[str, ReplicaView] = field(default_factory=dict)
     # characters per prompt token, learnt from answers (the views are sized in tokens, like the
@@ -186,14 +178,6 @@ class AffinityPolicy:
         w = max(1.0 / self._observed, 0.05)
         self.chars_per_token += w * (chars / prompt_tokens - self.chars_per_token)
 
-    def bound(self, peers: bool) -> tuple[float, int]:
-        """(imbalance, slack): the ones given, else the defaults without / with peer KV replicas."""
-        imbalance, slack = (0.0, 2) if peers else (0.5, 16)
-        return (
-            imbalance if self.imbalance is None else self.imbalance,
-            slack if self.slack is None else self.slack,
-        )
-
     def view(self, replica: str) -> ReplicaView:
         return self.views.setdefault(replica, ReplicaView())
 
@@ -212,14 +196,13 @@ class AffinityPolicy:
         if not keys or self.mode == "least_loaded" or (self.mode == "owner" and not named):
             return Choice(least, "least_loaded")
         sizes = list(sizes) if sizes is not None else [1] * len(keys)
-        imbalance, slack = self.bound(bool(named))
         if self.mode == "owner":  # where peer KV caches them: the replicas hash each text the same way
             by_name = {n: r for r, n in named.items()}
             owns = {r: 0 for r in replicas}
             for k, n in zip(keys, sizes):
                 owns[by_name[owner(k, list(named.values()))]] += n
             best = max(replicas, key=lambda r: (owns[r], -load[r], r))
-            if load[best] > (1 + imbalance) * load[least] + slack:
+            if load[best] > (1 + self.imbalance) * load[least] + self.slack:
                 return Choice(least, "imbalance", owns[least])
             return Choice(best, "owner", owns[best])
         held = {r: 0 for r in replicas}
@@ -232,7 +215,7 @@ class AffinityPolicy:
             if self.mode == "hash" or not any(self.views.get(r) and self.views[r].holds(k) for r in replicas):
                 owned[owner(k, replicas)] += n
         best = max(replicas, key=lambda r: (held[r], owned[r], -load[r], r))
-        if load[best] > (1 + imbalance) * load[least] + slack:
+        if load[best] > (1 + self.imbalance) * load[least] + self.slack:
             return Choice(least, "imbalance", held[least])
         return Choice(best, "affinity" if self.mode == "affinity" else "hash", held[best])
 
