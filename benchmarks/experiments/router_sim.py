@@ -9,14 +9,16 @@ router_affinity.py for the same flags), `--concurrency` in flight, each finishin
 nearly every request in the real runs), the in-flight requests' own pages, timing.
 
     python benchmarks/experiments/router_sim.py --num-docs 120 --docs-per-request 4 --topics 12 \
-        --concurrency 2 8 --slack 4 8
+        --concurrency 2 8 --slack 4 16
 
 Prints one row per (workload point, concurrency, imbalance, slack): one replica with 2C, then two with
 C each under affinity / hash / round_robin / least_loaded: hit ratio and the share of requests the
 imbalance bound moved off their choice ("spilled"); "affinity + peer KV" also counts as hits the
 misses whose document the other replica held at the time (the bound for moving KV between
 replicas instead of recomputing it); "partitioned + peer KV": each document cached only by its owner
-replica (a hash), read from there by requests on the other (no document held twice).
+replica (a hash), read from there by requests on the other (no document held twice); "+ copies,
+POLICY": peer KV as built behind the router's POLICY (simulate_partitioned), with the replicas' mean
+load difference and the share of documents read from the peer.
 """
 
 from __future__ import annotations
@@ -180,7 +182,7 @@ def main() -> None:
     p.add_argument("--kv-cache-tokens", type=int, default=3072, help="C: each of the two replicas' KV")
     p.add_argument("--concurrency", type=int, nargs="+", default=[8])
     p.add_argument("--imbalance", type=float, nargs="+", default=[0.5])
-    p.add_argument("--slack", type=int, nargs="+", default=[4])
+    p.add_argument("--slack", type=int, nargs="+", default=[16])
     args = p.parse_args()
     peers = ("least_loaded", "owner", "affinity")
     print("| seed | in flight | imbalance | slack | one 2C | affinity (spilled) | affinity + peer KV "
