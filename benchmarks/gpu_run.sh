@@ -5,6 +5,7 @@
 #         | offline-hf [ARGS...]
 #         | shared-chunk [shared_chunk_bench.py ARGS...] | tp [tp_decode.py ARGS...] | tp-test [PYTEST ARGS]
 #         | router [rag_serving.py ARGS...]  (2 GPUs: router over 2 replicas vs one, -> $OUT/router.jsonl)
+#         | peer-test [PYTEST ARGS] | peer [router_affinity.py ARGS...]  (2 GPUs: peer KV, below)
 # (serving/roofline/offline-hf: dummy llama-3.1-8b, tokenizer from .gpu_carry_tok; results in $OUT)
 # (fi-test needs .gpu_carry_tok: a config.json + tokenizer dir of the default model, for dummy weights)
 # Needs .whl/ (bash ../shared/gpu/make-wheels.sh pyzmq gguf msgpack); restores .jit.tgz if carried.
@@ -82,13 +83,26 @@ run_stage() {
       CUDA_VISIBLE_DEVICES=0 LAZYRT_TOKENIZER_DIR="$PWD/.gpu_carry_tok" python3 benchmarks/rag_serving.py \
         --tokenizer-dir "$PWD/.gpu_carry_tok" --modes lazy --popularity zipf --warmup 1 --sample-cpu \
         --out "$OUT/router.jsonl" "${batches[@]}" 2>&1 | grep '^\[bench\]' ;;
+    peer-test)  # 2 GPUs: two replicas reading each other's pages over CUDA IPC (lazy and block mode)
+      LAZYRT_TEST_STARTUP_TIMEOUT_S=400 LAZYRT_TOKENIZER_DIR="$PWD/.gpu_carry_tok" timeout 580 python3 -m pytest -v \
+        -p no:cacheprovider tests/test_peer_kv_server.py -k gpu "${batches[@]}" 2>&1 | tee "$OUT/peer_test.log" \
+        | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" | tail -12 ;;
+    peer)  # 2 GPUs: the router over two peer KV replicas on the 8B Zipf workload of docs/benchmarks.md
+           # ("Peer KV"); ARGS add to / override router_affinity.py's, e.g. --peer-policies owner
+           # affinity --peer-bounds 0.5:16 0:2
+      LAZYRT_TOKENIZER_DIR="$PWD/.gpu_carry_tok" python3 benchmarks/router_affinity.py --device cuda --devices 0,1 \
+        --model llama-3.1-8b --load-format dummy --tokenizer-dir "$PWD/.gpu_carry_tok" --num-docs 200 \
+        --doc-tokens 2048 --docs-per-request 5 --zipf-alpha 1.1 --kv-cache-tokens 98304 --num-requests 400 \
+        --concurrency 16 --output-tokens 16 --server-args "--max-running-requests 16 --cuda-graph-max-batch 16" \
+        --no-plain --skip-one --kv-peers --out "$OUT/peer_router.json" "${batches[@]}" 2>&1 \
+        | tee "$OUT/peer_router.log" | grep -E "^\|" ;;
     # in parts under the 16 MB a returned file may have: cat jit.tgz.part.* > .jit.tgz locally
     jit) tar czf - -C .jit . | split -b 15000000 - "$OUT/jit.tgz.part." && ls -la "$OUT"/jit.tgz.part.* ;;
   esac
 }
 for a in "$@"; do
   case "$a" in
-    kernels-test|bench|sweep|engine-test|fi-test|jit|serving|roofline|profile|offline-hf|shared-chunk|tp|tp-test|router) [ -n "$stage" ] && run_stage "$stage"; stage="$a"; batches=() ;;
+    kernels-test|bench|sweep|engine-test|fi-test|jit|serving|roofline|profile|offline-hf|shared-chunk|tp|tp-test|router|peer-test|peer) [ -n "$stage" ] && run_stage "$stage"; stage="$a"; batches=() ;;
     *) batches+=("$a") ;;
   esac
 done
