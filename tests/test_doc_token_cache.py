@@ -33,6 +33,22 @@ def test_requests_reuse_doc_tokens_exactly(tokenizer):
     assert len(fresh.doc_cache) == 0 and fresh.doc_cache.hits == 0  # 0 tokens: caching off
 
 
+def test_placement_keys_only_for_peer_kv(tokenizer):
+    """Each document's placement key (its text's, as the router hashes it) goes with the request only
+    where the replica has peers; the ids are the same either way."""
+    from lazyrt.cache.placement import doc_key
+
+    rng = random.Random()
+    docs = [_text(rng, rng.randrange(5, 60)) for _ in range(3)]
+    req = GenerateReq(0, SamplingParams(max_tokens=4), text="Which river?", docs=docs, text_mode="rag",
+                      doc_owners=["ipc:///p/a", None, "ipc:///p/b"])  # fmt: skip
+    plain = RequestTokenizer(tokenizer, 1 << 20, len(tokenizer)).tokenize(req)
+    keyed = RequestTokenizer(tokenizer, 1 << 20, len(tokenizer), placement_keys=True).tokenize(req)
+    assert (plain.prefix, plain.docs, plain.suffix) == (keyed.prefix, keyed.docs, keyed.suffix)
+    assert plain.doc_keys == [] and keyed.doc_keys == [doc_key(d) for d in docs]
+    assert keyed.doc_owners == ["ipc:///p/a", None, "ipc:///p/b"]
+
+
 def test_lru_eviction_by_token_budget():
     calls: list[str] = []
 

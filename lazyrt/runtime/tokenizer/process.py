@@ -71,7 +71,8 @@ class TokenizerLoop:
         'Already borrowed'); default: `tokenizer`."""
         self.tokenizer = tokenizer
         encoder = tokenizer if encoder is None else encoder
-        self.req_tokenizer = RequestTokenizer(encoder, ready.max_context, ready.vocab_size, store=store)
+        self.req_tokenizer = RequestTokenizer(encoder, ready.max_context, ready.vocab_size, store=store,
+                                              placement_keys=ready.kv_export is not None)  # fmt: skip
         self.store = store
         self.to_sched, self.to_http = to_sched, to_http
         self.live: dict[int, _Live] = {}
