@@ -31,6 +31,7 @@ def test_requests_reuse_doc_tokens_exactly(tokenizer):
     seen = rt.doc_cache.misses
     assert seen <= len(docs) and rt.doc_cache.hits == 12 * 3 - seen  # each distinct text tokenized once
     assert len(fresh.doc_cache) == 0 and fresh.doc_cache.hits == 0  # 0 tokens: caching off
+    assert len(fresh.prefix_cache) == 0 and rt.prefix_cache.misses == 1 and rt.prefix_cache.hits == 11
 
 
 def test_placement_keys_only_for_peer_kv(tokenizer):

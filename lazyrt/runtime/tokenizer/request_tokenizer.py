@@ -25,6 +25,7 @@ from lazyrt.sampling_params import out_of_vocab
 # A request with no new document and at most this much other text tokenizes in well under a
 # millisecond: the HTTP process does it on its event loop instead of handing it to its thread.
 QUICK_TEXT_CHARS = 4096
+PREFIX_CACHE_TOKENS = 1 << 18
 
 
 class InvalidRequest(ValueError):
@@ -51,6 +52,10 @@ class RequestTokenizer:
         self.max_context = max_context
         self.vocab_size = vocab_size
         self.doc_cache = DocTokenCache(lambda text: self._ids(text, False), doc_cache_tokens)
+        # the text before the documents (the system prompt and the turns before them) repeats from
+        # request to request: its ids are kept too (doc_cache_tokens=0: no caching at all)
+        prefix_tokens = PREFIX_CACHE_TOKENS if doc_cache_tokens else 0
+        self.prefix_cache = DocTokenCache(lambda text: self._ids(text, False), prefix_tokens)
         self.store = store  # registered documents, for requests that name them by id
 
     def _ids(self, text: str, special: bool) -> list[int]:
@@ -107,7 +112,7 @@ class RequestTokenizer:
                 raise
             raise InvalidRequest(str(e), req.param) from e
         if prompt is not None:
-            prefix = self._ids(prompt.prefix, False) if isinstance(prompt.prefix, str) else prompt.prefix
+            prefix = self.prefix_cache.get(prompt.prefix) if isinstance(prompt.prefix, str) else prompt.prefix
             # cached ids go on as arrays: they cross to the scheduler as bytes (ipc/messages.py)
             doc_ids = [self.doc_cache.get_array(d) if isinstance(d, str) else d for d in prompt.docs]
             if isinstance(prompt.suffix, str):
