@@ -8,6 +8,10 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
+# The router's placement of a request's documents travels to the replica in this header (a JSON list
+# of owners' peer addresses, one per document; runtime/server/doc_owners.py reads it)
+DOC_OWNERS_HEADER = "x-lazyrt-doc-owners"
+
 
 def doc_key(doc: object) -> bytes:
     """A document's placement key: its text (a plain string or {"text"}), or {"id"} for a registered one."""

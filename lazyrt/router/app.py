@@ -24,10 +24,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from lazyrt.api_key import ApiKeyGuard
+from lazyrt.cache.placement import DOC_OWNERS_HEADER
 from lazyrt.router.document_routes import add_router_document_routes
 from lazyrt.router.policy import AffinityPolicy, doc_key, doc_tokens
-
-DOC_OWNERS_HEADER = "x-lazyrt-doc-owners"  # as lazyrt/runtime/server/doc_owners.py reads it
 
 logger = logging.getLogger("lazyrt.router")
 ROUTED = ("/generate", "/score", "/v1/completions", "/v1/chat/completions")

@@ -20,7 +20,8 @@
 The top of the process tree: it may start every process, but it never touches the model or the
 caches itself (the scheduler and worker run elsewhere; with --tokenizer-in-http it tokenizes).
 
-May import: lazyrt.api_key, lazyrt.config, lazyrt.constraint, lazyrt.documents (request checks only),
-lazyrt.process_name, lazyrt.sampling_params, lazyrt.runtime.ipc, and the process entry points
-lazyrt.runtime.tokenizer, lazyrt.runtime.scheduler, lazyrt.runtime.worker.
+May import: lazyrt.api_key, lazyrt.cache (placement.py's header name only), lazyrt.config,
+lazyrt.constraint, lazyrt.documents (request checks only), lazyrt.process_name,
+lazyrt.sampling_params, lazyrt.runtime.ipc, and the process entry points lazyrt.runtime.tokenizer,
+lazyrt.runtime.scheduler, lazyrt.runtime.worker.
 """

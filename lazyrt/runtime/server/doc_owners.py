@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import json
 
+from lazyrt.cache.placement import DOC_OWNERS_HEADER
 from lazyrt.runtime.server.errors import ApiError
 
-DOC_OWNERS_HEADER = "x-lazyrt-doc-owners"
+__all__ = ["DOC_OWNERS_HEADER", "doc_owners_header"]
 
 
 def doc_owners_header(value: str | None) -> list[str] | None:
