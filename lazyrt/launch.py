@@ -167,6 +167,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(same outputs; --no-shared-chunk-attention reads per request)",
     )
     p.add_argument(
+        "--lazy-flashinfer-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=d.lazy_flashinfer_prefill,
+        help="lazy, CUDA: prefill steps at consecutive positions (documents' own prefill, plain prompts) run "
+        "FlashInfer's ragged prefill over keys gathered and rotated on the fly (off until measured)",
+    )
+    p.add_argument(
         "--overlap-schedule",
         action=argparse.BooleanOptionalAction,
         default=d.overlap_schedule,
@@ -300,6 +307,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         doc_attention_scale=args.doc_attention_scale,
         doc_positions=args.doc_positions,
         shared_chunk_attention=args.shared_chunk_attention,
+        lazy_flashinfer_prefill=args.lazy_flashinfer_prefill,
         overlap_schedule=args.overlap_schedule,
         late_planning=args.late_planning,
         worker_in_scheduler=args.worker_in_scheduler,

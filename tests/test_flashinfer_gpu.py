@@ -82,3 +82,81 @@ def test_prefix_mode_engine_uses_flashinfer_and_reuses_radix():
     assert again["meta"]["cached_tokens"] >= 64
     s = engine.cache_stats()
     assert s["held_pages"] == 0 and s["free_pages"] + s["radix_pages"] == s["total_pages"]
+
+
+def test_lazy_ragged_prefill_matches_the_lazy_reference():
+    """Lazy mode's consecutive prefill steps through FlashInfer's ragged prefill (keys gathered from the
+    pages and rotated by position, llama3-scaled RoPE): the store leaves the keys unrotated and the
+    output equals the fp32 lazy reference to bf16 rounding; a prefix before a page-aligned chunk
+    (partly filled page between them), GQA 4."""
+    from lazyrt.kernels.attention_ref import lazy_attention_ref
+    from lazyrt.kernels.backend import TritonAttentionBackend
+    from lazyrt.kernels.flashinfer_backend import FlashInferPrefillBackend
+    from lazyrt.kernels.ragged_prefill import RaggedKeys, contiguous_keys
+
+    dev, ps, hq, hk, d = "cuda", 16, 32, 8, 128
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}  # fmt: skip
+    cfg = ModelConfig("llama", 1000, hq * d, 1, 1, hq, hk, d, rope_theta=500000.0, rope_scaling=scaling)
+    rope = RopeCache.build(cfg, 8192, dev)
+    # (prefix tokens, earlier chunk tokens, new tokens) per sequence: documents after a system prompt,
+    # a plain prompt, a chunk finished in a second step
+    shapes = [(24, 0, 2048), (0, 0, 700), (37, 512, 333)]
+    num_pages = sum(-(-p // ps) + -(-(c + n) // ps) for p, c, n in shapes) + 4
+    kv = torch.randn(num_pages, 2, ps, hk, d, device=dev, dtype=torch.bfloat16)
+    free = torch.randperm(num_pages - 4).tolist()
+    qo, kvp, idx, base, valid, pos, spages, sslots = [0], [0], [], [], [], [], [], []
+    for prefix, prior, new in shapes:
+        at = 0
+        for n in (prefix, prior + new):
+            pages = [free.pop() for _ in range(-(-n // ps))]
+            idx += pages
+            base += [at + j * ps for j in range(len(pages))]
+            valid += [min(ps, n - j * ps) for j in range(len(pages))]
+            at += n
+        for j in range(prior, prior + new):  # the run's new tokens, stored by the step
+            pos.append(prefix + j)
+            spages.append(pages[j // ps])
+            sslots.append(j % ps)
+        kvp.append(len(idx))
+        qo.append(qo[-1] + new)
+
+    def t(x, dt=torch.int32):
+        return torch.tensor(x, dtype=dt, device=dev)
+
+    meta = AttentionMetadata(t(qo), t(pos, torch.long), t(kvp), t(idx), t(base), t(valid),
+                             t(spages, torch.long), t(sslots, torch.long), rotate_keys=True)  # fmt: skip
+    arrays = contiguous_keys(qo, pos, kvp, idx, base, valid)
+    assert arrays is not None
+    meta.ragged = RaggedKeys.from_arrays(arrays, torch.device(dev))
+    T = qo[-1]
+    q = torch.randn(T, hq, d, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(T, hk, d, device=dev, dtype=torch.bfloat16)
+    v = torch.randn(T, hk, d, device=dev, dtype=torch.bfloat16)
+    fi = FlashInferPrefillBackend(TritonAttentionBackend([kv], rope, d**-0.5), [kv], rope, d**-0.5)
+    assert fi.warm_up_ragged(hq) == 1
+    out = fi.forward(0, q, k, v, meta)
+    sp, ss = t(spages, torch.long), t(sslots, torch.long)
+    assert torch.equal(kv[sp, 0, ss], k) and torch.equal(kv[sp, 1, ss], v)  # stored unrotated
+    want = lazy_attention_ref(q, kv, meta, rope, d**-0.5)
+    err = (out.float() - want.float()).norm() / want.float().norm()
+    assert err < 1e-2, float(err)
+
+
+def test_lazy_engine_runs_document_prefill_through_flashinfer():
+    """Smoke: a bf16 lazy engine with lazy_flashinfer_prefill computes its documents and a plain prompt
+    through the ragged path (the question over cached documents keeps the lazy kernels)."""
+    from lazyrt import Engine, RagPrompt, SamplingParams
+
+    model_dir = os.environ.get("LAZYRT_GPU_MODEL_DIR")
+    kw = {"load_format": "dummy"} if model_dir else {}
+    engine = Engine(model_dir, device="cuda", dtype="bfloat16", kv_cache_tokens=65536,
+                    lazy_flashinfer_prefill=True, **kw)  # fmt: skip
+    assert engine.runner.ragged_prefill
+    sp = SamplingParams(max_tokens=8, ignore_eos=True)
+    docs = ["The water cycle moves water between the sea, the air and the land. " * 12,
+            "Clouds form when rising air cools and its water vapour condenses. " * 12]  # fmt: skip
+    rag = RagPrompt("Answer from the documents.", docs, "How do clouds form?")
+    out = engine.generate([rag, "Tell me about rain. " * 20], sp)
+    assert all(len(o["token_ids"]) == 8 for o in out)
+    assert engine.runner.ragged_steps >= 1

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from lazyrt.kernels.ragged_prefill import RaggedKeys
 from lazyrt.kernels.shared_chunk import SharedChunkMeta
 
 
@@ -47,6 +48,9 @@ class AttentionMetadata:
     # Retrieval attention (lazyrt/retrieval/host_attention.py): parts of `shared` past its segments'
     # pairs that the backend fills per layer with `host.fill(layer, q, o, lse)` before the merge.
     host: Any = None
+    # Lazy mode, FlashInfer: the step's keys are at consecutive positions with its new tokens last, so
+    # it runs as dense causal attention over these gathered keys (kernels/ragged_prefill.py).
+    ragged: RaggedKeys | None = None
 
     @property
     def has_entry_logits(self) -> bool:

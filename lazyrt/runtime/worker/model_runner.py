@@ -10,8 +10,10 @@ from lazyrt.cache.host_pool import HostKVPool
 from lazyrt.cache.page_pool import PagePool
 from lazyrt.kernels.attention_ref import copy_rerotate_pages_ref
 from lazyrt.kernels.backend import make_backend
+from lazyrt.kernels.flashinfer_backend import FlashInferPrefillBackend
 from lazyrt.kernels.host_copy import to_device
 from lazyrt.kernels.metadata import AttentionMetadata
+from lazyrt.kernels.ragged_prefill import RaggedKeys, contiguous_keys
 from lazyrt.kernels.rope import RopeCache
 from lazyrt.kernels.shared_chunk import SharedChunkMeta, build_arrays, group_segments
 from lazyrt.kernels.waves import one_wave_items
@@ -47,6 +49,7 @@ class ModelRunner:
         max_positions: int,
         rotate_keys: bool,
         shared_chunk_attention: bool = False,
+        lazy_flashinfer_prefill: bool = False,
         host_kv: HostKVPool | None = None,
         retrieval: RetrievalOptions | None = None,
         tp_size: int = 1,
@@ -76,6 +79,7 @@ class ModelRunner:
         self.shared_wave_items = one_wave_items(pool.num_kv_heads, model.device)
         self.shared_steps = 0  # steps run through shared-chunk attention (tests, stats)
         self.graph_steps = 0  # steps replayed from a CUDA graph (the rest launch eagerly)
+        self.ragged_steps = 0  # steps through FlashInfer's ragged prefill (lazy_flashinfer_prefill)
         self._piece_keys: dict = {}  # interned PieceKeys (shared_chunk.run_pieces); cleared when large
         self._grouping = SharedGrouping()  # the last step's document-run grouping (shared_arrays)
         self._layout = DecodeLayout()  # the last step's batch and inputs (from_plan patches decode steps)
@@ -84,8 +88,11 @@ class ModelRunner:
         self.rope = RopeCache.build(model.config, max_positions, self.device)
         self.rotate_keys = rotate_keys
         self.backend = make_backend(
-            self.device, pool.kv, self.rope, model.config.head_dim**-0.5, use_flashinfer=not rotate_keys
-        )
+            self.device, pool.kv, self.rope, model.config.head_dim**-0.5,
+            use_flashinfer=not rotate_keys or lazy_flashinfer_prefill,
+        )  # fmt: skip
+        # lazy: consecutive prefill steps through FlashInfer's ragged prefill (where FlashInfer loaded)
+        self.ragged_prefill = rotate_keys and isinstance(self.backend, FlashInferPrefillBackend)
         self._copy_rerotate = copy_rerotate_pages_ref
         # the last deferred step's sampled tokens (device) and each request's row in them: a step
         # launched before they reach the host takes its PENDING_TOKEN inputs from here
@@ -110,7 +117,11 @@ class ModelRunner:
 
         c = self.model.config
         q_heads = self.pool.num_kv_heads * (c.num_heads // c.num_kv_heads)  # this rank's
-        return warm_up(self.pool.kv[0], self.rope, q_heads, self.rotate_keys, c.head_dim**-0.5, doc_attention)
+        scale = c.head_dim**-0.5
+        steps = warm_up(self.pool.kv[0], self.rope, q_heads, self.rotate_keys, scale, doc_attention)
+        if self.ragged_prefill:  # FlashInfer compiles its ragged prefill on first use
+            steps += self.backend.warm_up_ragged(q_heads)
+        return steps
 
     def enable_cuda_graphs(self, max_batch: int, max_context: int, doc_attention: bool = False) -> None:
         """Capture decode graphs for batch sizes up to max_batch (CUDA only); with doc_attention the
@@ -212,6 +223,13 @@ class ModelRunner:
         if arrays is not None:
             self.shared_steps += 1
             meta.shared = SharedChunkMeta.from_arrays(arrays, self.shared_block_pairs, self.device)
+        elif self.ragged_prefill and s.max_q_len > 1 and s.entry_logit_scale is None:
+            keys = contiguous_keys(
+                s.qo_indptr, s.positions, s.kv_indptr, s.kv_indices, s.pos_base, s.valid_len
+            )
+            if keys is not None:
+                self.ragged_steps += 1
+                meta.ragged = RaggedKeys.from_arrays(keys, self.device)
         return input_ids, meta
 
     def copy_pages(self, copies: list[PageCopy]) -> None:

@@ -189,6 +189,7 @@ class ModelWorker:
             self.max_context,
             rotate_keys=cfg.cache_mode == "lazy",
             shared_chunk_attention=cfg.shared_chunk_attention,
+            lazy_flashinfer_prefill=cfg.lazy_flashinfer_prefill,
             host_kv=self.host_kv,
             retrieval=RetrievalOptions(
                 cfg.retrieval_top_k, cfg.retrieval_sink, cfg.retrieval_scan, cfg.retrieval_build_threads,
