@@ -6,6 +6,7 @@
 #         | shared-chunk [shared_chunk_bench.py ARGS...] | tp [tp_decode.py ARGS...] | tp-test [PYTEST ARGS]
 #         | router [rag_serving.py ARGS...]  (2 GPUs: router over 2 replicas vs one, -> $OUT/router.jsonl)
 #         | peer-test [PYTEST ARGS] | peer [router_affinity.py ARGS...]  (2 GPUs: peer KV, below)
+#         | ragged [doc_prefill.py ARGS...]  (lazy mode's consecutive prefill through FlashInfer)
 # (serving/roofline/offline-hf: dummy llama-3.1-8b, tokenizer from .gpu_carry_tok; results in $OUT)
 # (fi-test needs .gpu_carry_tok: a config.json + tokenizer dir of the default model, for dummy weights)
 # Needs .whl/ (bash ../shared/gpu/make-wheels.sh pyzmq gguf msgpack); restores .jit.tgz if carried.
@@ -96,13 +97,19 @@ run_stage() {
         --concurrency 16 --output-tokens 16 --server-args "--max-running-requests 16 --cuda-graph-max-batch 16" \
         --no-plain --skip-one --kv-peers --out "$OUT/peer_router.json" "${batches[@]}" 2>&1 \
         | tee "$OUT/peer_router.log" | grep -E "^\|" ;;
+    ragged)  # lazy mode's consecutive prefill through FlashInfer (--lazy-flashinfer-prefill): its GPU
+             # tests, then doc_prefill.py off vs on (ARGS go to doc_prefill.py)
+      LAZYRT_GPU_MODEL_DIR="$PWD/.gpu_carry_tok" python3 -m pytest -q -p no:cacheprovider tests/test_flashinfer_gpu.py \
+        -k "ragged or lazy_engine" 2>&1 | tail -6
+      LAZYRT_TOKENIZER_DIR="$PWD/.gpu_carry_tok" python3 benchmarks/experiments/doc_prefill.py \
+        --out "$OUT/doc_prefill.jsonl" "${batches[@]}" 2>&1 | grep -v -i warn | tail -8 ;;
     # in parts under the 16 MB a returned file may have: cat jit.tgz.part.* > .jit.tgz locally
     jit) tar czf - -C .jit . | split -b 15000000 - "$OUT/jit.tgz.part." && ls -la "$OUT"/jit.tgz.part.* ;;
   esac
 }
 for a in "$@"; do
   case "$a" in
-    kernels-test|bench|sweep|engine-test|fi-test|jit|serving|roofline|profile|offline-hf|shared-chunk|tp|tp-test|router|peer-test|peer) [ -n "$stage" ] && run_stage "$stage"; stage="$a"; batches=() ;;
+    kernels-test|bench|sweep|engine-test|fi-test|jit|serving|roofline|profile|offline-hf|shared-chunk|tp|tp-test|router|peer-test|peer|ragged) [ -n "$stage" ] && run_stage "$stage"; stage="$a"; batches=() ;;
     *) batches+=("$a") ;;
   esac
 done
