@@ -17,6 +17,18 @@ def positive_number(v: object) -> bool:
 
 MAX_LOGPROBS = 20  # top log-probabilities per token (OpenAI's limit)
 MAX_N = 64  # completions per prompt
+# counts (max_tokens, min_tokens, top_k) stay 32-bit and seeds 64-bit: what torch and the processes'
+# wire format (msgpack) take; a larger value would fail past validation
+MAX_COUNT = 2**31 - 1
+SEED_RANGE = (-(2**63), 2**63)
+
+
+class SamplingParamError(ValueError):
+    """A SamplingParams field out of its domain; param names the field, why says what is wrong."""
+
+    def __init__(self, param: str, value: object, why: str):
+        super().__init__(f"SamplingParams.{param}={value!r}: {why}")
+        self.param, self.value, self.why = param, value, why
 
 
 def _int(v: object) -> bool:
@@ -113,27 +125,28 @@ class SamplingParams:
 
     def validate(self) -> None:
         def bad(name: str, why: str) -> ValueError:
-            return ValueError(f"SamplingParams.{name}={getattr(self, name)!r}: {why}")
+            return SamplingParamError(name, getattr(self, name), why)
 
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise bad("max_tokens", "must be an integer >= 1")
+        if not _int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_COUNT:
+            raise bad("max_tokens", f"must be an integer in [1, {MAX_COUNT}]")
         if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
             raise bad("temperature", "must be a number >= 0")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise bad("top_p", "must be in (0, 1]")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
-            raise bad("top_k", "must be an integer >= 1, or -1/0 to disable")
+        if not _int(self.top_k) or not -1 <= self.top_k <= MAX_COUNT:
+            raise bad("top_k", f"must be an integer in [1, {MAX_COUNT}], or -1/0 to disable")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise bad("stop", "must be a list of non-empty strings")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise bad("seed", "must be an integer or None")
+        if self.seed is not None and (not _int(self.seed) or not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]):
+            raise bad("seed", "must be an integer in [-2**63, 2**63) or None")
         for name in ("doc_attention_temperature", "doc_attention_scale"):
             v = getattr(self, name)
             if v is not None and not positive_number(v):
                 raise bad(name, "must be a finite number > 0, or None for the engine's setting")
         k = self.retrieval_top_k
-        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
-            raise bad("retrieval_top_k", "must be an integer >= 1, or None for the engine's setting")
+        if k is not None and (not _int(k) or not 1 <= k <= MAX_COUNT):
+            why = f"must be an integer in [1, {MAX_COUNT}], or None for the engine's setting"
+            raise bad("retrieval_top_k", why)
         if self.doc_positions not in (None, "sequential", "parallel"):
             raise bad("doc_positions", "must be 'sequential', 'parallel', or None for the engine's setting")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -148,8 +161,8 @@ class SamplingParams:
                     raise bad("logit_bias", f"key {k!r} is not a token id")
                 if not _number(v) or not -100 <= v <= 100:
                     raise bad("logit_bias", f"bias {v!r} for token {k} must be a number in [-100, 100]")
-        if not _int(self.min_tokens) or self.min_tokens < 0:
-            raise bad("min_tokens", "must be an integer >= 0")
+        if not _int(self.min_tokens) or not 0 <= self.min_tokens <= MAX_COUNT:
+            raise bad("min_tokens", f"must be an integer in [0, {MAX_COUNT}]")
         if self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
         if not all(_int(t) and t >= 0 for t in self.stop_token_ids):
@@ -185,7 +198,10 @@ class SamplingParams:
         """One n=1 copy per completion; seeded ones take seed, seed + 1, ... (reproducible, distinct)."""
         if self.n == 1:
             return [self]
-        seeds = [None] * self.n if self.seed is None else [self.seed + i for i in range(self.n)]
+        lo, hi = SEED_RANGE  # (wrapping inside the range a seed may take)
+        seeds = [None] * self.n
+        if self.seed is not None:
+            seeds = [(self.seed + i - lo) % (hi - lo) + lo for i in range(self.n)]
         return [dataclasses.replace(self, n=1, seed=s) for s in seeds]
 
     @classmethod

@@ -74,3 +74,25 @@ def test_batch_mixes_greedy_and_seeded_rows(seed):
     sharp = torch.full((1, 300), -50.0)
     sharp[0, 17] = 50.0
     assert sample_tokens_device(sharp, [SamplingParams(temperature=1.0)], [None]).item() == 17
+
+
+@pytest.mark.parametrize(
+    "kw, field",
+    [({"seed": 2**63}, "seed"), ({"seed": -(2**63) - 1}, "seed"), ({"max_tokens": 2**31}, "max_tokens"),
+     ({"top_k": 2**31}, "top_k"), ({"min_tokens": 2**31, "max_tokens": 2**31 - 1}, "min_tokens"),
+     ({"retrieval_top_k": 2**31}, "retrieval_top_k")],
+)  # fmt: skip
+def test_sizes_past_what_the_processes_carry_are_refused_naming_the_field(kw, field):
+    from lazyrt.sampling_params import SamplingParamError
+
+    with pytest.raises(SamplingParamError, match=rf"SamplingParams\.{field}=") as e:
+        SamplingParams(**kw)
+    assert e.value.param == field
+
+
+def test_n_seeds_stay_in_range_and_distinct():
+    top = 2**63 - 1
+    seeds = [p.seed for p in SamplingParams(seed=top - 1, n=4).expand_n()]
+    assert seeds == [top - 1, top, -(2**63), -(2**63) + 1]
+    low = random.randrange(-(2**40), 2**40)
+    assert [p.seed for p in SamplingParams(seed=low, n=3).expand_n()] == [low, low + 1, low + 2]

@@ -359,6 +359,13 @@ def test_completions_echo_with_prompt_logprobs(server, oai, engine):
     r = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=0)
     assert len(r.choices[0].logprobs.tokens) == len(ids) + 3
     assert r.choices[0].logprobs.text_offset[len(ids)] == len(prompt)
+    # a one-token prompt: nothing to score, but its entry is there (it was dropped)
+    one = engine.tokenizer.decode([ids[-1]])
+    for n in (0, 2):
+        kw = dict(model=MODEL, prompt=[ids[-1]], max_tokens=n, temperature=0, echo=True, logprobs=1)
+        r = oai.completions.create(**kw)
+        lp = r.choices[0].logprobs
+        assert lp.tokens[0] == one and lp.token_logprobs[0] is None and len(lp.tokens) == 1 + n
 
 
 def test_citations_equal_engine(server, oai, engine):
@@ -508,6 +515,15 @@ BAD = [
     ("/v1/completions", {"prompt": [1, 2, 10**9]}, 400, "prompt"),
     ("/v1/completions", {"prompt": "x", "stop": [""]}, 400, "stop"),
     ("/v1/completions", {"prompt": "x", "seed": 1.5}, 400, "seed"),
+    # past 64 / 32 bits: these failed past validation (msgpack cannot carry them) with a 500
+    ("/v1/completions", {"prompt": "x", "seed": 2**70}, 400, "seed"),
+    ("/v1/chat/completions", {**X, "seed": -(2**64)}, 400, "seed"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 2**70}, 400, "max_tokens"),
+    ("/v1/chat/completions", {**X, "max_completion_tokens": 2**40}, 400, "max_completion_tokens"),
+    ("/v1/completions", {"prompt": "x", "top_k": 2**70}, 400, "top_k"),
+    ("/v1/completions", {"prompt": "x", "min_tokens": 2**70}, 400, "min_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens"),
+    ("/generate", {"text": "hi", "sampling_params": {"seed": 2**64}}, 400, "sampling_params.seed"),
     ("/generate", {"text": "hi", "input_ids": [1]}, 400, "text"),
     ("/generate", {"text": ""}, 400, "text"),
     ("/generate", {"text": "hi", "sampling_params": {"nope": 1}}, 400, "sampling_params.nope"),

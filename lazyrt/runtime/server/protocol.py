@@ -16,7 +16,14 @@ from lazyrt.documents import DocumentError, check_doc_item
 from lazyrt.runtime.ipc.messages import GenerateReq
 from lazyrt.runtime.server.constraint_fields import generate_constraint, openai_constraint
 from lazyrt.runtime.server.errors import ApiError, bad
-from lazyrt.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams, positive_number
+from lazyrt.sampling_params import (
+    MAX_COUNT,
+    MAX_LOGPROBS,
+    MAX_N,
+    SamplingParamError,
+    SamplingParams,
+    positive_number,
+)
 
 ROLES = ("system", "user", "assistant")
 # OpenAI fields we cannot honour: reject a non-default value rather than silently ignore it.
@@ -85,13 +92,13 @@ def _sampling(
     """Validate each sampling field by name (prefix names where it sits in the body); constraint:
     the structured-output field, checked already (constraint_fields.py)."""
     p = lambda k: prefix + k  # noqa: E731
-    max_tokens = src.get("max_tokens")
+    max_tokens, mt_name = src.get("max_tokens"), "max_tokens"
     if max_tokens is None:
-        max_tokens = src.get("max_completion_tokens", default_max_tokens)
+        max_tokens, mt_name = src.get("max_completion_tokens", default_max_tokens), "max_completion_tokens"
     if max_tokens is None:
         max_tokens = default_max_tokens
-    if not _is_int(max_tokens) or max_tokens < 1:
-        raise bad(p("max_tokens"), f"must be an integer >= 1, got {max_tokens!r}")
+    if not _is_int(max_tokens) or not 1 <= max_tokens <= MAX_COUNT:
+        raise bad(p(mt_name), f"must be an integer in [1, {MAX_COUNT}], got {max_tokens!r}")
     temperature = src.get("temperature", default_temperature)
     temperature = default_temperature if temperature is None else temperature
     if not _is_num(temperature) or not 0 <= temperature <= 2:
@@ -123,22 +130,26 @@ def _sampling(
     if doc_positions not in (None, "sequential", "parallel"):
         raise bad(p("doc_positions"), f"must be 'sequential' or 'parallel', got {doc_positions!r}")
     retrieval_top_k = src.get("retrieval_top_k")
-    if retrieval_top_k is not None and (not _is_int(retrieval_top_k) or retrieval_top_k < 1):
-        raise bad(p("retrieval_top_k"), f"must be an integer >= 1, got {retrieval_top_k!r}")
-    return SamplingParams(
-        **constraint,
-        **_parity(src, prefix),
-        retrieval_top_k=retrieval_top_k,
-        doc_positions=doc_positions,
-        **doc_attention,
-        max_tokens=max_tokens,
-        temperature=float(temperature),
-        top_p=float(top_p),
-        top_k=top_k,
-        stop=stop,
-        seed=seed,
-        ignore_eos=ignore_eos,
-    )
+    rk = retrieval_top_k
+    if rk is not None and (not _is_int(rk) or not 1 <= rk <= MAX_COUNT):
+        raise bad(p("retrieval_top_k"), f"must be an integer in [1, {MAX_COUNT}], got {retrieval_top_k!r}")
+    try:
+        return SamplingParams(
+            **constraint,
+            **_parity(src, prefix),
+            retrieval_top_k=retrieval_top_k,
+            doc_positions=doc_positions,
+            **doc_attention,
+            max_tokens=max_tokens,
+            temperature=float(temperature),
+            top_p=float(top_p),
+            top_k=top_k,
+            stop=stop,
+            seed=seed,
+            ignore_eos=ignore_eos,
+        )
+    except SamplingParamError as e:  # the bounds only SamplingParams checks (sizes, seed range)
+        raise bad(p(e.param), f"{e.why}, got {e.value!r}") from None
 
 
 def _parity(src: dict, prefix: str) -> dict:

@@ -52,7 +52,8 @@ def tokenizing_failed(rid: int, e: Exception) -> ErrorOut:
 class _Live:
     detok: IncrementalDetokenizer
     meta: dict = field(default_factory=dict)
-    echo: tuple[str, list[int]] | None = None  # completions echo: the prompt's text and token ids
+    # completions echo: the prompt's text and token ids, and whether its logprobs are asked
+    echo: tuple[str, list[int], bool] | None = None
 
 
 class TokenizerLoop:
@@ -106,7 +107,7 @@ class TokenizerLoop:
             live = self.live[msg.rid] = _Live(detok)
             if msg.echo:
                 text = msg.text if msg.text is not None else self.req_tokenizer.tokenizer.decode(tok.suffix)
-                live.echo = (text, list(tok.suffix))
+                live.echo = (text, list(tok.suffix), sp.logprobs is not None)
             tok.received_at, tok.tokenizing_at, tok.tokenized_at = msg.received_at, got, time.time()
             self.to_sched(tok)
         elif isinstance(msg, AbortReq):
@@ -151,14 +152,14 @@ class TokenizerLoop:
         meta = {**live.meta, "completion_tokens": len(d.ids), "finish_reason": reason}
         if live.echo is not None:
             meta["echo_text"] = live.echo[0]
-            if "continuation_logprobs" in meta:
+            if live.echo[2]:  # (a one-token prompt has nothing scored: its entry alone)
                 meta["prompt_logprobs"] = self._prompt_logprobs(live.echo[1], meta)
         return TextOut(out.rid, text, used, reason, meta, list(d.ids), lps)
 
 
     def _prompt_logprobs(self, ids: list[int], meta: dict) -> list[dict]:
         """Echo: one entry per prompt token (the first has no logprob: nothing precedes it)."""
-        lps = meta.pop("continuation_logprobs")
+        lps = meta.pop("continuation_logprobs", [])
         top_ids, top_lps = meta.pop("continuation_top_logprobs", None) or ([[]] * len(lps), [[]] * len(lps))
         first = {**self.token_texts.entry(ids[0], None), "top_logprobs": []}
         return [first, *self.token_texts.logprobs(ids[1:], [list(x) for x in zip(lps, top_ids, top_lps)])]
