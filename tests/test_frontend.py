@@ -229,6 +229,7 @@ def test_score_endpoint_and_program_generate_validation(server, ref):
         ({**body, "continuations": [""]}, "continuations[0]"),
         ({**body, "doc_turn": 1}, "doc_turn"),
         ({**body, "messages": msgs[:1]}, "continue_final"),
+        ({**body, "sampling_params": {"max_tokens": 5}}, "sampling_params"),  # (was taken and ignored)
     ]:
         r = httpx.post(server.url + "/score", json=bad_body, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (bad_body, r.text)

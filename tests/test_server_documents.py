@@ -161,6 +161,7 @@ def test_errors_name_the_field(http, oai):
     _err(http.get("/v1/documents/feller.v1", params={"with_text": "1"}), 400, "with_text")
     _err(http.get("/v1/documents", params={"limit": 0}), 400, "limit")
     _err(http.get("/v1/documents", params={"limit": "x"}), 400, "limit")
+    assert "[1, 100]" in _err(http.get("/v1/documents", params={"limit": -1}), 400, "limit")
     _err(http.get("/v1/documents", params={"after": "doc-none"}), 404, "after")
     kw = dict(model=oai.served_model, messages=[{"role": "user", "content": "q?"}], max_tokens=2)
     cases = [

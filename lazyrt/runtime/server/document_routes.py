@@ -20,7 +20,14 @@ from typing import TypeVar
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from lazyrt.documents import DEFAULT_LIST_LIMIT, DocumentError, check_id, check_metadata, check_text
+from lazyrt.documents import (
+    DEFAULT_LIST_LIMIT,
+    MAX_LIST_LIMIT,
+    DocumentError,
+    check_id,
+    check_metadata,
+    check_text,
+)
 from lazyrt.runtime.ipc.messages import DocumentReq, DocumentResp, ErrorOut, GenerateReq
 from lazyrt.runtime.server.errors import ApiError
 from lazyrt.runtime.server.pipeline_client import PipelineClient
@@ -145,7 +152,7 @@ def add_document_routes(
             q = _query(request, ("limit", "after", "include_text"))
             limit = q.get("limit", str(DEFAULT_LIST_LIMIT))
             if not limit.isdigit():
-                raise bad("limit", f"must be an integer, got {limit!r}")
+                raise bad("limit", f"must be an integer in [1, {MAX_LIST_LIMIT}], got {limit!r}")
             after = q.get("after")
             if after is not None:
                 _checked(check_id, after, "after")

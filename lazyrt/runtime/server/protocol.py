@@ -517,7 +517,9 @@ def parse_score(body: dict) -> list[GenerateReq]:
             raise bad(f"continuations[{i}]", "must be a non-empty string")
     if body.get("stream"):
         raise bad("stream", "is not supported by /score")
-    rest = {k: v for k, v in body.items() if k not in ("continuations", "sampling_params")}
+    if body.get("sampling_params") is not None:  # a 1-token prefill: nothing is sampled
+        raise bad("sampling_params", "is not supported by /score (it samples nothing)")
+    rest = {k: v for k, v in body.items() if k not in ("continuations", "sampling_params")}  # (None)
     base = parse_generate(rest).req
     base.sampling = SamplingParams(max_tokens=1)
     return [dataclasses.replace(base, continuation=c) for c in conts]
