@@ -21,6 +21,9 @@ class Job:
     error: str | None = None  # set: the line is bad; write an error record instead of running it
 
 
+LINE_FIELDS = ("id", "prompt", "docs", "question", "system", "sampling_params")
+
+
 def _is_id(x: object) -> bool:
     return isinstance(x, str) and bool(x) or isinstance(x, int) and not isinstance(x, bool)
 
@@ -42,6 +45,9 @@ def parse_line(text: str, line: int, defaults: dict) -> Job:
         return fail("missing field 'id'")
     if job.id is None:
         return fail(f"field 'id' must be a non-empty string or an integer, got {obj['id']!r}")
+    unknown = [k for k in obj if k not in LINE_FIELDS]
+    if unknown:  # (a field the job would not use: an error, not a silent drop)
+        return fail(f"unknown field {unknown[0]!r} (a line has {', '.join(LINE_FIELDS)})")
     sp = obj.get("sampling_params")
     if sp is not None and not isinstance(sp, dict):
         return fail(f"field 'sampling_params' must be an object, got {type(sp).__name__}")
@@ -52,6 +58,8 @@ def parse_line(text: str, line: int, defaults: dict) -> Job:
     if "prompt" in obj:
         if "question" in obj or "docs" in obj:
             return fail("give either 'prompt' or 'docs' + 'question', not both")
+        if "system" in obj:
+            return fail("field 'system' goes with 'docs' + 'question' ('prompt' is the whole prompt)")
         if not isinstance(obj["prompt"], str) or not obj["prompt"].strip():
             return fail("field 'prompt' must be a non-empty string")
         job.prompt = obj["prompt"]
