@@ -4,6 +4,7 @@ input order, each as soon as it and everything before it is done."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -85,21 +86,17 @@ class EndpointRunner:
         if r.status_code != 200:
             raise RuntimeError(f"{self.url}/health answered {r.status_code}: {r.text[:200]}")
 
-    def _one(self, job: Job) -> Result:
-        sp = job.sampling
-        params = {
-            "max_tokens": sp.max_tokens,
-            "temperature": sp.temperature,
-            "top_p": sp.top_p,
-            "top_k": sp.top_k,
-            "stop": sp.stop,
-            "seed": sp.seed,
-            "ignore_eos": sp.ignore_eos,
-        }
+    @staticmethod
+    def body(job: Job) -> dict:
+        """The job as a /generate body: every sampling field it has (not only the common ones: a
+        line's n, logprobs, penalties or constraint were dropped in --endpoint mode)."""
+        params = {k: v for k, v in dataclasses.asdict(job.sampling).items() if v is not None}
         if job.prompt is not None:
-            body: dict = {"text": job.prompt, "sampling_params": params}
-        else:
-            body = {"text": job.question, "docs": job.docs, "system": job.system, "sampling_params": params}
+            return {"text": job.prompt, "sampling_params": params}
+        return {"text": job.question, "docs": job.docs, "system": job.system, "sampling_params": params}
+
+    def _one(self, job: Job) -> Result:
+        body = self.body(job)
         try:
             r = self.client.post("/generate", json=body)
         except Exception as e:  # transport errors fail this line; the job goes on
