@@ -123,3 +123,26 @@ def test_quick_requests_are_those_with_cached_documents_and_little_text(tokenize
     for r in (first, req(docs=docs[1::-1]), GenerateReq(0, sp, messages=chat, docs=docs[:1])):
         a, b = rt.tokenize(r), fresh.tokenize(r)
         assert (a.prefix, a.docs, a.suffix) == (b.prefix, b.docs, b.suffix)
+
+
+def test_max_tokens_past_the_context_named_or_capped(tokenizer):
+    """An explicit max_tokens (the field named in max_tokens_param) that the context cannot hold after
+    the prompt is an error naming that field; the endpoint's default max_tokens is capped at what
+    the context leaves."""
+    from lazyrt.runtime.tokenizer.request_tokenizer import InvalidRequest
+
+    rng = random.Random()
+    ctx = rng.randint(60, 200)
+    rt = RequestTokenizer(tokenizer, ctx, len(tokenizer))
+    ids = [rng.randrange(100, 1000) for _ in range(rng.randint(5, ctx - 5))]
+    room = ctx - len(ids)
+    for m in (room, room + 1, room + rng.randint(2, 500)):
+        for given in (None, "sampling_params.max_tokens"):
+            req = GenerateReq(1, SamplingParams(max_tokens=m), input_ids=ids, param="input_ids",
+                              max_tokens_param=given)  # fmt: skip
+            if given is not None and m > room:
+                with pytest.raises(InvalidRequest, match=f"at most {room}") as e:
+                    rt.tokenize(req)
+                assert e.value.param == given
+            else:
+                assert rt.tokenize(req).max_new_tokens == min(m, room)

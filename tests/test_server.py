@@ -524,6 +524,11 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "min_tokens": 2**70}, 400, "min_tokens"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens"),
     ("/generate", {"text": "hi", "sampling_params": {"seed": 2**64}}, 400, "sampling_params.seed"),
+    # prompt + max_tokens past the context: an error naming the field (it was capped silently)
+    ("/v1/chat/completions", {**X, "max_tokens": 10**6}, 400, "max_tokens"),
+    ("/v1/chat/completions", {**X, "max_completion_tokens": 10**6}, 400, "max_completion_tokens"),
+    ("/v1/completions", {"prompt": ["x", "y"], "max_tokens": 10**6}, 400, "max_tokens"),
+    ("/generate", {"text": "hi", "sampling_params": {"max_tokens": 10**6}}, 400, "sampling_params.max_tokens"),  # noqa: E501
     ("/generate", {"text": "hi", "input_ids": [1]}, 400, "text"),
     ("/generate", {"text": ""}, 400, "text"),
     ("/generate", {"text": "hi", "sampling_params": {"nope": 1}}, 400, "sampling_params.nope"),

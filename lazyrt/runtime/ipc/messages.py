@@ -63,6 +63,9 @@ class GenerateReq:
     # peer KV: each doc's owner as the router placed it (a replica's peer address; "" = none given),
     # from the router's x-lazyrt-doc-owners header
     doc_owners: list[str] | None = None
+    # the request field that set max_tokens (None: the endpoint's default, capped at the context
+    # left); a prompt + max_tokens past the context is then an error naming it, not a silent cap
+    max_tokens_param: str | None = None
 
 
 @message

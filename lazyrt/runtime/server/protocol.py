@@ -86,6 +86,14 @@ def _bool(body: dict, key: str, default: bool = False) -> bool:
     return v
 
 
+def _max_tokens_param(src: dict, prefix: str = "") -> str | None:
+    """The request field that sets max_tokens, if the request names one."""
+    for name in ("max_tokens", "max_completion_tokens"):
+        if src.get(name) is not None:
+            return prefix + name
+    return None
+
+
 def _sampling(
     src: dict, prefix: str, default_max_tokens: int, default_temperature: float, constraint: dict
 ) -> SamplingParams:
@@ -290,7 +298,8 @@ def parse_completion(body: dict, served: str) -> Parsed:
         if echo and stream and text is None:
             raise bad("echo", "when streaming needs text prompts (not token ids)")
         reqs.append(
-            GenerateReq(-1, sp, text=text, input_ids=ids, docs=docs, text_mode="raw", param=param, echo=echo)
+            GenerateReq(-1, sp, text=text, input_ids=ids, docs=docs, text_mode="raw", param=param, echo=echo,
+                        max_tokens_param=None if echo_only else _max_tokens_param(body))  # fmt: skip
         )
     return Parsed(reqs[0], stream, usage, reqs[1:], echo_only)
 
@@ -343,7 +352,8 @@ def parse_chat(body: dict, served: str) -> Parsed:
     sp = _sampling(body, "", 128, 1.0, constraint)
     sp.logprobs = _logprobs(body, chat=True)
     stream, usage = _stream(body)
-    req = GenerateReq(-1, sp, messages=messages, docs=docs, param="messages", tools=tools)
+    req = GenerateReq(-1, sp, messages=messages, docs=docs, param="messages", tools=tools,
+                      max_tokens_param=_max_tokens_param(body))  # fmt: skip
     return Parsed(req, stream, usage, parallel_tool_calls=parallel, forced_tool=forced)
 
 
@@ -485,7 +495,9 @@ def parse_generate(body: dict) -> Parsed:
     if body.get("messages") is not None:
         if text is not None or ids is not None:
             raise bad("messages", "give exactly one of text, input_ids or messages")
-        return Parsed(_parse_program(body, _generate_sampling(body)), _bool(body, "stream"))
+        req = _parse_program(body, _generate_sampling(body))
+        req.max_tokens_param = _max_tokens_param(body.get("sampling_params") or {}, "sampling_params.")
+        return Parsed(req, _bool(body, "stream"))
     if (text is None) == (ids is None):
         raise bad("text", "give exactly one of text, input_ids or messages")
     if text is not None and (not isinstance(text, str) or not text.strip()):
@@ -501,8 +513,9 @@ def parse_generate(body: dict) -> Parsed:
     sp = _generate_sampling(body)
     param = "text" if text is not None else "input_ids"
     req = GenerateReq(
-        -1, sp, text=text, input_ids=ids, docs=docs, system=system, text_mode="rag", param=param
-    )
+        -1, sp, text=text, input_ids=ids, docs=docs, system=system, text_mode="rag", param=param,
+        max_tokens_param=_max_tokens_param(body.get("sampling_params") or {}, "sampling_params."),
+    )  # fmt: skip
     return Parsed(req, _bool(body, "stream"))
 
 

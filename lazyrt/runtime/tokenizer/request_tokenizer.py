@@ -146,7 +146,14 @@ class RequestTokenizer:
                 f"shorten the {where}",
                 req.param,
             )
-        out.max_new_tokens = min(req.sampling.max_tokens, self.max_context - n)
+        m = req.sampling.max_tokens
+        if req.max_tokens_param is not None and n + m > self.max_context:
+            raise InvalidRequest(
+                f"{req.max_tokens_param}: the prompt is {n} tokens and {m} more were asked for, past the "
+                f"model's context length of {self.max_context}; ask for at most {self.max_context - n}",
+                req.max_tokens_param,
+            )
+        out.max_new_tokens = min(m, self.max_context - n)  # a default max_tokens: what the context leaves
         return out
 
     def _check_ids(self, ids: list[int], param: str) -> list[int]:
