@@ -1,0 +1,98 @@
+"""One layer of documents' own prefill (each after a 24-token prefix) at the Llama-3.1-8B attention
+shape, bf16: the lazy Triton kernel against the ragged FlashInfer path (--lazy-flashinfer-prefill),
+same pages, us per layer (CUDA events, median of 20), store included.
+
+    python benchmarks/experiments/ragged_vs_lazy.py [--docs 1 4] [--doc-tokens 2048]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from lazyrt.kernels.backend import TritonAttentionBackend
+from lazyrt.kernels.flashinfer_backend import FlashInferPrefillBackend
+from lazyrt.kernels.metadata import AttentionMetadata
+from lazyrt.kernels.ragged_prefill import RaggedKeys, contiguous_keys
+from lazyrt.kernels.rope import RopeCache
+from lazyrt.models.config import ModelConfig
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--docs", type=int, nargs="+", default=[1, 4])
+    p.add_argument("--doc-tokens", type=int, default=2048)
+    args = p.parse_args()
+    hq, hk, d, prefix = 32, 8, 128, 24
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}  # fmt: skip
+    rope = RopeCache.build(ModelConfig("llama", 1000, hq * d, 1, 1, hq, hk, d, rope_theta=500000.0,
+                                       rope_scaling=scaling), 16384, "cuda")  # fmt: skip
+    print(f"{torch.cuda.get_device_name()}; {args.doc_tokens}-token documents after a {prefix}-token prefix")
+    print("| documents | lazy kernel (us) | ragged FlashInfer (us) | ratio |\n|---|---:|---:|---:|")
+    for b in args.docs:
+        lazy, ragged, err = one_size(b, args.doc_tokens, prefix, rope)
+        print(f"| {b} | {lazy:.1f} | {ragged:.1f} | {ragged / lazy:.2f} | (rel diff {err:.1e})")
+
+
+def one_size(b: int, n: int, prefix: int, rope: RopeCache) -> tuple[float, float, float]:
+    """(lazy us, ragged us, relative difference) for b documents of n tokens."""
+    dev, ps, hq, hk, d = "cuda", 16, 32, 8, 128
+    pages_per = -(-prefix // ps) + -(-n // ps)
+    kv = torch.randn(b * pages_per + 4, 2, ps, hk, d, device=dev, dtype=torch.bfloat16)
+    qo, kvp, idx, base, valid, pos, sp, ss = [0], [0], [], [], [], [], [], []
+    nxt = 0
+    for _ in range(b):
+        at = 0
+        for m in (prefix, n):
+            pages = list(range(nxt, nxt + -(-m // ps)))
+            nxt += len(pages)
+            idx += pages
+            base += [at + j * ps for j in range(len(pages))]
+            valid += [min(ps, m - j * ps) for j in range(len(pages))]
+            at += m
+        pos += range(prefix, prefix + n)
+        sp += [pages[j // ps] for j in range(n)]
+        ss += [j % ps for j in range(n)]
+        kvp.append(len(idx))
+        qo.append(qo[-1] + n)
+
+    def t(x, dt=torch.int32):
+        return torch.tensor(x, dtype=dt, device=dev)
+
+    meta = AttentionMetadata(t(qo), t(pos, torch.long), t(kvp), t(idx), t(base), t(valid),
+                             t(sp, torch.long), t(ss, torch.long), rotate_keys=True, max_q_len=n,
+                             max_kv_entries=max(y - x for x, y in zip(kvp, kvp[1:])))  # fmt: skip
+    rmeta = AttentionMetadata(**meta.__dict__)
+    keys = contiguous_keys(qo, pos, kvp, idx, base, valid)
+    rmeta.ragged = RaggedKeys.from_arrays(keys, torch.device(dev))
+    T = qo[-1]
+    q = torch.randn(T, hq, d, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(T, hk, d, device=dev, dtype=torch.bfloat16)
+    v = torch.randn(T, hk, d, device=dev, dtype=torch.bfloat16)
+    tri = TritonAttentionBackend([kv], rope, d**-0.5)
+    fi = FlashInferPrefillBackend(tri, [kv], rope, d**-0.5)
+    times = {}
+    runs = (("lazy", lambda: tri.forward(0, q, k, v, meta)),
+            ("ragged", lambda: fi.forward(0, q, k, v, rmeta)))  # fmt: skip
+    for name, fn in runs:
+        for _ in range(3):
+            fn()
+        ts = []
+        for _ in range(20):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            e.synchronize()
+            ts.append(s.elapsed_time(e) * 1e3)
+        times[name] = statistics.median(ts)
+    want = tri.forward(0, q, k, v, meta).float()
+    err = (fi.forward(0, q, k, v, rmeta).float() - want).norm() / want.norm()
+    return times["lazy"], times["ragged"], float(err)
+
+
+if __name__ == "__main__":
+    main()
