@@ -524,6 +524,8 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "min_tokens": 2**70}, 400, "min_tokens"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens"),
     ("/generate", {"text": "hi", "sampling_params": {"seed": 2**64}}, 400, "sampling_params.seed"),
+    ("/generate", {"text": "hi", "return_logprob": True}, 400, "return_logprob"),  # (dropped before)
+    ("/generate", {"text": "hi", "max_tokens": 3}, 400, "max_tokens"),
     # prompt + max_tokens past the context: an error naming the field (it was capped silently)
     ("/v1/chat/completions", {**X, "max_tokens": 10**6}, 400, "max_tokens"),
     ("/v1/chat/completions", {**X, "max_completion_tokens": 10**6}, 400, "max_completion_tokens"),

@@ -478,12 +478,12 @@ def test_server_tp2_equals_engine_tp1(tiny_model_dir, in_scheduler):
         assert stats["total_pages"] == 8192 // 16 and stats["held_pages"] == 0
         # rank 1 dies mid-generation: the request is answered with an error and the server stops
         # (non-zero), rather than rank 0 waiting in an all-reduce with a dead peer
-        long = {"text": "Count on", "sampling_params": {"max_tokens": 4000, "ignore_eos": True}}
+        long = {"text": "Count on", "sampling_params": {"max_tokens": 1900, "ignore_eos": True}}  # (ctx 2048)
         killer = threading.Timer(3.0, os.kill, (pids["model worker rank 1"], signal.SIGKILL))
         killer.start()
         r = httpx.post(srv.url + "/generate", json=long, timeout=120)
         killer.join()
-        assert r.status_code >= 500 or "error" in r.json(), r.text
+        assert r.status_code >= 500 or (r.status_code == 200 and "error" in r.json()), r.text
         assert srv.proc.wait(60) != 0
         assert "model worker rank 1 process exited unexpectedly" in srv.read_log()
     finally:

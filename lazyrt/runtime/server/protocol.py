@@ -490,7 +490,16 @@ def _generate_sampling(body: dict) -> SamplingParams:
     return sp
 
 
+# /generate's fields (/score's too, beside continuations): any other is refused, not dropped
+GENERATE_FIELDS = ("text", "input_ids", "messages", "docs", "system", "sampling_params", "stream", "doc_turn",
+                   "continue_final")  # fmt: skip
+
+
 def parse_generate(body: dict) -> Parsed:
+    unknown = [k for k in body if k not in GENERATE_FIELDS]
+    if unknown:  # e.g. SGLang's return_logprob: here sampling_params.logprobs
+        raise bad(unknown[0], f"is not a field of this endpoint (it takes {', '.join(GENERATE_FIELDS)}; "
+                              "sampling settings go in sampling_params)")  # fmt: skip
     text, ids = body.get("text"), body.get("input_ids")
     if body.get("messages") is not None:
         if text is not None or ids is not None:
