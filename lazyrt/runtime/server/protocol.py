@@ -100,9 +100,10 @@ def _sampling(
     """Validate each sampling field by name (prefix names where it sits in the body); constraint:
     the structured-output field, checked already (constraint_fields.py)."""
     p = lambda k: prefix + k  # noqa: E731
-    max_tokens, mt_name = src.get("max_tokens"), "max_tokens"
+    mt_name = _max_tokens_param(src) or "max_tokens"
+    max_tokens = src.get("max_tokens")
     if max_tokens is None:
-        max_tokens, mt_name = src.get("max_completion_tokens", default_max_tokens), "max_completion_tokens"
+        max_tokens = src.get("max_completion_tokens", default_max_tokens)
     if max_tokens is None:
         max_tokens = default_max_tokens
     if not _is_int(max_tokens) or not 1 <= max_tokens <= MAX_COUNT:
