@@ -515,6 +515,7 @@ def summarize(results: list[Result], wall: float, before: dict, after: dict, pea
         "prom_kv_pages_used": prom_value(prom, "lazyrt_kv_pages_used"),
         "prom_requests_aborted": prom_value(prom, "lazyrt_requests_aborted_total"),
         "steps": delta("steps"),
+        "ragged_prefill_steps": delta("ragged_prefill_steps"),  # --lazy-flashinfer-prefill
         # late planning (server, overlap on): waits before decode-only steps, their total, how many an
         # arriving request ended, and the last step-time and margin estimates; None when it is off
         "late_plan": {
@@ -753,12 +754,15 @@ def write_row(args, row: dict) -> None:
     t = row["ttft_ms"]
     print(
         f"[bench] {row['mode']:6s} {row['popularity']:7s} rate={row['rate']:<5g} ok={row['completed']} "
-        f"failed={row['failed']} TTFT p50={_f(t['p50'])}ms p99={_f(t['p99'])}ms "
+        f"failed={row['failed']} TTFT mean={_f(t['mean'])}ms p50={_f(t['p50'])}ms p99={_f(t['p99'])}ms "
+        f"TPOT mean={_f(row['tpot_ms']['mean'])}ms "
         f"(all docs cached: p50={_f(row['ttft_all_hit_ms']['p50'])}ms n={row['all_hit_requests']}) "
         f"out tok/s={_f(row['output_throughput'])} "
         f"(middle half: {_f(row.get('output_throughput_middle_half'))}) "
         f"hit={_f(row['chunk_hit_ratio'], 3)} "
-        f"pages peak={row['kv_pages_used_peak']} server TTFT split p50 ms: "
+        f"pages peak={row['kv_pages_used_peak']} "
+        + (f"ragged steps={row['ragged_prefill_steps']} " if row.get("ragged_prefill_steps") else "")
+        + "server TTFT split p50 ms: "
         + _split_text(row["server_ttft_split_ms"])
         + " (all docs cached: " + _split_text(row["server_ttft_split_all_hit_ms"]) + ")"
         + (f" errors={row['errors']}" if row["failed"] else ""),

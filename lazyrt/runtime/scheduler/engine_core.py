@@ -44,7 +44,8 @@ class EngineCore:
         self._planned: StepPlan | None = None  # the step being planned, sent and applied now
         self.failed_rids: list[int] = []  # the requests the last failed step aborted: tell their clients
         # steps sent (overlapped: of them, deferred), and the worker's shared-chunk step count
-        self.step_counts = {"steps": 0, "overlapped_steps": 0, "shared_chunk_steps": 0, "graph_steps": 0}
+        self.step_counts = {"steps": 0, "overlapped_steps": 0, "shared_chunk_steps": 0, "graph_steps": 0,
+                            "ragged_prefill_steps": 0}
         # the last step() had nothing to run until a peer replica answers (peer KV): the loop waits
         # for messages instead of stepping again at once
         self.waiting_on_peers = False
@@ -135,6 +136,7 @@ class EngineCore:
         result = self.worker.execute(msg)
         self.step_counts["shared_chunk_steps"] = result.shared_chunk_steps
         self.step_counts["graph_steps"] = result.graph_steps
+        self.step_counts["ragged_prefill_steps"] = result.ragged_prefill_steps
         return self._apply(plan, result)
 
     def _count(self, result: StepResult, deferred: bool) -> None:
@@ -143,6 +145,7 @@ class EngineCore:
         c["overlapped_steps"] += deferred
         c["shared_chunk_steps"] = result.shared_chunk_steps
         c["graph_steps"] = result.graph_steps
+        c["ragged_prefill_steps"] = result.ragged_prefill_steps
 
     def _apply(self, plan: StepPlan, result: StepResult) -> list[TokenOut]:
         self.scheduler.on_step_complete(plan)

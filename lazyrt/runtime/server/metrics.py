@@ -64,6 +64,8 @@ class _CacheCollector(Collector):
             "lazyrt_shared_chunk_steps": ("steps that read each shared document once for all its users",
                                           "shared_chunk_steps"),
             "lazyrt_graph_steps": ("steps replayed from a CUDA graph", "graph_steps"),
+            "lazyrt_ragged_prefill_steps": ("lazy steps that computed new tokens through FlashInfer's ragged "
+                                            "prefill (--lazy-flashinfer-prefill)", "ragged_prefill_steps"),
         }
         for name, (doc, key) in counters.items():
             yield CounterMetricFamily(name, doc, value=s[key])

@@ -437,6 +437,7 @@ class ModelWorker:
     def _answer(self, result: StepResult) -> StepResult:
         result.shared_chunk_steps = self.runner.shared_steps
         result.graph_steps = self.runner.graph_steps
+        result.ragged_prefill_steps = self.runner.ragged_steps
         return result
 
     @torch.inference_mode()
