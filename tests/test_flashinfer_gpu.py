@@ -84,15 +84,17 @@ def test_prefix_mode_engine_uses_flashinfer_and_reuses_radix():
     assert s["held_pages"] == 0 and s["free_pages"] + s["radix_pages"] == s["total_pages"]
 
 
-def test_lazy_ragged_prefill_matches_the_lazy_reference():
+@pytest.mark.parametrize("mixed", [False, True])
+def test_lazy_ragged_prefill_matches_the_lazy_reference(mixed):
     """Lazy mode's consecutive prefill steps through FlashInfer's ragged prefill (keys gathered from the
     pages and rotated by position, llama3-scaled RoPE): the store leaves the keys unrotated and the
     output equals the fp32 lazy reference to bf16 rounding; a prefix before a page-aligned chunk
-    (partly filled page between them), GQA 4."""
+    (partly filled page between them), GQA 4. mixed: with running decodes and a question over cached
+    keys among them, the step splits (those through the lazy Triton kernel)."""
     from lazyrt.kernels.attention_ref import lazy_attention_ref
     from lazyrt.kernels.backend import TritonAttentionBackend
     from lazyrt.kernels.flashinfer_backend import FlashInferPrefillBackend
-    from lazyrt.kernels.ragged_prefill import RaggedKeys, contiguous_keys
+    from lazyrt.kernels.ragged_prefill import RaggedKeys, contiguous_keys, split_keys
 
     dev, ps, hq, hk, d = "cuda", 16, 32, 8, 128
     scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -102,6 +104,8 @@ def test_lazy_ragged_prefill_matches_the_lazy_reference():
     # (prefix tokens, earlier chunk tokens, new tokens) per sequence: documents after a system prompt,
     # a plain prompt, a chunk finished in a second step
     shapes = [(24, 0, 2048), (0, 0, 700), (37, 512, 333)]
+    if mixed:  # decodes (3,000 and 9 keys), a 16-token question after 565 cached keys, among them
+        shapes = [(0, 2999, 1), shapes[0], (0, 8, 1), (37, 512, 16), shapes[1], shapes[2]]
     num_pages = sum(-(-p // ps) + -(-(c + n) // ps) for p, c, n in shapes) + 4
     kv = torch.randn(num_pages, 2, ps, hk, d, device=dev, dtype=torch.bfloat16)
     free = torch.randperm(num_pages - 4).tolist()
@@ -126,9 +130,12 @@ def test_lazy_ragged_prefill_matches_the_lazy_reference():
 
     meta = AttentionMetadata(t(qo), t(pos, torch.long), t(kvp), t(idx), t(base), t(valid),
                              t(spages, torch.long), t(sslots, torch.long), rotate_keys=True)  # fmt: skip
-    arrays = contiguous_keys(qo, pos, kvp, idx, base, valid)
+    arrays = (split_keys if mixed else contiguous_keys)(qo, pos, kvp, idx, base, valid)
     assert arrays is not None
     meta.ragged = RaggedKeys.from_arrays(arrays, torch.device(dev))
+    if mixed:
+        assert arrays["rest_qo_indptr"].tolist() == [0, 1, 2, 18, 351]  # + the chunk 882 keys / 333 new
+        meta.ragged_rest = AttentionMetadata.split_rest(arrays, torch.device(dev))
     T = qo[-1]
     q = torch.randn(T, hq, d, device=dev, dtype=torch.bfloat16)
     k = torch.randn(T, hk, d, device=dev, dtype=torch.bfloat16)

@@ -11,16 +11,21 @@ import pytest
 import torch
 
 from lazyrt import Engine, RagPrompt, SamplingParams
-from lazyrt.kernels.attention_ref import lazy_attention_ref
+from lazyrt.kernels.attention_ref import lazy_attention_ref, store_kv_ref
+from lazyrt.kernels.backend import TorchAttentionBackend
 from lazyrt.kernels.metadata import AttentionMetadata
 from lazyrt.kernels.ragged_prefill import (
     RaggedKeys,
     contiguous_keys,
     ragged_causal_attention_ref,
     ragged_prefill_attention,
+    sequences_that_fit,
+    split_keys,
+    split_prefill_attention,
 )
 from lazyrt.kernels.rope import RopeCache, apply_rope_ref
 from lazyrt.models.config import ModelConfig
+from lazyrt.runtime.scheduler.request import RequestState
 from lazyrt.runtime.worker.model_runner import ModelRunner
 
 SEED = int.from_bytes(os.urandom(4), "little")
@@ -45,25 +50,18 @@ def _rope(head_dim: int, llama3: bool) -> RopeCache:
     return RopeCache.build(cfg, 1024)
 
 
-def _steps(kv_heads: int, head_dim: int, page: int, seqs: int):
-    """Random sequences whose keys are at consecutive positions: an optional prefix (partly filled last
-    page, as a system prompt before a chunk), then the sequence's own run (earlier tokens + the new
-    ones) from a page boundary; positions start anywhere. Slots past valid_len are NaN."""
+def _tables(seqs: list, kv_heads: int, head_dim: int, page: int):
+    """A step's pages and metadata for seqs = [(runs, new)]: runs [(first position, tokens)] each from
+    a page boundary, the sequence's new tokens the last `new` of its last run. Pages in random order;
+    slots past valid_len are NaN."""
     qo, kvp, positions, pos_base, valid_len = [0], [0], [], [], []
-    for _ in range(seqs):
-        pos = random.randint(0, 40)
-        runs = []
-        if random.random() < 0.7:
-            runs.append(random.randint(1, 3 * page))  # the prefix
-        new = random.randint(2, 3 * page)
-        prior = random.randint(0, new // 2)
-        runs.append(prior + new)
-        for n in runs:
+    for runs, new in seqs:
+        for pos, n in runs:
             for j in range(-(-n // page)):
                 pos_base.append(pos + j * page)
                 valid_len.append(min(page, n - j * page))
-            pos += n
-        positions += range(pos - new, pos)
+        end = runs[-1][0] + runs[-1][1]
+        positions += range(end - new, end)
         qo.append(qo[-1] + new)
         kvp.append(len(pos_base))
     num_pages = len(pos_base) + 5
@@ -77,9 +75,40 @@ def _steps(kv_heads: int, head_dim: int, page: int, seqs: int):
         kv_indptr=torch.tensor(kvp, **i32), kv_indices=perm.to(torch.int32),
         pos_base=torch.tensor(pos_base, **i32), valid_len=torch.tensor(valid_len, **i32),
         store_pages=torch.zeros(0, dtype=torch.long), store_slots=torch.zeros(0, dtype=torch.long),
-        rotate_keys=True,
+        rotate_keys=True, max_q_len=max(n for _, n in seqs),
     )  # fmt: skip
     return kv, meta
+
+
+def _fitting(page: int):
+    """A sequence whose keys are at consecutive positions: an optional prefix (partly filled last page,
+    as a system prompt before a chunk), then its own run (earlier tokens + the new ones) from a page
+    boundary; positions start anywhere; at most 2 keys per new token."""
+    pos, runs, new = random.randint(0, 40), [], random.randint(2, 4 * page)
+    if random.random() < 0.7:
+        runs.append((pos, random.randint(1, new // 2)))  # at most 2 keys a new token in all
+        pos += runs[-1][1]
+    runs.append((pos, random.randint(0, new // 2) + new))
+    return runs, new
+
+
+def _other(page: int):
+    """A sequence the lazy kernel keeps: a decode over a long context, or a question over documents
+    placed apart (a gap in positions) or mostly cached."""
+    if random.random() < 0.5:
+        return [(0, random.randint(3, 6 * page))], 1
+    runs, pos = [], 0
+    for _ in range(random.randint(1, 3)):
+        pos += random.randint(0, 3)  # a gap or none
+        runs.append((pos, random.randint(9, 3 * page + 9)))  # more than twice the new tokens
+        pos += runs[-1][1]
+    new = random.randint(1, 4)
+    runs.append((pos, new))
+    return runs, new
+
+
+def _steps(kv_heads: int, head_dim: int, page: int, seqs: int):
+    return _tables([_fitting(page) for _ in range(seqs)], kv_heads, head_dim, page)
 
 
 def _arrays(meta: AttentionMetadata, ratio: float = 2.0):
@@ -135,6 +164,139 @@ def test_steps_that_are_not_plain_causal_do_not_qualify():
         keys, new = int(meta.valid_len.sum()), int(meta.qo_indptr[-1])
         assert _arrays(meta, ratio=keys / new + 1e-6) is not None
         assert _arrays(meta, ratio=keys / new - 0.01) is None
+
+
+def _tables_of(meta: AttentionMetadata) -> tuple:
+    return (meta.qo_indptr, meta.positions, meta.kv_indptr, meta.kv_indices, meta.pos_base, meta.valid_len)
+
+
+def _torch_ragged(kv: torch.Tensor, ragged: RaggedKeys, rope: RopeCache, scale: float):
+    """The ragged part through the torch references (rows of ragged.qo_indptr)."""
+    qo, kvp = ragged.qo_indptr, ragged.kv_indptr
+    return lambda q: ragged_prefill_attention(
+        q, kv, ragged,
+        rotate=lambda k, p: apply_rope_ref(k, p, rope),
+        attend=lambda q, k, v: ragged_causal_attention_ref(q, k, v, qo, kvp, scale),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("llama3", [False, True])
+def test_split_steps_equal_lazy_attention(group, llama3):
+    """A mixed step (documents' prefill beside decodes and questions over documents placed apart, in
+    random order): the fitting sequences through the ragged path, the others through the lazy
+    reference over split_rest's tables, equal the lazy reference over the whole step."""
+    page, kv_heads, head_dim = 4, 2, 16
+    rope, scale = _rope(head_dim, llama3), head_dim**-0.5
+    for _ in range(20):
+        kinds = [True] * random.randint(1, 3) + [False] * random.randint(1, 4)
+        random.shuffle(kinds)
+        kv, meta = _tables([_fitting(page) if k else _other(page) for k in kinds], kv_heads, head_dim, page)
+        assert sequences_that_fit(*_tables_of(meta)).tolist() == kinds
+        arrays = split_keys(*_tables_of(meta), min_tokens=1)
+        assert arrays is not None
+        qo = meta.qo_indptr.tolist()
+        fit_rows = [r for b, k in enumerate(kinds) if k for r in range(qo[b], qo[b + 1])]
+        assert arrays["q_rows"].tolist() == fit_rows
+        assert sorted(arrays["q_rows"].tolist() + arrays["rest_rows"].tolist()) == list(range(qo[-1]))
+        ragged = RaggedKeys.from_arrays(arrays, torch.device("cpu"))
+        rest = AttentionMetadata.split_rest(arrays, torch.device("cpu"))
+        assert rest.max_q_len == max(qo[b + 1] - qo[b] for b, k in enumerate(kinds) if not k)
+        q = torch.randn(qo[-1], kv_heads * group, head_dim)
+        got = split_prefill_attention(
+            q, ragged, _torch_ragged(kv, ragged, rope, scale),
+            lambda q_rest, kv=kv, rest=rest: lazy_attention_ref(q_rest, kv, rest, rope, scale),
+        )  # fmt: skip
+        want = lazy_attention_ref(q, kv, meta, rope, scale)
+        assert not torch.isnan(got).any()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_split_keys_declines_steps_it_cannot_help():
+    page = 4
+    for _ in range(10):
+        fit = [_fitting(page) for _ in range(random.randint(1, 3))]
+        _, whole = _tables(fit, 1, 8, page)
+        assert split_keys(*_tables_of(whole), min_tokens=1) is None  # every sequence fits: no split
+        assert contiguous_keys(*_tables_of(whole)) is not None
+        _, none_fit = _tables([_other(page) for _ in range(3)], 1, 8, page)
+        assert split_keys(*_tables_of(none_fit), min_tokens=1) is None
+        _, mixed = _tables(fit + [_other(page)], 1, 8, page)
+        new = sum(n for _, n in fit)
+        assert split_keys(*_tables_of(mixed), min_tokens=new) is not None
+        assert split_keys(*_tables_of(mixed), min_tokens=new + 1) is None  # too few tokens to pay
+
+
+class _TorchRaggedBackend(TorchAttentionBackend):
+    """The CPU engine's backend with the ragged and split paths of FlashInferPrefillBackend, through
+    the torch references (FlashInfer is CUDA-only)."""
+
+    splits = 0
+
+    def forward(self, layer, q, k, v, meta):
+        if meta.ragged is None:
+            return super().forward(layer, q, k, v, meta)
+        kv, r = self.kv_layers[layer], meta.ragged
+        store_kv_ref(kv, k, v, meta.store_pages, meta.store_slots)
+        ragged_part = _torch_ragged(kv, r, self.rope, self.sm_scale)
+        if r.q_rows is None:
+            return ragged_part(q)
+        self.splits += layer == 0
+        rest = meta.ragged_rest
+        return split_prefill_attention(
+            q, r, ragged_part, lambda q_rest: lazy_attention_ref(q_rest, kv, rest, self.rope, self.sm_scale)
+        )
+
+
+def test_engine_splits_a_document_prefill_beside_decodes():
+    """A lazy CPU engine whose runner takes the ragged path (torch references): a request's documents
+    computed while another request decodes run as a split step, and both requests' greedy tokens,
+    logprobs and every step's logits equal the lazy kernels' alone."""
+    engine = Engine(model="tiny-llama", load_format="dummy", device="cpu", overlap_schedule=False,
+                    dtype="float32")  # fmt: skip
+    vocab = engine.model_config.vocab_size
+    toks = lambda n: [random.randrange(10, vocab) for _ in range(n)]  # noqa: E731
+    running, prefix, question = toks(400), toks(9), toks(5)  # its decodes: more keys than the docs
+    docs = [toks(random.randint(70, 110)) for _ in range(2)]
+    sp = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=0)
+
+    def serve() -> list[tuple[list[int], list[float]]]:
+        core, outs = engine.core, {}
+
+        def step() -> None:
+            for out in core.step():
+                ids, lps = outs.setdefault(out.rid, ([], []))
+                ids += out.token_ids
+                lps += [lp[0] for lp in out.logprobs]
+
+        first = engine._make_request(running, sp)
+        core.add(first)
+        for _ in range(3):  # its prefill and two decodes
+            step()
+        second = engine._make_request(RagPrompt(prefix, docs, question), sp)
+        core.add(second)
+        while any(r.state is not RequestState.FINISHED for r in (first, second)):
+            step()
+        return [outs[r.rid] for r in (first, second)]
+
+    runner = engine.runner
+    logits: list[torch.Tensor] = []  # each step's sampled logits (random weights' tokens move little)
+    model_logits = runner.model.logits
+    runner.model.logits = lambda hidden: logits.append(model_logits(hidden)) or logits[-1]
+    want = serve()
+    want_logits, logits[:] = list(logits), []
+    assert all(len(ids) == 12 for ids, _ in want)
+    engine.flush_cache()
+    runner.backend = _TorchRaggedBackend(runner.pool.kv, runner.rope, runner.backend.sm_scale)
+    runner.ragged_prefill = True
+    got = serve()
+    assert runner.backend.splits >= 1 and runner.ragged_steps >= runner.backend.splits
+    for (ids_g, lp_g), (ids_w, lp_w) in zip(got, want):
+        assert ids_g == ids_w
+        torch.testing.assert_close(torch.tensor(lp_g), torch.tensor(lp_w), rtol=1e-4, atol=1e-4)
+    assert len(logits) == len(want_logits)
+    for g, w in zip(logits, want_logits):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
 
 
 def test_engine_steps_that_qualify(monkeypatch):

@@ -1,8 +1,10 @@
 """One layer of documents' own prefill (each after a 24-token prefix) at the Llama-3.1-8B attention
 shape, bf16: the lazy Triton kernel against the ragged FlashInfer path (--lazy-flashinfer-prefill),
-same pages, us per layer (CUDA events, median of 20), store included.
+same pages, us per layer (CUDA events, median of 20), store included. With --decodes N the step also
+holds N running decodes of --decode-context tokens (the usual step under load): the ragged path then
+splits (the documents through FlashInfer, the decodes through the lazy kernel).
 
-    python benchmarks/experiments/ragged_vs_lazy.py [--docs 1 4] [--doc-tokens 2048]
+    python benchmarks/experiments/ragged_vs_lazy.py [--docs 1 4] [--doc-tokens 2048] [--decodes 0 32]
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 from lazyrt.kernels.backend import TritonAttentionBackend
 from lazyrt.kernels.flashinfer_backend import FlashInferPrefillBackend
 from lazyrt.kernels.metadata import AttentionMetadata
-from lazyrt.kernels.ragged_prefill import RaggedKeys, contiguous_keys
+from lazyrt.kernels.ragged_prefill import RaggedKeys, contiguous_keys, split_keys
 from lazyrt.kernels.rope import RopeCache
 from lazyrt.models.config import ModelConfig
 
@@ -24,6 +26,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--docs", type=int, nargs="+", default=[1, 4])
     p.add_argument("--doc-tokens", type=int, default=2048)
+    p.add_argument("--decodes", type=int, nargs="+", default=[0], help="running decodes in the step")
+    p.add_argument("--decode-context", type=int, default=10240, help="each decode's keys")
     args = p.parse_args()
     hq, hk, d, prefix = 32, 8, 128, 24
     scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -31,33 +35,41 @@ def main() -> None:
     rope = RopeCache.build(ModelConfig("llama", 1000, hq * d, 1, 1, hq, hk, d, rope_theta=500000.0,
                                        rope_scaling=scaling), 16384, "cuda")  # fmt: skip
     print(f"{torch.cuda.get_device_name()}; {args.doc_tokens}-token documents after a {prefix}-token prefix")
-    print("| documents | lazy kernel (us) | ragged FlashInfer (us) | ratio |\n|---|---:|---:|---:|")
-    for b in args.docs:
-        lazy, ragged, err = one_size(b, args.doc_tokens, prefix, rope)
-        print(f"| {b} | {lazy:.1f} | {ragged:.1f} | {ragged / lazy:.2f} | (rel diff {err:.1e})")
+    print(f"decodes over {args.decode_context} keys each")
+    print("| documents | decodes | lazy kernel (us) | ragged FlashInfer (us) | ratio |")
+    print("|---|---:|---:|---:|---:|")
+    for m in args.decodes:
+        for b in args.docs:
+            lazy, ragged, err = one_size(b, args.doc_tokens, prefix, rope, m, args.decode_context)
+            print(f"| {b} | {m} | {lazy:.1f} | {ragged:.1f} | {ragged / lazy:.2f} | (rel diff {err:.1e})")
 
 
-def one_size(b: int, n: int, prefix: int, rope: RopeCache) -> tuple[float, float, float]:
-    """(lazy us, ragged us, relative difference) for b documents of n tokens."""
+def one_size(
+    b: int, n: int, prefix: int, rope: RopeCache, decodes: int = 0, context: int = 0
+) -> tuple[float, float, float]:
+    """(lazy us, ragged us, relative difference) for b documents of n tokens (after decodes running
+    decodes over context keys each, listed first as the scheduler lists running requests)."""
     dev, ps, hq, hk, d = "cuda", 16, 32, 8, 128
-    pages_per = -(-prefix // ps) + -(-n // ps)
-    kv = torch.randn(b * pages_per + 4, 2, ps, hk, d, device=dev, dtype=torch.bfloat16)
+    # per sequence: its runs of tokens (each from a page boundary) and its new tokens, the last ones
+    seqs = [((context,), 1)] * decodes + [((prefix, n), n)] * b
+    kv = torch.randn(sum(-(-m // ps) for runs, _ in seqs for m in runs) + 4, 2, ps, hk, d, device=dev,
+                     dtype=torch.bfloat16)  # fmt: skip
     qo, kvp, idx, base, valid, pos, sp, ss = [0], [0], [], [], [], [], [], []
     nxt = 0
-    for _ in range(b):
+    for runs, new in seqs:
         at = 0
-        for m in (prefix, n):
+        for m in runs:
             pages = list(range(nxt, nxt + -(-m // ps)))
             nxt += len(pages)
             idx += pages
             base += [at + j * ps for j in range(len(pages))]
             valid += [min(ps, m - j * ps) for j in range(len(pages))]
             at += m
-        pos += range(prefix, prefix + n)
-        sp += [pages[j // ps] for j in range(n)]
-        ss += [j % ps for j in range(n)]
+        pos += range(at - new, at)
+        sp += [pages[j // ps] for j in range(runs[-1] - new, runs[-1])]
+        ss += [j % ps for j in range(runs[-1] - new, runs[-1])]
         kvp.append(len(idx))
-        qo.append(qo[-1] + n)
+        qo.append(qo[-1] + new)
 
     def t(x, dt=torch.int32):
         return torch.tensor(x, dtype=dt, device=dev)
@@ -67,6 +79,9 @@ def one_size(b: int, n: int, prefix: int, rope: RopeCache) -> tuple[float, float
                              max_kv_entries=max(y - x for x, y in zip(kvp, kvp[1:])))  # fmt: skip
     rmeta = AttentionMetadata(**meta.__dict__)
     keys = contiguous_keys(qo, pos, kvp, idx, base, valid)
+    if keys is None:
+        keys = split_keys(qo, pos, kvp, idx, base, valid)
+        rmeta.ragged_rest = AttentionMetadata.split_rest(keys, torch.device(dev))
     rmeta.ragged = RaggedKeys.from_arrays(keys, torch.device(dev))
     T = qo[-1]
     q = torch.randn(T, hq, d, device=dev, dtype=torch.bfloat16)

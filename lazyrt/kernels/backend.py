@@ -70,9 +70,13 @@ class TritonAttentionBackend:
             if meta.host is not None:
                 meta.host.fill(layer, q, o, lse)
             return self._merge(o, lse, sh, q.dtype)
+        return self.attend(layer, q, meta)
+
+    def attend(self, layer: int, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The lazy kernel over meta's page tables (K/V already stored)."""
         return self._attend(
             q,
-            kv,
+            self.kv_layers[layer],
             meta,
             self.rope,
             self.sm_scale,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from lazyrt.kernels.metadata import AttentionMetadata
-from lazyrt.kernels.ragged_prefill import RaggedKeys, ragged_prefill_attention
+from lazyrt.kernels.ragged_prefill import RaggedKeys, ragged_prefill_attention, split_prefill_attention
 from lazyrt.kernels.rope import RopeCache
 
 WORKSPACE_BYTES = 256 << 20
@@ -78,7 +78,8 @@ class FlashInferPrefillBackend:
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         """Lazy mode: store the unrotated K/V, then dense causal attention over the step's keys
-        gathered from the pages and rotated by position (meta.ragged)."""
+        gathered from the pages and rotated by position (meta.ragged); in a split step only its
+        fitting sequences' rows, the others through the lazy kernel (meta.ragged_rest)."""
         kv = self.kv_layers[layer]
         self.fallback._store(kv, k, v, meta.store_pages, meta.store_slots)
         r = meta.ragged
@@ -90,9 +91,15 @@ class FlashInferPrefillBackend:
             )  # fmt: skip
             self._ragged_planned = r
         rope = self.fallback.rope
-        return ragged_prefill_attention(
-            q, kv, r, rotate=lambda keys, pos: self.fallback._rope(keys, pos, rope), attend=self.ragged.run
-        )
+
+        def ragged_part(q_part: torch.Tensor) -> torch.Tensor:
+            rotate = lambda keys, pos: self.fallback._rope(keys, pos, rope)  # noqa: E731
+            return ragged_prefill_attention(q_part, kv, r, rotate=rotate, attend=self.ragged.run)
+
+        if r.q_rows is None:
+            return ragged_part(q)
+        rest = meta.ragged_rest
+        return split_prefill_attention(q, r, ragged_part, lambda q_r: self.fallback.attend(layer, q_r, rest))
 
     def warm_up_ragged(self, q_heads: int) -> int:
         """Run one small ragged step (FlashInfer compiles the kernel on first use, which mid-serving

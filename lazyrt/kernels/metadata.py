@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from lazyrt.kernels.host_copy import to_device
 from lazyrt.kernels.ragged_prefill import RaggedKeys
 from lazyrt.kernels.shared_chunk import SharedChunkMeta
 
@@ -51,6 +52,27 @@ class AttentionMetadata:
     # Lazy mode, FlashInfer: the step's keys are at consecutive positions with its new tokens last, so
     # it runs as dense causal attention over these gathered keys (kernels/ragged_prefill.py).
     ragged: RaggedKeys | None = None
+    # with ragged in a split step (ragged.q_rows set): the step's other sequences, their own page
+    # tables (q rows ragged.rest_rows), attended by the lazy kernel after the step's one store
+    ragged_rest: AttentionMetadata | None = None
+
+    @classmethod
+    def split_rest(cls, keys: dict[str, Any], device: torch.device) -> AttentionMetadata:
+        """A split step's other sequences (ragged_prefill.split_keys' rest_* tables) for the lazy kernel
+        alone: their K/V is stored with the whole step's, so no store here."""
+
+        def t(name: str, dtype: torch.dtype) -> torch.Tensor:
+            return to_device(keys["rest_" + name], device, dtype)
+
+        qo, kvp = keys["rest_qo_indptr"], keys["rest_kv_indptr"]
+        none = torch.zeros(0, dtype=torch.long, device=device)
+        return cls(
+            qo_indptr=t("qo_indptr", torch.int32), positions=t("positions", torch.long),
+            kv_indptr=t("kv_indptr", torch.int32), kv_indices=t("kv_indices", torch.int32),
+            pos_base=t("pos_base", torch.int32), valid_len=t("valid_len", torch.int32),
+            store_pages=none, store_slots=none, rotate_keys=True,
+            max_q_len=int((qo[1:] - qo[:-1]).max()), max_kv_entries=int((kvp[1:] - kvp[:-1]).max()),
+        )  # fmt: skip
 
     @property
     def has_entry_logits(self) -> bool:

@@ -4,13 +4,16 @@ A document chunk computed after its prefix, or a plain prompt, attends to keys a
 p0, p0 + 1, ... with its new tokens last: ordinary causal attention. Lazy mode's pages hold the keys
 unrotated, so such a step gathers its keys out of the pages, rotates them by position into a ragged
 buffer, and runs FlashInfer's ragged causal prefill over it (the pages keep the unrotated keys).
-It pays one more read of each key, so it is taken only where the step's new tokens are most of its
-keys (`contiguous_keys` decides and builds the gather); questions over cached documents keep the
-lazy kernels.
+It pays one more read of each key, so a sequence takes it only where its new tokens are most of its
+keys (`sequences_that_fit`); questions over cached documents and decodes keep the lazy kernels. A
+step whose every sequence fits runs whole (`contiguous_keys`); a mixed one (a document's prefill
+beside running decodes, the usual step under load) splits (`split_keys`): the fitting sequences'
+rows through the ragged path, the others through the lazy kernel over their own page tables.
 
 `ragged_causal_attention_ref` is the torch reference of the dense part (FlashInfer's ragged prefill
-with causal=True: each sequence's queries are its last keys). `ragged_prefill_attention` is the
-whole path with its rotation and attention passed in (torch on the CPU, Triton + FlashInfer on CUDA).
+with causal=True: each sequence's queries are its last keys). `ragged_prefill_attention` and
+`split_prefill_attention` are the whole paths with their rotation and attention passed in (torch on
+the CPU, Triton + FlashInfer on CUDA).
 """
 
 from __future__ import annotations
@@ -23,8 +26,10 @@ import torch
 
 _I64 = np.int64
 
-# the step's keys may be at most this many times its new tokens (each is read once more to gather it)
+# a sequence's keys may be at most this many times its new tokens (each is read once more to gather it)
 MAX_KEY_RATIO = 2.0
+# a mixed step splits off its fitting sequences when they bring at least this many new tokens
+MIN_SPLIT_TOKENS = 128
 
 
 @dataclass
@@ -36,19 +41,80 @@ class RaggedKeys:
     key_pos: torch.Tensor  # [L] int64 its position in its request (the rotation)
     kv_indptr: torch.Tensor  # [B+1] int32 each sequence's keys, on the host (FlashInfer's plan reads it)
     qo_indptr: torch.Tensor  # [B+1] int32 each sequence's new tokens, on the host
+    # a split step (split_keys): these sequences' rows in the step and the other sequences' rows,
+    # which the lazy kernel attends (meta.ragged_rest); None = every row is here
+    q_rows: slice | torch.Tensor | None = None
+    rest_rows: slice | torch.Tensor | None = None
 
     @classmethod
     def from_arrays(cls, arrays: dict[str, np.ndarray], device: torch.device) -> RaggedKeys:
         def dev(name: str) -> torch.Tensor:
             return torch.from_numpy(arrays[name]).to(device, non_blocking=True)
 
+        split = "q_rows" in arrays
         return cls(
             page_idx=dev("page_idx"),
             slot_idx=dev("slot_idx"),
             key_pos=dev("key_pos"),
             kv_indptr=torch.from_numpy(arrays["kv_indptr"].astype(np.int32)),
             qo_indptr=torch.from_numpy(arrays["qo_indptr"].astype(np.int32)),
+            q_rows=rows_index(arrays["q_rows"], device) if split else None,
+            rest_rows=rows_index(arrays["rest_rows"], device) if split else None,
         )
+
+
+def sequences_that_fit(
+    qo_indptr, positions, kv_indptr, kv_indices, pos_base, valid_len, max_key_ratio: float = MAX_KEY_RATIO
+) -> np.ndarray:
+    """Per sequence (bool [B]): its page table lists keys at consecutive positions (each entry's
+    pos_base right after the one before it), its last keys are its new tokens at their positions, and
+    it has at most max_key_ratio keys per new token. Then the lazy rule (a new token at p sees the
+    listed keys at positions <= p) is plain causal attention over its keys. O(B + E + T) on the host."""
+    del kv_indices  # any page may hold any run: only positions matter
+    qo = np.asarray(qo_indptr, dtype=_I64)
+    pos = np.asarray(positions, dtype=_I64)
+    indptr = np.asarray(kv_indptr, dtype=_I64)
+    base = np.asarray(pos_base, dtype=_I64)
+    valid = np.asarray(valid_len, dtype=_I64)
+    n_new, n_entries = np.diff(qo), np.diff(indptr)
+    seqs = len(n_new)
+    key_start = np.concatenate(([0], np.cumsum(valid)))
+    n_keys = np.diff(key_start[indptr])
+    ok = (n_new >= 1) & (n_entries > 0) & (n_keys <= max_key_ratio * n_new)
+    if not ok.any():
+        return ok
+    seq_of_entry = np.repeat(np.arange(seqs), n_entries)
+    # consecutive: an entry after another of its sequence starts where that one ends
+    same = seq_of_entry[1:] == seq_of_entry[:-1]
+    ok[seq_of_entry[1:][same & (base[1:] != (base + valid)[:-1])]] = False
+    # then key i of a sequence sits at its first entry's pos_base + i, and the new tokens are its last
+    first_base = base[np.minimum(indptr[:-1], len(base) - 1)]
+    q_seq = np.repeat(np.arange(seqs), n_new)
+    expect = (first_base + n_keys - n_new)[q_seq] + np.arange(len(pos)) - qo[q_seq]
+    ok[q_seq[expect != pos]] = False
+    return ok
+
+
+def gather_arrays(
+    qo_indptr, kv_indptr, kv_indices, pos_base, valid_len, seqs: np.ndarray
+) -> dict[str, np.ndarray]:
+    """The gather of the keys of the sequences marked in seqs (bool [B], each as sequences_that_fit
+    says): page_idx, slot_idx and key_pos per key, and the subset's own kv_indptr and qo_indptr."""
+    qo = np.asarray(qo_indptr, dtype=_I64)
+    indptr = np.asarray(kv_indptr, dtype=_I64)
+    valid = np.asarray(valid_len, dtype=_I64)
+    entry = np.repeat(seqs, np.diff(indptr))
+    v, base = valid[entry], np.asarray(pos_base, dtype=_I64)[entry]
+    key_start = np.concatenate(([0], np.cumsum(v)))
+    slot = np.arange(int(key_start[-1]), dtype=_I64) - np.repeat(key_start[:-1], v)
+    n_keys = np.diff(np.concatenate(([0], np.cumsum(valid)))[indptr])
+    return {
+        "page_idx": np.repeat(np.asarray(kv_indices, dtype=_I64)[entry], v),
+        "slot_idx": slot,
+        "key_pos": np.repeat(base, v) + slot,
+        "kv_indptr": np.concatenate(([0], np.cumsum(n_keys[seqs]))),
+        "qo_indptr": np.concatenate(([0], np.cumsum(np.diff(qo)[seqs]))),
+    }
 
 
 def contiguous_keys(
@@ -61,45 +127,59 @@ def contiguous_keys(
     max_key_ratio: float = MAX_KEY_RATIO,
 ) -> dict[str, np.ndarray] | None:
     """The gather of a step's keys (host arrays: page_idx, slot_idx, key_pos, kv_indptr, qo_indptr) when
-    every sequence's page table lists keys at consecutive positions (each entry's pos_base right after
-    the one before it) whose last keys are its new tokens, at their positions, and the step's keys are
-    at most max_key_ratio times its new tokens; else None. Then the lazy rule (a new token at p sees
-    the listed keys at positions <= p) is plain causal attention over those keys."""
+    every sequence lists consecutive keys with its new tokens last (sequences_that_fit) and the step
+    has at most max_key_ratio keys per new token in all (one launch either way); else None."""
+    if int(np.asarray(valid_len, dtype=_I64).sum()) > max_key_ratio * len(positions):
+        return None
+    fits = sequences_that_fit(qo_indptr, positions, kv_indptr, kv_indices, pos_base, valid_len, np.inf)
+    if len(fits) == 0 or not fits.all():
+        return None
+    return gather_arrays(qo_indptr, kv_indptr, kv_indices, pos_base, valid_len, fits)
+
+
+def split_keys(
+    qo_indptr,
+    positions,
+    kv_indptr,
+    kv_indices,
+    pos_base,
+    valid_len,
+    max_key_ratio: float = MAX_KEY_RATIO,
+    min_tokens: int = MIN_SPLIT_TOKENS,
+) -> dict[str, np.ndarray] | None:
+    """A mixed step (a document's prefill beside decodes and questions over cached documents): the
+    gather of the fitting sequences' keys as contiguous_keys, plus "q_rows" (their rows in the step)
+    and the other sequences' page tables for the lazy kernel ("rest_rows" and rest_qo_indptr,
+    rest_positions, rest_kv_indptr, rest_kv_indices, rest_pos_base, rest_valid_len). None when fewer
+    than min_tokens new tokens fit (the split's extra launches would cost more than they save) or
+    every sequence fits (contiguous_keys: no split)."""
+    fits = sequences_that_fit(qo_indptr, positions, kv_indptr, kv_indices, pos_base, valid_len, max_key_ratio)
     qo = np.asarray(qo_indptr, dtype=_I64)
-    pos = np.asarray(positions, dtype=_I64)
-    indptr = np.asarray(kv_indptr, dtype=_I64)
-    base = np.asarray(pos_base, dtype=_I64)
-    valid = np.asarray(valid_len, dtype=_I64)
     n_new = np.diff(qo)
-    if len(n_new) == 0 or (n_new < 1).any() or len(base) == 0:
+    if fits.all() or int(n_new[fits].sum()) < min_tokens:
         return None
-    total_keys = int(valid.sum())
-    if total_keys > max_key_ratio * int(n_new.sum()):
-        return None
-    # consecutive: every entry but a sequence's first starts where the one before it ends
-    first = np.zeros(len(base), dtype=bool)
-    first[indptr[:-1][np.diff(indptr) > 0]] = True
-    ends = base + valid
-    if not np.all(first[1:] | (base[1:] == ends[:-1])):
-        return None
-    key_start = np.concatenate(([0], np.cumsum(valid)))  # each entry's first key
-    seq_keys = key_start[indptr]  # [B+1]: each sequence's keys
-    # the new tokens are each sequence's last keys, at their positions
-    q_seq = np.repeat(np.arange(len(n_new)), n_new)
-    key_of_q = seq_keys[q_seq + 1] - n_new[q_seq] + (np.arange(len(pos)) - qo[q_seq])
-    if (key_of_q < seq_keys[q_seq]).any():
-        return None
-    slot = np.arange(total_keys, dtype=_I64) - np.repeat(key_start[:-1], valid)
-    key_pos = np.repeat(base, valid) + slot
-    if not np.array_equal(key_pos[key_of_q], pos):
-        return None
-    return {
-        "page_idx": np.repeat(np.asarray(kv_indices, dtype=_I64), valid),
-        "slot_idx": slot,
-        "key_pos": key_pos,
-        "kv_indptr": seq_keys,
-        "qo_indptr": qo,
-    }
+    arrays = gather_arrays(qo, kv_indptr, kv_indices, pos_base, valid_len, fits)
+    row_fits = np.repeat(fits, n_new)
+    rest, indptr = ~fits, np.asarray(kv_indptr, dtype=_I64)
+    entry = np.repeat(rest, np.diff(indptr))
+    arrays.update(
+        q_rows=np.flatnonzero(row_fits),
+        rest_rows=np.flatnonzero(~row_fits),
+        rest_qo_indptr=np.concatenate(([0], np.cumsum(n_new[rest]))),
+        rest_positions=np.asarray(positions, dtype=_I64)[~row_fits],
+        rest_kv_indptr=np.concatenate(([0], np.cumsum(np.diff(indptr)[rest]))),
+        rest_kv_indices=np.asarray(kv_indices)[entry],
+        rest_pos_base=np.asarray(pos_base)[entry],
+        rest_valid_len=np.asarray(valid_len)[entry],
+    )
+    return arrays
+
+
+def rows_index(rows: np.ndarray, device: torch.device) -> slice | torch.Tensor:
+    """A step's rows as an index: a slice when they are one run (no copy to gather or scatter them)."""
+    if len(rows) and int(rows[-1]) - int(rows[0]) + 1 == len(rows):
+        return slice(int(rows[0]), int(rows[-1]) + 1)
+    return torch.from_numpy(rows).to(device, non_blocking=True)
 
 
 def gather_keys(kv: torch.Tensor, ragged: RaggedKeys) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,6 +199,20 @@ def ragged_prefill_attention(
     rotate(keys, key_pos) then attend(q, keys, values), the dense causal attention."""
     k, v = gather_keys(kv, ragged)
     return attend(q, rotate(k, ragged.key_pos), v)
+
+
+def split_prefill_attention(
+    q: torch.Tensor,
+    ragged: RaggedKeys,
+    ragged_part: Callable[[torch.Tensor], torch.Tensor],
+    rest_part: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """A split step: ragged_part(q of ragged.q_rows) (ragged_prefill_attention) and rest_part(q of
+    ragged.rest_rows) (the lazy kernel over the other sequences' tables), each into its rows."""
+    out = torch.empty_like(q)
+    out[ragged.q_rows] = ragged_part(q[ragged.q_rows])
+    out[ragged.rest_rows] = rest_part(q[ragged.rest_rows])
+    return out
 
 
 def ragged_causal_attention_ref(
