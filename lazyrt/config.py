@@ -91,11 +91,12 @@ class EngineConfig:
     # lazy only: steps whose requests share documents read each shared run of pages once for all
     # its queries (kernels/shared_chunk.py) instead of once per request; same outputs.
     shared_chunk_attention: bool = True
-    # lazy only, CUDA: prefill steps whose keys sit at consecutive positions with the new tokens last
-    # and at most 2 keys per new token (a document's own prefill after its prefix, a plain prompt) run
-    # FlashInfer's ragged prefill over their keys gathered and rotated (kernels/ragged_prefill.py) instead
-    # of the lazy kernel; same outputs to bf16 rounding. Off until measured on a GPU.
-    lazy_flashinfer_prefill: bool = False
+    # lazy only, CUDA with FlashInfer: sequences whose keys sit at consecutive positions with their new
+    # tokens last and at most 2 keys per new token (a document's own prefill after its prefix, a plain
+    # prompt) run FlashInfer's ragged prefill over their keys gathered and rotated
+    # (kernels/ragged_prefill.py) instead of the lazy kernel, beside the step's other sequences; same
+    # outputs to bf16 rounding (served side by side in docs/benchmarks.md).
+    lazy_flashinfer_prefill: bool = True
     # Overlapped scheduling: plan and build step N+1 on the host while the device runs step N
     # (scheduler/engine_core.py); same outputs, one step's compute wasted when a request hits EOS.
     overlap_schedule: bool = True

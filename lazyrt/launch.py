@@ -170,8 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--lazy-flashinfer-prefill",
         action=argparse.BooleanOptionalAction,
         default=d.lazy_flashinfer_prefill,
-        help="lazy, CUDA: prefill steps at consecutive positions (documents' own prefill, plain prompts) run "
-        "FlashInfer's ragged prefill over keys gathered and rotated on the fly (off until measured)",
+        help="lazy, CUDA: documents' own prefill and plain prompts (keys at consecutive positions) run "
+        "FlashInfer's ragged prefill over keys gathered and rotated on the fly; "
+        "--no-lazy-flashinfer-prefill keeps them on the lazy kernel",
     )
     p.add_argument(
         "--overlap-schedule",
