@@ -333,3 +333,21 @@ def test_engine_steps_that_qualify(monkeypatch):
     assert plain and all(ok for _, _, ok in plain), plain
     # the question over the three cached documents reads ~200 cached keys for 6 new tokens
     assert again and not any(ok for q, keys, ok in again if keys > 2 * q), again
+
+
+def test_a_ragged_warm_up_that_fails_keeps_the_lazy_kernels(caplog):
+    """FlashInfer's JIT may not build on a user's machine: the worker then keeps lazy prefill on the lazy
+    kernels (with a warning) instead of failing to start or failing steps later."""
+
+    class NoJit:
+        def warm_up_ragged(self, q_heads: int) -> int:
+            raise RuntimeError("ninja: build stopped (no nvcc)")
+
+    engine = Engine(model="tiny-llama", load_format="dummy", device="cpu")
+    runner = engine.runner
+    backend, runner.backend, runner.ragged_prefill = runner.backend, NoJit(), True
+    assert runner.warm_up_ragged(4) == 0 and not runner.ragged_prefill
+    assert "no nvcc" in caplog.text and "lazy kernels" in caplog.text
+    runner.backend = backend
+    out = engine.generate([[5, 6, 7, 8] * 40], SamplingParams(max_tokens=3, ignore_eos=True))[0]
+    assert len(out["token_ids"]) == 3 and runner.ragged_steps == 0

@@ -273,6 +273,10 @@ def test_affinity_same_answers_streaming_and_bad_input(cluster):
     assert len(stats["replicas"]) == 2
     assert stats["total"]["chunk_hits"] == sum(s["stats"]["chunk_hits"] for s in stats["replicas"])
     assert httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"] == "SmolLM2-135M-Instruct"
+    card = httpx.get(url + "/v1/models/SmolLM2-135M-Instruct", timeout=30)
+    assert card.status_code == 200 and card.json()["id"] == "SmolLM2-135M-Instruct"
+    missing = httpx.get(url + "/v1/models/org/other-model", timeout=30)
+    assert missing.status_code == 404 and "org/other-model" in missing.json()["error"]["message"]
     # the router learnt the tokenizer's characters per token from the answers, as the replay did
     assert stats["router"]["chars_per_token"] == pytest.approx(pol.chars_per_token)
     assert set(stats["router"]["views"]) == set(urls)

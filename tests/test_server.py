@@ -10,7 +10,7 @@ import time
 
 import httpx
 import pytest
-from openai import OpenAI
+from openai import NotFoundError, OpenAI
 from server_util import DOCS, child_names
 
 from lazyrt import Engine, SamplingParams
@@ -60,6 +60,11 @@ def test_health_models_and_served_name(server, oai):
     assert httpx.get(server.url + "/health").status_code == 200
     models = oai.models.list().data
     assert [m.id for m in models] == ["SmolLM2-135M-Instruct"]
+    card = oai.models.retrieve("SmolLM2-135M-Instruct")  # OpenAI's retrieve: GET /v1/models/{id}
+    assert card.id == "SmolLM2-135M-Instruct" and card.max_model_len == models[0].max_model_len
+    with pytest.raises(NotFoundError) as err:
+        oai.models.retrieve("org/other-model")  # an id with a "/" reaches the route too
+    assert err.value.body["param"] == "model" and "org/other-model" in err.value.body["message"]
 
 
 def test_openai_chat_with_documents_equals_engine_rag(server, oai, engine):

@@ -16,6 +16,7 @@ import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from urllib.parse import quote
 
 import aiohttp
 import httpx
@@ -279,6 +280,13 @@ def create_router_app(state: RouterState) -> FastAPI:
             if resp is not None and resp.status_code == 200:
                 return JSONResponse(resp.json())
         return _error(503, "no replica answered /v1/models")
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> Response:  # every replica serves the same model: the first answer
+        for _, resp in await each("/v1/models/" + quote(model, safe="/")):
+            if resp is not None and resp.status_code in (200, 404):
+                return JSONResponse(resp.json(), status_code=resp.status_code)
+        return _error(503, f"no replica answered /v1/models/{model}")
 
     @app.get("/cache_stats")
     async def cache_stats() -> Response:

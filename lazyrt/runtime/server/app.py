@@ -523,17 +523,26 @@ def create_app(state: ServerState) -> FastAPI:
             return JSONResponse({"status": "loading"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
-    @app.get("/v1/models")
-    async def models() -> Response:
+    def model_card() -> dict:
         info = client.ready_info
-        card = {
+        return {
             "id": state.served_model,
             "object": "model",
             "created": state.created,
             "owned_by": "lazyrt",
             "max_model_len": info.max_context if info else None,
         }
-        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> Response:  # OpenAI's "retrieve model" (ids may hold a "/")
+        if model != state.served_model:
+            msg = f"model {model!r} does not exist; this server serves {state.served_model!r}"
+            return error_response(ApiError(404, msg, "model", "model_not_found"))
+        return JSONResponse(model_card())
 
     async def control(op: str) -> dict:
         if client.ready_info is None:

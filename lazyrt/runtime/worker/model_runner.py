@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 
@@ -39,6 +41,8 @@ from lazyrt.runtime.worker.step_inputs import (
     StepInputs,
     shared_arrays,
 )
+
+logger = logging.getLogger("lazyrt.worker")
 
 
 class ModelRunner:
@@ -119,9 +123,21 @@ class ModelRunner:
         q_heads = self.pool.num_kv_heads * (c.num_heads // c.num_kv_heads)  # this rank's
         scale = c.head_dim**-0.5
         steps = warm_up(self.pool.kv[0], self.rope, q_heads, self.rotate_keys, scale, doc_attention)
-        if self.ragged_prefill:  # FlashInfer compiles its ragged prefill on first use
-            steps += self.backend.warm_up_ragged(q_heads)
-        return steps
+        return steps + self.warm_up_ragged(q_heads)
+
+    def warm_up_ragged(self, q_heads: int) -> int:
+        """Compile FlashInfer's ragged prefill (on first use otherwise); where it cannot be built or run
+        here, lazy prefill keeps the lazy kernels (lazy_flashinfer_prefill is an optimization: a server
+        that served before must not fail to start for it). Returns the steps run."""
+        if not self.ragged_prefill:
+            return 0
+        try:
+            return self.backend.warm_up_ragged(q_heads)
+        except Exception as e:  # noqa: BLE001 - any JIT or launch failure: fall back
+            self.ragged_prefill = False
+            logger.warning("FlashInfer's ragged prefill failed to warm up (%s: %s); documents' prefill keeps "
+                           "the lazy kernels", type(e).__name__, str(e)[:300])  # fmt: skip
+            return 0
 
     def enable_cuda_graphs(self, max_batch: int, max_context: int, doc_attention: bool = False) -> None:
         """Capture decode graphs for batch sizes up to max_batch (CUDA only); with doc_attention the
