@@ -92,8 +92,8 @@ class EngineConfig:
     # its queries (kernels/shared_chunk.py) instead of once per request; same outputs.
     shared_chunk_attention: bool = True
     # lazy only, CUDA with FlashInfer: sequences whose keys sit at consecutive positions with their new
-    # tokens last and at most 2 keys per new token (a document's own prefill after its prefix, a plain
-    # prompt) run FlashInfer's ragged prefill over their keys gathered and rotated
+    # tokens last and at most 2 keys per new token or at least 256 new tokens (a document's own prefill
+    # after its prefix, a plain prompt) run FlashInfer's ragged prefill over their keys gathered and rotated
     # (kernels/ragged_prefill.py) instead of the lazy kernel, beside the step's other sequences; same
     # outputs to bf16 rounding (served side by side in docs/benchmarks.md).
     lazy_flashinfer_prefill: bool = True

@@ -166,6 +166,27 @@ def test_steps_that_are_not_plain_causal_do_not_qualify():
         assert _arrays(meta, ratio=keys / new - 0.01) is None
 
 
+def test_many_new_tokens_fit_at_any_key_ratio():
+    """A long document's later prefill step, or a long question over cached documents: many cached keys
+    before the new tokens. At least any_ratio_tokens new tokens fit whatever the ratio (their attention
+    is compute-bound); fewer do not; a gap still does not."""
+    page = 4
+    for _ in range(10):
+        n = random.randint(4, 12)
+        cached = random.randint(3 * n, 10 * n)  # more than twice the new tokens
+        seq = ([(0, 9), (9, cached + n)], n)
+        gap = ([(0, 9), (10, cached + n)], n)
+        _, meta = _tables([seq, ([(0, 30)], 1), gap], 1, 8, page)  # a decode between
+        t = _tables_of(meta)
+        assert sequences_that_fit(*t, any_ratio_tokens=n).tolist() == [True, False, False]
+        assert sequences_that_fit(*t, any_ratio_tokens=n + 1).tolist() == [False, False, False]
+        assert split_keys(*t, min_tokens=1, any_ratio_tokens=n) is not None
+        _, alone = _tables([seq], 1, 8, page)
+        assert contiguous_keys(*_tables_of(alone)) is None  # 256 by default
+        _, long_seq = _tables([([(0, 9), (9, 4 * 256)], 256)], 1, 8, page)
+        assert contiguous_keys(*_tables_of(long_seq)) is not None
+
+
 def _tables_of(meta: AttentionMetadata) -> tuple:
     return (meta.qo_indptr, meta.positions, meta.kv_indptr, meta.kv_indices, meta.pos_base, meta.valid_len)
 

@@ -2,9 +2,13 @@
 shape, bf16: the lazy Triton kernel against the ragged FlashInfer path (--lazy-flashinfer-prefill),
 same pages, us per layer (CUDA events, median of 20), store included. With --decodes N the step also
 holds N running decodes of --decode-context tokens (the usual step under load): the ragged path then
-splits (the documents through FlashInfer, the decodes through the lazy kernel).
+splits (the documents through FlashInfer, the decodes through the lazy kernel). With --prior-tokens P
+each document sequence has P cached keys before its --doc-tokens new ones (a long document's second
+prefill step, or a long question over cached documents): the what-if behind the rule of at most 2 keys
+a new token (the ragged path is timed whatever the ratio).
 
     python benchmarks/experiments/ragged_vs_lazy.py [--docs 1 4] [--doc-tokens 2048] [--decodes 0 32]
+    python benchmarks/experiments/ragged_vs_lazy.py --docs 1 8 --doc-tokens 16 64 256 --prior-tokens 8192
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ from lazyrt.models.config import ModelConfig
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--docs", type=int, nargs="+", default=[1, 4])
-    p.add_argument("--doc-tokens", type=int, default=2048)
+    p.add_argument("--doc-tokens", type=int, nargs="+", default=[2048], help="new tokens a sequence")
+    p.add_argument("--prior-tokens", type=int, nargs="+", default=[0], help="cached keys before them")
     p.add_argument("--decodes", type=int, nargs="+", default=[0], help="running decodes in the step")
     p.add_argument("--decode-context", type=int, default=10240, help="each decode's keys")
     args = p.parse_args()
@@ -34,24 +39,28 @@ def main() -> None:
                "original_max_position_embeddings": 8192}  # fmt: skip
     rope = RopeCache.build(ModelConfig("llama", 1000, hq * d, 1, 1, hq, hk, d, rope_theta=500000.0,
                                        rope_scaling=scaling), 16384, "cuda")  # fmt: skip
-    print(f"{torch.cuda.get_device_name()}; {args.doc_tokens}-token documents after a {prefix}-token prefix")
-    print(f"decodes over {args.decode_context} keys each")
-    print("| documents | decodes | lazy kernel (us) | ragged FlashInfer (us) | ratio |")
-    print("|---|---:|---:|---:|---:|")
+    print(f"{torch.cuda.get_device_name()}; sequences after a {prefix}-token prefix; decodes over "
+          f"{args.decode_context} keys each")  # fmt: skip
+    print("| sequences | new tokens | cached keys before | decodes | lazy kernel (us) | ragged FlashInfer "
+          "(us) | ratio |\n|---:|---:|---:|---:|---:|---:|---:|")  # fmt: skip
     for m in args.decodes:
-        for b in args.docs:
-            lazy, ragged, err = one_size(b, args.doc_tokens, prefix, rope, m, args.decode_context)
-            print(f"| {b} | {m} | {lazy:.1f} | {ragged:.1f} | {ragged / lazy:.2f} | (rel diff {err:.1e})")
+        for prior in args.prior_tokens:
+            for n in args.doc_tokens:
+                for b in args.docs:
+                    lazy, ragged, err = one_size(b, n, prefix, rope, m, args.decode_context, prior)
+                    print(f"| {b} | {n} | {prior} | {m} | {lazy:.1f} | {ragged:.1f} | {ragged / lazy:.2f} | "
+                          f"(rel diff {err:.1e})", flush=True)  # fmt: skip
 
 
 def one_size(
-    b: int, n: int, prefix: int, rope: RopeCache, decodes: int = 0, context: int = 0
+    b: int, n: int, prefix: int, rope: RopeCache, decodes: int = 0, context: int = 0, prior: int = 0
 ) -> tuple[float, float, float]:
-    """(lazy us, ragged us, relative difference) for b documents of n tokens (after decodes running
-    decodes over context keys each, listed first as the scheduler lists running requests)."""
+    """(lazy us, ragged us, relative difference) for b sequences of n new tokens after prior cached
+    ones (after decodes running decodes over context keys each, listed first as the scheduler lists
+    running requests)."""
     dev, ps, hq, hk, d = "cuda", 16, 32, 8, 128
     # per sequence: its runs of tokens (each from a page boundary) and its new tokens, the last ones
-    seqs = [((context,), 1)] * decodes + [((prefix, n), n)] * b
+    seqs = [((context,), 1)] * decodes + [((prefix, prior + n), n)] * b
     kv = torch.randn(sum(-(-m // ps) for runs, _ in seqs for m in runs) + 4, 2, ps, hk, d, device=dev,
                      dtype=torch.bfloat16)  # fmt: skip
     qo, kvp, idx, base, valid, pos, sp, ss = [0], [0], [], [], [], [], [], []
@@ -78,9 +87,9 @@ def one_size(
                              t(sp, torch.long), t(ss, torch.long), rotate_keys=True, max_q_len=n,
                              max_kv_entries=max(y - x for x, y in zip(kvp, kvp[1:])))  # fmt: skip
     rmeta = AttentionMetadata(**meta.__dict__)
-    keys = contiguous_keys(qo, pos, kvp, idx, base, valid)
-    if keys is None:
-        keys = split_keys(qo, pos, kvp, idx, base, valid)
+    keys = None if decodes else contiguous_keys(qo, pos, kvp, idx, base, valid, max_key_ratio=float("inf"))
+    if keys is None:  # the decodes split off (they never fit: a ratio just under theirs lets the rest in)
+        keys = split_keys(qo, pos, kvp, idx, base, valid, max_key_ratio=context / 1.01, min_tokens=1)
         rmeta.ragged_rest = AttentionMetadata.split_rest(keys, torch.device(dev))
     rmeta.ragged = RaggedKeys.from_arrays(keys, torch.device(dev))
     T = qo[-1]

@@ -4,8 +4,9 @@ A document chunk computed after its prefix, or a plain prompt, attends to keys a
 p0, p0 + 1, ... with its new tokens last: ordinary causal attention. Lazy mode's pages hold the keys
 unrotated, so such a step gathers its keys out of the pages, rotates them by position into a ragged
 buffer, and runs FlashInfer's ragged causal prefill over it (the pages keep the unrotated keys).
-It pays one more read of each key, so a sequence takes it only where its new tokens are most of its
-keys (`sequences_that_fit`); questions over cached documents and decodes keep the lazy kernels. A
+It pays one more pass over each key, so a sequence takes it only where its new tokens are most of its
+keys or are many (`sequences_that_fit`); short questions over cached documents and decodes keep the
+lazy kernels. A
 step whose every sequence fits runs whole (`contiguous_keys`); a mixed one (a document's prefill
 beside running decodes, the usual step under load) splits (`split_keys`): the fitting sequences'
 rows through the ragged path, the others through the lazy kernel over their own page tables.
@@ -28,6 +29,10 @@ _I64 = np.int64
 
 # a sequence's keys may be at most this many times its new tokens (each is read once more to gather it)
 MAX_KEY_RATIO = 2.0
+# ... unless it has at least this many new tokens: then its attention is compute-bound and FlashInfer's
+# speed pays for the gather at any ratio (H100, 8,192 cached keys before them: 256 new tokens took
+# 0.77-0.83x the lazy kernel's time, 64 took 1.17-2.04x; docs/kernels.md)
+ANY_RATIO_NEW_TOKENS = 256
 # a mixed step splits off its fitting sequences when they bring at least this many new tokens
 MIN_SPLIT_TOKENS = 128
 
@@ -64,12 +69,20 @@ class RaggedKeys:
 
 
 def sequences_that_fit(
-    qo_indptr, positions, kv_indptr, kv_indices, pos_base, valid_len, max_key_ratio: float = MAX_KEY_RATIO
+    qo_indptr,
+    positions,
+    kv_indptr,
+    kv_indices,
+    pos_base,
+    valid_len,
+    max_key_ratio: float = MAX_KEY_RATIO,
+    any_ratio_tokens: int = ANY_RATIO_NEW_TOKENS,
 ) -> np.ndarray:
     """Per sequence (bool [B]): its page table lists keys at consecutive positions (each entry's
     pos_base right after the one before it), its last keys are its new tokens at their positions, and
-    it has at most max_key_ratio keys per new token. Then the lazy rule (a new token at p sees the
-    listed keys at positions <= p) is plain causal attention over its keys. O(B + E + T) on the host."""
+    it has at most max_key_ratio keys per new token or at least any_ratio_tokens new tokens. Then the
+    lazy rule (a new token at p sees the listed keys at positions <= p) is plain causal attention over
+    its keys. O(B + E + T) on the host."""
     del kv_indices  # any page may hold any run: only positions matter
     qo = np.asarray(qo_indptr, dtype=_I64)
     pos = np.asarray(positions, dtype=_I64)
@@ -80,7 +93,7 @@ def sequences_that_fit(
     seqs = len(n_new)
     key_start = np.concatenate(([0], np.cumsum(valid)))
     n_keys = np.diff(key_start[indptr])
-    ok = (n_new >= 1) & (n_entries > 0) & (n_keys <= max_key_ratio * n_new)
+    ok = (n_new >= 1) & (n_entries > 0) & ((n_keys <= max_key_ratio * n_new) | (n_new >= any_ratio_tokens))
     if not ok.any():
         return ok
     seq_of_entry = np.repeat(np.arange(seqs), n_entries)
@@ -127,11 +140,14 @@ def contiguous_keys(
     max_key_ratio: float = MAX_KEY_RATIO,
 ) -> dict[str, np.ndarray] | None:
     """The gather of a step's keys (host arrays: page_idx, slot_idx, key_pos, kv_indptr, qo_indptr) when
-    every sequence lists consecutive keys with its new tokens last (sequences_that_fit) and the step
-    has at most max_key_ratio keys per new token in all (one launch either way); else None."""
-    if int(np.asarray(valid_len, dtype=_I64).sum()) > max_key_ratio * len(positions):
-        return None
-    fits = sequences_that_fit(qo_indptr, positions, kv_indptr, kv_indices, pos_base, valid_len, np.inf)
+    every sequence lists consecutive keys with its new tokens last and either the step has at most
+    max_key_ratio keys per new token in all (one launch either way) or every sequence fits
+    (sequences_that_fit); else None."""
+    tables = (qo_indptr, positions, kv_indptr, kv_indices, pos_base, valid_len)
+    if int(np.asarray(valid_len, dtype=_I64).sum()) <= max_key_ratio * len(positions):
+        fits = sequences_that_fit(*tables, np.inf)
+    else:
+        fits = sequences_that_fit(*tables, max_key_ratio)
     if len(fits) == 0 or not fits.all():
         return None
     return gather_arrays(qo_indptr, kv_indptr, kv_indices, pos_base, valid_len, fits)
@@ -146,6 +162,7 @@ def split_keys(
     valid_len,
     max_key_ratio: float = MAX_KEY_RATIO,
     min_tokens: int = MIN_SPLIT_TOKENS,
+    any_ratio_tokens: int = ANY_RATIO_NEW_TOKENS,
 ) -> dict[str, np.ndarray] | None:
     """A mixed step (a document's prefill beside decodes and questions over cached documents): the
     gather of the fitting sequences' keys as contiguous_keys, plus "q_rows" (their rows in the step)
@@ -153,7 +170,8 @@ def split_keys(
     rest_positions, rest_kv_indptr, rest_kv_indices, rest_pos_base, rest_valid_len). None when fewer
     than min_tokens new tokens fit (the split's extra launches would cost more than they save) or
     every sequence fits (contiguous_keys: no split)."""
-    fits = sequences_that_fit(qo_indptr, positions, kv_indptr, kv_indices, pos_base, valid_len, max_key_ratio)
+    tables = (qo_indptr, positions, kv_indptr, kv_indices, pos_base, valid_len)
+    fits = sequences_that_fit(*tables, max_key_ratio, any_ratio_tokens)
     qo = np.asarray(qo_indptr, dtype=_I64)
     n_new = np.diff(qo)
     if fits.all() or int(n_new[fits].sum()) < min_tokens:
