@@ -73,6 +73,44 @@ def test_lru_eviction_by_token_budget():
         DocTokenCache(tokenize, max_tokens=-1)
 
 
+def test_new_documents_are_tokenized_in_one_batch(tokenizer):
+    """A request's documents not cached go to the tokenizer as one batch (a fast tokenizer encodes it on
+    all cores), each distinct text once, with the ids one by one gives; a lone new one alone."""
+    singles: list[str] = []
+    batches: list[list[str]] = []
+
+    def tokenize(text: str) -> list[int]:
+        singles.append(text)
+        return [len(w) for w in text.split()]
+
+    def tokenize_batch(texts: list[str]) -> list[list[int]]:
+        batches.append(list(texts))
+        return [[len(w) for w in t.split()] for t in texts]
+
+    cache = DocTokenCache(tokenize, max_tokens=6, tokenize_batch=tokenize_batch)
+    texts = ["a bb", "ccc", "a bb", "dddd e f g"]
+    got = cache.get_arrays(texts)
+    assert [x.tolist() for x in got] == [[1, 2], [3], [1, 2], [4, 1, 1, 1]]
+    assert batches == [["a bb", "ccc", "dddd e f g"]] and not singles and cache.misses == 3
+    assert cache.num_tokens <= 6  # 7 tokens came: the least recent went, the answer has them all
+    got = cache.get_arrays(["dddd e f g", "hh i"])  # one new text: tokenized alone
+    assert [x.tolist() for x in got] == [[4, 1, 1, 1], [2, 1]] and singles == ["hh i"] and len(batches) == 1
+    # through RequestTokenizer with the real tokenizer: the ids each text gets alone
+    rng = random.Random()
+    rt = RequestTokenizer(tokenizer, 1 << 20, len(tokenizer))
+    docs = [_text(rng, rng.randrange(5, 200)) for _ in range(5)]
+    req = GenerateReq(0, SamplingParams(max_tokens=4), text="Which river?", docs=docs, text_mode="rag")
+    alone = RequestTokenizer(tokenizer, 1 << 20, len(tokenizer))
+    alone.doc_cache = DocTokenCache(lambda text: tokenizer(text, add_special_tokens=False).input_ids)
+    calls: list[int] = []
+    batch = rt.doc_cache._tokenize_batch
+    rt.doc_cache._tokenize_batch = lambda texts: calls.append(len(texts)) or batch(texts)
+    out, want = rt.tokenize(req), alone.tokenize(req)
+    assert calls == [5]
+    assert [list(d) for d in out.docs] == [list(d) for d in want.docs] and len(out.docs) == 5
+    assert rt.doc_cache.misses == 5 and rt.doc_cache.hits == 0
+
+
 def test_engine_reuses_document_tokens(tiny_model_dir):
     """Engine.rag tokenizes a repeated document once, with the ids a fresh tokenization gives."""
     engine = Engine(tiny_model_dir("llama"), device="cpu", kv_cache_tokens=4096)

@@ -13,10 +13,18 @@ from collections.abc import Callable
 
 
 class DocTokenCache:
-    def __init__(self, tokenize: Callable[[str], list[int]], max_tokens: int = 8_000_000):
+    def __init__(
+        self,
+        tokenize: Callable[[str], list[int]],
+        max_tokens: int = 8_000_000,
+        tokenize_batch: Callable[[list[str]], list[list[int]]] | None = None,
+    ):
+        """tokenize_batch: several texts at once (a fast tokenizer encodes a batch on all cores: a
+        request's new documents in parallel); default one by one."""
         if max_tokens < 0:
             raise ValueError("max_tokens must be >= 0")
         self._tokenize = tokenize
+        self._tokenize_batch = tokenize_batch or (lambda texts: [tokenize(t) for t in texts])
         self.max_tokens = max_tokens
         self._entries: OrderedDict[str, array] = OrderedDict()
         self._tokens = 0
@@ -45,7 +53,19 @@ class DocTokenCache:
             self.hits += 1
             return ids
         self.misses += 1
-        ids = array("q", self._tokenize(text))
+        return self._keep(text, array("q", self._tokenize(text)))
+
+    def get_arrays(self, texts: list[str]) -> list[array]:
+        """get_array of each text, those not cached tokenized in one batch (each distinct text once)."""
+        new = list(dict.fromkeys(t for t in texts if t not in self._entries))
+        fresh: dict[str, array] = {}
+        if len(new) > 1:
+            for text, ids in zip(new, self._tokenize_batch(new), strict=True):
+                self.misses += 1
+                fresh[text] = self._keep(text, array("q", ids))  # kept even if the cache cannot hold it
+        return [fresh[t] if t in fresh else self.get_array(t) for t in texts]
+
+    def _keep(self, text: str, ids: array) -> array:
         if 0 < len(ids) <= self.max_tokens:
             self._entries[text] = ids
             self._tokens += len(ids)

@@ -51,7 +51,7 @@ class RequestTokenizer:
         self.placement_keys = placement_keys
         self.max_context = max_context
         self.vocab_size = vocab_size
-        self.doc_cache = DocTokenCache(lambda text: self._ids(text, False), doc_cache_tokens)
+        self.doc_cache = DocTokenCache(lambda text: self._ids(text, False), doc_cache_tokens, self._batch_ids)
         # the text before the documents (the system prompt and the turns before them) repeats from
         # request to request: its ids are kept too (doc_cache_tokens=0: no caching at all)
         prefix_tokens = PREFIX_CACHE_TOKENS if doc_cache_tokens else 0
@@ -60,6 +60,9 @@ class RequestTokenizer:
 
     def _ids(self, text: str, special: bool) -> list[int]:
         return self.tokenizer(text, add_special_tokens=special).input_ids
+
+    def _batch_ids(self, texts: list[str]) -> list[list[int]]:
+        return self.tokenizer(texts, add_special_tokens=False).input_ids
 
     def quick(self, req: GenerateReq) -> bool:
         """Whether tokenize(req) is short work: every document given as text whose ids are cached,
@@ -114,7 +117,9 @@ class RequestTokenizer:
         if prompt is not None:
             prefix = self.prefix_cache.get(prompt.prefix) if isinstance(prompt.prefix, str) else prompt.prefix
             # cached ids go on as arrays: they cross to the scheduler as bytes (ipc/messages.py)
-            doc_ids = [self.doc_cache.get_array(d) if isinstance(d, str) else d for d in prompt.docs]
+            # the documents not cached are tokenized in one batch (in parallel by a fast tokenizer)
+            cached = iter(self.doc_cache.get_arrays([d for d in prompt.docs if isinstance(d, str)]))
+            doc_ids = [next(cached) if isinstance(d, str) else d for d in prompt.docs]
             if isinstance(prompt.suffix, str):
                 suffix = self._ids(prompt.suffix, False)
             else:
