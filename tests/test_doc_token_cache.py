@@ -87,14 +87,15 @@ def test_new_documents_are_tokenized_in_one_batch(tokenizer):
         batches.append(list(texts))
         return [[len(w) for w in t.split()] for t in texts]
 
-    cache = DocTokenCache(tokenize, max_tokens=6, tokenize_batch=tokenize_batch)
+    cache = DocTokenCache(tokenize, max_tokens=10, tokenize_batch=tokenize_batch)
     texts = ["a bb", "ccc", "a bb", "dddd e f g"]
     got = cache.get_arrays(texts)
     assert [x.tolist() for x in got] == [[1, 2], [3], [1, 2], [4, 1, 1, 1]]
-    assert batches == [["a bb", "ccc", "dddd e f g"]] and not singles and cache.misses == 3
-    assert cache.num_tokens <= 6  # 7 tokens came: the least recent went, the answer has them all
+    assert batches == [["a bb", "ccc", "dddd e f g"]] and not singles
+    assert (cache.misses, cache.hits) == (3, 1)  # the repeated text is a hit
     got = cache.get_arrays(["dddd e f g", "hh i"])  # one new text: tokenized alone
     assert [x.tolist() for x in got] == [[4, 1, 1, 1], [2, 1]] and singles == ["hh i"] and len(batches) == 1
+    assert (cache.misses, cache.hits) == (4, 2) and cache.num_tokens <= 10
     # through RequestTokenizer with the real tokenizer: the ids each text gets alone
     rng = random.Random()
     rt = RequestTokenizer(tokenizer, 1 << 20, len(tokenizer))
@@ -123,6 +124,14 @@ def test_engine_reuses_document_tokens(tiny_model_dir):
     out = engine.rag(docs[::-1], "Which river?", sampling_params=sp)
     assert cache.misses - misses == 2 and cache.hits - hits == 2
     assert out["meta"]["chunk_hits"] == 2
+    # a batch of prompts: their new documents tokenized in one call, each once
+    calls: list[int] = []
+    batch = cache._tokenize_batch
+    cache._tokenize_batch = lambda texts: calls.append(len(texts)) or batch(texts)
+    new = [_text(rng, 10 + i) for i in range(3)]
+    engine.rag_batch([{"docs": new[:2], "question": "Which?", "sampling_params": {"max_tokens": 2}},
+                      {"docs": new[1:] + docs[:1], "question": "Why?", "sampling_params": {"max_tokens": 2}}])
+    assert calls == [3] and cache.misses - misses == 5
     tok = engine.tokenizer
     for text in list(cache._entries):
         assert cache.get(text) == tok(text, add_special_tokens=False).input_ids

@@ -75,7 +75,10 @@ class Engine:
         self.core = EngineCore(self.scheduler, self.worker, self.eos_ids, overlap=cfg.overlap_schedule)
         self._rids = itertools.count()
         # a popular document's text is tokenized once (as in the server's tokenizer process)
-        self._doc_tokens = DocTokenCache(lambda text: self._tokens(text, "document", False))
+        self._doc_tokens = DocTokenCache(
+            lambda text: self._tokens(text, "document", False),
+            tokenize_batch=lambda texts: self.tokenizer(texts, add_special_tokens=False).input_ids,
+        )
         self.token_texts = TokenTexts(self.tokenizer)
         # registered documents, used by id (EngineConfig.document_store; None when "none")
         self.documents: DocumentStore | None = open_store(cfg.document_store, self.model_id)
@@ -181,6 +184,9 @@ class Engine:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling_params")
+        # the documents not cached yet, tokenized in one batch (on all cores)
+        rag = [p for p in prompts if isinstance(p, RagPrompt) and isinstance(p.docs, (list, tuple))]
+        self._doc_tokens.prefetch([d for p in rag for d in p.docs if isinstance(d, str)])
         # Validate everything before running anything: a bad prompt must not leave half a batch behind.
         # n > 1: n requests per prompt, run together (the documents' KV is computed once and shared).
         groups = [[self._make_request(p, one) for one in sp.expand_n()] for p, sp in zip(prompts, params)]

@@ -28,6 +28,7 @@ class DocTokenCache:
         self.max_tokens = max_tokens
         self._entries: OrderedDict[str, array] = OrderedDict()
         self._tokens = 0
+        self._unseen: set[str] = set()  # prefetched, not looked up yet
         self.hits = 0
         self.misses = 0
 
@@ -50,26 +51,36 @@ class DocTokenCache:
         ids = self._entries.get(text)
         if ids is not None:
             self._entries.move_to_end(text)
-            self.hits += 1
+            if text in self._unseen:  # tokenized by prefetch: this is its miss
+                self._unseen.discard(text)
+                self.misses += 1
+            else:
+                self.hits += 1
             return ids
         self.misses += 1
         return self._keep(text, array("q", self._tokenize(text)))
 
     def get_arrays(self, texts: list[str]) -> list[array]:
-        """get_array of each text, those not cached tokenized in one batch (each distinct text once)."""
+        """get_array of each text, those not cached tokenized in one batch (prefetch)."""
+        self.prefetch(texts)
+        return [self.get_array(t) for t in texts]
+
+    def prefetch(self, texts: list[str]) -> None:
+        """Tokenize the texts not cached, each distinct one once, in one batch (a fast tokenizer encodes
+        it on all cores); the first get of each counts as its miss."""
         new = list(dict.fromkeys(t for t in texts if t not in self._entries))
-        fresh: dict[str, array] = {}
-        if len(new) > 1:
-            for text, ids in zip(new, self._tokenize_batch(new), strict=True):
-                self.misses += 1
-                fresh[text] = self._keep(text, array("q", ids))  # kept even if the cache cannot hold it
-        return [fresh[t] if t in fresh else self.get_array(t) for t in texts]
+        if len(new) < 2:
+            return  # nothing to batch: get tokenizes it
+        for text, ids in zip(new, self._tokenize_batch(new), strict=True):
+            self._keep(text, array("q", ids))
+            self._unseen.add(text)
 
     def _keep(self, text: str, ids: array) -> array:
         if 0 < len(ids) <= self.max_tokens:
             self._entries[text] = ids
             self._tokens += len(ids)
             while self._tokens > self.max_tokens:
-                _, old = self._entries.popitem(last=False)
+                gone, old = self._entries.popitem(last=False)
                 self._tokens -= len(old)
+                self._unseen.discard(gone)
         return ids
