@@ -6,7 +6,8 @@
 #         | shared-chunk [shared_chunk_bench.py ARGS...] | tp [tp_decode.py ARGS...] | tp-test [PYTEST ARGS]
 #         | router [rag_serving.py ARGS...]  (2 GPUs: router over 2 replicas vs one, -> $OUT/router.jsonl)
 #         | peer-test [PYTEST ARGS] | peer [router_affinity.py ARGS...]  (2 GPUs: peer KV, below)
-#         | ragged [doc_prefill.py ARGS...]  (lazy mode's consecutive prefill through FlashInfer)
+#         | ragged [doc_prefill.py ARGS...]  (lazy mode's prefill through FlashInfer: tests, doc_prefill.py,
+#                                           ragged_vs_lazy.py)
 # (serving/roofline/offline-hf: dummy llama-3.1-8b, tokenizer from .gpu_carry_tok; results in $OUT)
 # (fi-test needs .gpu_carry_tok: a config.json + tokenizer dir of the default model, for dummy weights)
 # Needs .whl/ (bash ../shared/gpu/make-wheels.sh pyzmq gguf msgpack); restores .jit.tgz if carried.
@@ -102,7 +103,11 @@ run_stage() {
       LAZYRT_GPU_MODEL_DIR="$PWD/.gpu_carry_tok" python3 -m pytest -q -p no:cacheprovider tests/test_flashinfer_gpu.py \
         -k "ragged or lazy_engine" 2>&1 | tail -6
       LAZYRT_TOKENIZER_DIR="$PWD/.gpu_carry_tok" python3 benchmarks/experiments/doc_prefill.py \
-        --out "$OUT/doc_prefill.jsonl" "${batches[@]}" 2>&1 | grep -v -i warn | tail -8 ;;
+        --out "$OUT/doc_prefill.jsonl" "${batches[@]}" 2>&1 | grep -v -i warn | tail -8
+      # one layer: documents alone and beside decodes (the split), then sequences after many cached keys
+      python3 benchmarks/experiments/ragged_vs_lazy.py --docs 1 4 --decodes 0 16 64 2>&1 | grep "^|"
+      python3 benchmarks/experiments/ragged_vs_lazy.py --docs 1 8 --doc-tokens 16 64 256 1024 \
+        --prior-tokens 8192 2>&1 | grep "^|" ;;
     # in parts under the 16 MB a returned file may have: cat jit.tgz.part.* > .jit.tgz locally
     jit) tar czf - -C .jit . | split -b 15000000 - "$OUT/jit.tgz.part." && ls -la "$OUT"/jit.tgz.part.* ;;
   esac
