@@ -96,6 +96,9 @@ def test_new_documents_are_tokenized_in_one_batch(tokenizer):
     got = cache.get_arrays(["dddd e f g", "hh i"])  # one new text: tokenized alone
     assert [x.tolist() for x in got] == [[4, 1, 1, 1], [2, 1]] and singles == ["hh i"] and len(batches) == 1
     assert (cache.misses, cache.hits) == (4, 2) and cache.num_tokens <= 10
+    off = DocTokenCache(tokenize, max_tokens=0, tokenize_batch=tokenize_batch)  # caching off
+    assert [x.tolist() for x in off.get_arrays(["x yy", "z", "x yy"])] == [[1, 2], [1], [1, 2]]
+    assert batches[-1] == ["x yy", "z"] and singles == ["hh i"] and len(off) == 0 and off.misses == 3
     # through RequestTokenizer with the real tokenizer: the ids each text gets alone
     rng = random.Random()
     rt = RequestTokenizer(tokenizer, 1 << 20, len(tokenizer))

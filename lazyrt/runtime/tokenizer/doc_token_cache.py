@@ -62,18 +62,29 @@ class DocTokenCache:
 
     def get_arrays(self, texts: list[str]) -> list[array]:
         """get_array of each text, those not cached tokenized in one batch (prefetch)."""
-        self.prefetch(texts)
-        return [self.get_array(t) for t in texts]
+        fresh = self.prefetch(texts)
+        out = []
+        for t in texts:
+            if t not in self._entries and t in fresh:  # batched but not kept (no room, or caching off)
+                self.misses += 1
+                out.append(fresh[t])
+            else:
+                out.append(self.get_array(t))
+        return out
 
-    def prefetch(self, texts: list[str]) -> None:
+    def prefetch(self, texts: list[str]) -> dict[str, array]:
         """Tokenize the texts not cached, each distinct one once, in one batch (a fast tokenizer encodes
-        it on all cores); the first get of each counts as its miss."""
+        it on all cores) and keep them; the first get of each counts as its miss. Returns their ids
+        (nothing when fewer than 2 are new: get tokenizes one alone)."""
         new = list(dict.fromkeys(t for t in texts if t not in self._entries))
         if len(new) < 2:
-            return  # nothing to batch: get tokenizes it
-        for text, ids in zip(new, self._tokenize_batch(new), strict=True):
-            self._keep(text, array("q", ids))
-            self._unseen.add(text)
+            return {}
+        fresh = {t: array("q", ids) for t, ids in zip(new, self._tokenize_batch(new), strict=True)}
+        for text, ids in fresh.items():
+            self._keep(text, ids)
+            if text in self._entries:
+                self._unseen.add(text)
+        return fresh
 
     def _keep(self, text: str, ids: array) -> array:
         if 0 < len(ids) <= self.max_tokens:
