@@ -78,12 +78,18 @@ def sequences_that_fit(
     max_key_ratio: float = MAX_KEY_RATIO,
     any_ratio_tokens: int = ANY_RATIO_NEW_TOKENS,
 ) -> np.ndarray:
-    """Per sequence (bool [B]): its page table lists keys at consecutive positions (each entry's
-    pos_base right after the one before it), its last keys are its new tokens at their positions, and
-    it has at most max_key_ratio keys per new token or at least any_ratio_tokens new tokens. Then the
-    lazy rule (a new token at p sees the listed keys at positions <= p) is plain causal attention over
-    its keys. O(B + E + T) on the host."""
+    """Per sequence (bool [B]): it is plain causal (_causal_sequences) and has at most max_key_ratio
+    keys per new token or at least any_ratio_tokens new tokens."""
     del kv_indices  # any page may hold any run: only positions matter
+    causal, n_new, n_keys = _causal_sequences(qo_indptr, positions, kv_indptr, pos_base, valid_len)
+    return causal & ((n_keys <= max_key_ratio * n_new) | (n_new >= any_ratio_tokens))
+
+
+def _causal_sequences(qo_indptr, positions, kv_indptr, pos_base, valid_len) -> tuple[np.ndarray, ...]:
+    """(causal [B], new tokens [B], keys [B]): a sequence is causal when its page table lists keys at
+    consecutive positions (each entry's pos_base right after the one before it) and its last keys are
+    its new tokens at their positions. Then the lazy rule (a new token at p sees the listed keys at
+    positions <= p) is plain causal attention over its keys. O(B + E + T) on the host."""
     qo = np.asarray(qo_indptr, dtype=_I64)
     pos = np.asarray(positions, dtype=_I64)
     indptr = np.asarray(kv_indptr, dtype=_I64)
@@ -93,9 +99,9 @@ def sequences_that_fit(
     seqs = len(n_new)
     key_start = np.concatenate(([0], np.cumsum(valid)))
     n_keys = np.diff(key_start[indptr])
-    ok = (n_new >= 1) & (n_entries > 0) & ((n_keys <= max_key_ratio * n_new) | (n_new >= any_ratio_tokens))
+    ok = (n_new >= 1) & (n_entries > 0)
     if not ok.any():
-        return ok
+        return ok, n_new, n_keys
     seq_of_entry = np.repeat(np.arange(seqs), n_entries)
     # consecutive: an entry after another of its sequence starts where that one ends
     same = seq_of_entry[1:] == seq_of_entry[:-1]
@@ -105,7 +111,7 @@ def sequences_that_fit(
     q_seq = np.repeat(np.arange(seqs), n_new)
     expect = (first_base + n_keys - n_new)[q_seq] + np.arange(len(pos)) - qo[q_seq]
     ok[q_seq[expect != pos]] = False
-    return ok
+    return ok, n_new, n_keys
 
 
 def gather_arrays(
@@ -130,7 +136,7 @@ def gather_arrays(
     }
 
 
-def contiguous_keys(
+def ragged_keys(
     qo_indptr,
     positions,
     kv_indptr,
@@ -138,19 +144,48 @@ def contiguous_keys(
     pos_base,
     valid_len,
     max_key_ratio: float = MAX_KEY_RATIO,
+    min_tokens: int = MIN_SPLIT_TOKENS,
+    any_ratio_tokens: int = ANY_RATIO_NEW_TOKENS,
+    whole: bool = True,
+    split: bool = True,
+) -> dict[str, np.ndarray] | None:
+    """How a lazy prefill step takes the ragged path, its sequences checked once: whole (every sequence
+    causal, and at most max_key_ratio keys per new token in all, or every sequence fits:
+    contiguous_keys), else split (split_keys), else None. Host arrays for RaggedKeys.from_arrays and,
+    split, AttentionMetadata.split_rest."""
+    causal, n_new, n_keys = _causal_sequences(qo_indptr, positions, kv_indptr, pos_base, valid_len)
+    fits = causal & ((n_keys <= max_key_ratio * n_new) | (n_new >= any_ratio_tokens))
+    if whole and len(causal) and causal.all():
+        if fits.all() or int(n_keys.sum()) <= max_key_ratio * int(n_new.sum()):  # one launch either way
+            return gather_arrays(qo_indptr, kv_indptr, kv_indices, pos_base, valid_len, causal)
+    if not split or fits.all() or not fits.any() or int(n_new[fits].sum()) < min_tokens:
+        return None
+    arrays = gather_arrays(qo_indptr, kv_indptr, kv_indices, pos_base, valid_len, fits)
+    row_fits = np.repeat(fits, n_new)
+    rest, indptr = ~fits, np.asarray(kv_indptr, dtype=_I64)
+    entry = np.repeat(rest, np.diff(indptr))
+    arrays.update(
+        q_rows=np.flatnonzero(row_fits),
+        rest_rows=np.flatnonzero(~row_fits),
+        rest_qo_indptr=np.concatenate(([0], np.cumsum(n_new[rest]))),
+        rest_positions=np.asarray(positions, dtype=_I64)[~row_fits],
+        rest_kv_indptr=np.concatenate(([0], np.cumsum(np.diff(indptr)[rest]))),
+        rest_kv_indices=np.asarray(kv_indices)[entry],
+        rest_pos_base=np.asarray(pos_base)[entry],
+        rest_valid_len=np.asarray(valid_len)[entry],
+    )
+    return arrays
+
+
+def contiguous_keys(
+    qo_indptr, positions, kv_indptr, kv_indices, pos_base, valid_len, max_key_ratio: float = MAX_KEY_RATIO
 ) -> dict[str, np.ndarray] | None:
     """The gather of a step's keys (host arrays: page_idx, slot_idx, key_pos, kv_indptr, qo_indptr) when
     every sequence lists consecutive keys with its new tokens last and either the step has at most
     max_key_ratio keys per new token in all (one launch either way) or every sequence fits
     (sequences_that_fit); else None."""
     tables = (qo_indptr, positions, kv_indptr, kv_indices, pos_base, valid_len)
-    if int(np.asarray(valid_len, dtype=_I64).sum()) <= max_key_ratio * len(positions):
-        fits = sequences_that_fit(*tables, np.inf)
-    else:
-        fits = sequences_that_fit(*tables, max_key_ratio)
-    if len(fits) == 0 or not fits.all():
-        return None
-    return gather_arrays(qo_indptr, kv_indptr, kv_indices, pos_base, valid_len, fits)
+    return ragged_keys(*tables, max_key_ratio, split=False)
 
 
 def split_keys(
@@ -171,26 +206,7 @@ def split_keys(
     than min_tokens new tokens fit (the split's extra launches would cost more than they save) or
     every sequence fits (contiguous_keys: no split)."""
     tables = (qo_indptr, positions, kv_indptr, kv_indices, pos_base, valid_len)
-    fits = sequences_that_fit(*tables, max_key_ratio, any_ratio_tokens)
-    qo = np.asarray(qo_indptr, dtype=_I64)
-    n_new = np.diff(qo)
-    if fits.all() or int(n_new[fits].sum()) < min_tokens:
-        return None
-    arrays = gather_arrays(qo, kv_indptr, kv_indices, pos_base, valid_len, fits)
-    row_fits = np.repeat(fits, n_new)
-    rest, indptr = ~fits, np.asarray(kv_indptr, dtype=_I64)
-    entry = np.repeat(rest, np.diff(indptr))
-    arrays.update(
-        q_rows=np.flatnonzero(row_fits),
-        rest_rows=np.flatnonzero(~row_fits),
-        rest_qo_indptr=np.concatenate(([0], np.cumsum(n_new[rest]))),
-        rest_positions=np.asarray(positions, dtype=_I64)[~row_fits],
-        rest_kv_indptr=np.concatenate(([0], np.cumsum(np.diff(indptr)[rest]))),
-        rest_kv_indices=np.asarray(kv_indices)[entry],
-        rest_pos_base=np.asarray(pos_base)[entry],
-        rest_valid_len=np.asarray(valid_len)[entry],
-    )
-    return arrays
+    return ragged_keys(*tables, max_key_ratio, min_tokens, any_ratio_tokens, whole=False)
 
 
 def rows_index(rows: np.ndarray, device: torch.device) -> slice | torch.Tensor:

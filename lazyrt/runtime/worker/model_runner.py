@@ -15,7 +15,7 @@ from lazyrt.kernels.backend import make_backend
 from lazyrt.kernels.flashinfer_backend import FlashInferPrefillBackend
 from lazyrt.kernels.host_copy import to_device
 from lazyrt.kernels.metadata import AttentionMetadata
-from lazyrt.kernels.ragged_prefill import RaggedKeys, contiguous_keys, split_keys
+from lazyrt.kernels.ragged_prefill import RaggedKeys, ragged_keys
 from lazyrt.kernels.rope import RopeCache
 from lazyrt.kernels.shared_chunk import SharedChunkMeta, build_arrays, group_segments
 from lazyrt.kernels.waves import one_wave_items
@@ -240,12 +240,9 @@ class ModelRunner:
             self.shared_steps += 1
             meta.shared = SharedChunkMeta.from_arrays(arrays, self.shared_block_pairs, self.device)
         elif self.ragged_prefill and s.max_q_len > 1 and s.entry_logit_scale is None:
-            tables = (s.qo_indptr, s.positions, s.kv_indptr, s.kv_indices, s.pos_base, s.valid_len)
-            keys = contiguous_keys(*tables)
-            if keys is None and s.num_seqs > 1:
-                keys = split_keys(*tables)
-                if keys is not None:
-                    meta.ragged_rest = AttentionMetadata.split_rest(keys, self.device)
+            keys = ragged_keys(s.qo_indptr, s.positions, s.kv_indptr, s.kv_indices, s.pos_base, s.valid_len)
+            if keys is not None and "q_rows" in keys:  # split: the other sequences' own tables
+                meta.ragged_rest = AttentionMetadata.split_rest(keys, self.device)
             if keys is not None:
                 self.ragged_steps += 1
                 meta.ragged = RaggedKeys.from_arrays(keys, self.device)
