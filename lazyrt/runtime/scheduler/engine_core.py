@@ -134,15 +134,17 @@ class EngineCore:
         self._release = []
         plan.collect_sent_at = time.time()
         result = self.worker.execute(msg)
-        self.step_counts["shared_chunk_steps"] = result.shared_chunk_steps
-        self.step_counts["graph_steps"] = result.graph_steps
-        self.step_counts["ragged_prefill_steps"] = result.ragged_prefill_steps
+        self._worker_counts(result)
         return self._apply(plan, result)
 
     def _count(self, result: StepResult, deferred: bool) -> None:
+        self.step_counts["steps"] += 1
+        self.step_counts["overlapped_steps"] += deferred
+        self._worker_counts(result)
+
+    def _worker_counts(self, result: StepResult) -> None:
+        """The worker's running totals, as its last answer gives them."""
         c = self.step_counts
-        c["steps"] += 1
-        c["overlapped_steps"] += deferred
         c["shared_chunk_steps"] = result.shared_chunk_steps
         c["graph_steps"] = result.graph_steps
         c["ragged_prefill_steps"] = result.ragged_prefill_steps
