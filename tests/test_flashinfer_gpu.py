@@ -168,3 +168,54 @@ def test_lazy_engine_runs_document_prefill_through_flashinfer():
     out = engine.generate([rag, "Tell me about rain. " * 20], sp)
     assert all(len(o["token_ids"]) == 8 for o in out)
     assert engine.runner.ragged_steps >= 1
+
+
+def test_lazy_engine_split_steps_read_shared_documents_through_the_shared_kernel():
+    """A document's prefill beside running requests over the same documents: the split step's other
+    rows (their decodes) go through shared-chunk attention, and each such launch equals the lazy
+    Triton kernel over the same rows' page tables to bf16 rounding; every request finishes."""
+    import random
+
+    from lazyrt import Engine, RagPrompt, SamplingParams
+    from lazyrt.runtime.scheduler.request import RequestState
+
+    model_dir = os.environ.get("LAZYRT_GPU_MODEL_DIR")
+    kw = {"load_format": "dummy"} if model_dir else {}
+    engine = Engine(model_dir, device="cuda", dtype="bfloat16", kv_cache_tokens=65536,
+                    lazy_flashinfer_prefill=True, overlap_schedule=False, **kw)  # fmt: skip
+    runner = engine.runner
+    assert runner.ragged_prefill and runner.shared_chunk_attention
+    rests, errors = set(), []
+    step_metadata, attend = runner.step_metadata, runner.backend.fallback.attend
+
+    def record(plan, s):
+        input_ids, meta = step_metadata(plan, s)
+        if meta.ragged_rest is not None and meta.ragged_rest.shared is not None:
+            rests.add(id(meta.ragged_rest))
+        return input_ids, meta
+
+    def check(layer, q, meta):
+        out = attend(layer, q, meta)
+        if id(meta) in rests:
+            meta.shared, shared = None, meta.shared
+            want = attend(layer, q, meta).float()
+            meta.shared = shared
+            errors.append(float((out.float() - want).norm() / want.norm()))
+        return out
+
+    runner.step_metadata, runner.backend.fallback.attend = record, check
+    vocab = engine.model_config.vocab_size
+    toks = lambda n: [random.randrange(10, vocab) for _ in range(n)]  # noqa: E731
+    shared, prefix = [toks(1500), toks(900), toks(2000)], toks(20)
+    sp = SamplingParams(max_tokens=10, ignore_eos=True)
+    reqs = [engine._make_request(RagPrompt(prefix, random.sample(shared, 3), toks(12)), sp) for _ in range(6)]
+    for r in reqs:
+        engine.core.add(r)
+    for _ in range(3):
+        engine.core.step()
+    reqs.append(engine._make_request(RagPrompt(prefix, [toks(700), toks(600)], toks(12)), sp))
+    engine.core.add(reqs[-1])
+    while any(r.state is not RequestState.FINISHED for r in reqs):
+        engine.core.step()
+    assert rests and len(errors) >= engine.model_config.num_layers, (len(rests), len(errors))
+    assert max(errors) < 2e-2, errors

@@ -253,6 +253,7 @@ class _TorchRaggedBackend(TorchAttentionBackend):
     the torch references (FlashInfer is CUDA-only)."""
 
     splits = 0
+    shared_rests = 0  # split steps whose other sequences went through shared-chunk attention
 
     def forward(self, layer, q, k, v, meta):
         if meta.ragged is None:
@@ -262,22 +263,28 @@ class _TorchRaggedBackend(TorchAttentionBackend):
         ragged_part = _torch_ragged(kv, r, self.rope, self.sm_scale)
         if r.q_rows is None:
             return ragged_part(q)
-        self.splits += layer == 0
         rest = meta.ragged_rest
-        return split_prefill_attention(
-            q, r, ragged_part, lambda q_rest: lazy_attention_ref(q_rest, kv, rest, self.rope, self.sm_scale)
-        )
+        self.splits += layer == 0
+        self.shared_rests += layer == 0 and rest.shared is not None
+        return split_prefill_attention(q, r, ragged_part, lambda q_rest: self.attend(layer, q_rest, rest))
 
 
-def test_engine_splits_a_document_prefill_beside_decodes():
+@pytest.mark.parametrize("running", ["plain", "rag"])
+def test_engine_splits_a_document_prefill_beside_decodes(running):
     """A lazy CPU engine whose runner takes the ragged path (torch references): a request's documents
-    computed while another request decodes run as a split step, and both requests' greedy tokens,
-    logprobs and every step's logits equal the lazy kernels' alone."""
+    computed while other requests decode run as a split step, and every request's greedy tokens,
+    logprobs and every step's logits equal the lazy kernels' alone. "rag": three running requests
+    over the same documents, so the split step's decodes go through shared-chunk attention."""
     engine = Engine(model="tiny-llama", load_format="dummy", device="cpu", overlap_schedule=False,
                     dtype="float32")  # fmt: skip
     vocab = engine.model_config.vocab_size
     toks = lambda n: [random.randrange(10, vocab) for _ in range(n)]  # noqa: E731
-    running, prefix, question = toks(400), toks(9), toks(5)  # its decodes: more keys than the docs
+    prefix, question = toks(9), toks(5)
+    if running == "plain":  # its decodes: more keys than the docs
+        first = [toks(400)]
+    else:
+        shared = [toks(random.randint(150, 250)) for _ in range(2)]
+        first = [RagPrompt(prefix, random.sample(shared, 2), toks(random.randint(3, 9))) for _ in range(3)]
     docs = [toks(random.randint(70, 110)) for _ in range(2)]
     sp = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=0)
 
@@ -290,15 +297,16 @@ def test_engine_splits_a_document_prefill_beside_decodes():
                 ids += out.token_ids
                 lps += [lp[0] for lp in out.logprobs]
 
-        first = engine._make_request(running, sp)
-        core.add(first)
-        for _ in range(3):  # its prefill and two decodes
+        reqs = [engine._make_request(p, sp) for p in first]
+        for r in reqs:
+            core.add(r)
+        while sum(len(ids) for ids, _ in outs.values()) < 3 * len(reqs):  # their prefill, two decodes
             step()
-        second = engine._make_request(RagPrompt(prefix, docs, question), sp)
-        core.add(second)
-        while any(r.state is not RequestState.FINISHED for r in (first, second)):
+        reqs.append(engine._make_request(RagPrompt(prefix, docs, question), sp))
+        core.add(reqs[-1])
+        while any(r.state is not RequestState.FINISHED for r in reqs):
             step()
-        return [outs[r.rid] for r in (first, second)]
+        return [outs[r.rid] for r in reqs]
 
     runner = engine.runner
     logits: list[torch.Tensor] = []  # each step's sampled logits (random weights' tokens move little)
@@ -311,7 +319,9 @@ def test_engine_splits_a_document_prefill_beside_decodes():
     runner.backend = _TorchRaggedBackend(runner.pool.kv, runner.rope, runner.backend.sm_scale)
     runner.ragged_prefill = True
     got = serve()
-    assert runner.backend.splits >= 1 and runner.ragged_steps >= runner.backend.splits
+    backend = runner.backend
+    assert backend.splits >= 1 and runner.ragged_steps >= backend.splits
+    assert backend.shared_rests == (backend.splits if running == "rag" else 0)
     for (ids_g, lp_g), (ids_w, lp_w) in zip(got, want):
         assert ids_g == ids_w
         torch.testing.assert_close(torch.tensor(lp_g), torch.tensor(lp_w), rtol=1e-4, atol=1e-4)

@@ -33,6 +33,12 @@ class TorchAttentionBackend:
         if not meta.rotate_keys:
             k = apply_rope_ref(k, meta.positions, self.rope)
         store_kv_ref(kv, k, v, meta.store_pages, meta.store_slots)
+        return self.attend(layer, q, meta)
+
+    def attend(self, layer: int, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Attention over meta's tables (K/V already stored): its shared-chunk segments when set, else
+        per sequence."""
+        kv = self.kv_layers[layer]
         if meta.shared is not None:
             sh = meta.shared
             o, lse = shared_chunk_attention_torch(q, kv, meta.positions, sh, self.rope, self.sm_scale)
@@ -64,19 +70,21 @@ class TritonAttentionBackend:
         if not meta.rotate_keys:
             k = self._rope(k, meta.positions, self.rope)
         self._store(kv, k, v, meta.store_pages, meta.store_slots)
+        return self.attend(layer, q, meta)
+
+    def attend(self, layer: int, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Attention over meta's tables (K/V already stored): the shared-chunk kernel and its merge
+        when meta has segments, else the lazy kernel per sequence."""
+        kv = self.kv_layers[layer]
         if meta.shared is not None:
             sh = meta.shared
             o, lse = self._shared(q, kv, meta.positions, sh, self.rope, self.sm_scale, programs=sh.programs)
             if meta.host is not None:
                 meta.host.fill(layer, q, o, lse)
             return self._merge(o, lse, sh, q.dtype)
-        return self.attend(layer, q, meta)
-
-    def attend(self, layer: int, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """The lazy kernel over meta's page tables (K/V already stored)."""
         return self._attend(
             q,
-            self.kv_layers[layer],
+            kv,
             meta,
             self.rope,
             self.sm_scale,

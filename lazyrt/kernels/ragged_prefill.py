@@ -165,6 +165,7 @@ def ragged_keys(
     rest, indptr = ~fits, np.asarray(kv_indptr, dtype=_I64)
     entry = np.repeat(rest, np.diff(indptr))
     arrays.update(
+        rest_seqs=np.flatnonzero(rest),
         q_rows=np.flatnonzero(row_fits),
         rest_rows=np.flatnonzero(~row_fits),
         rest_qo_indptr=np.concatenate(([0], np.cumsum(n_new[rest]))),
@@ -201,10 +202,10 @@ def split_keys(
 ) -> dict[str, np.ndarray] | None:
     """A mixed step (a document's prefill beside decodes and questions over cached documents): the
     gather of the fitting sequences' keys as contiguous_keys, plus "q_rows" (their rows in the step)
-    and the other sequences' page tables for the lazy kernel ("rest_rows" and rest_qo_indptr,
-    rest_positions, rest_kv_indptr, rest_kv_indices, rest_pos_base, rest_valid_len). None when fewer
-    than min_tokens new tokens fit (the split's extra launches would cost more than they save) or
-    every sequence fits (contiguous_keys: no split)."""
+    and the other sequences' for the lazy kernel: "rest_seqs" (their indices), "rest_rows" and their
+    page tables (rest_qo_indptr, rest_positions, rest_kv_indptr, rest_kv_indices, rest_pos_base,
+    rest_valid_len). None when fewer than min_tokens new tokens fit (the split's extra launches would
+    cost more than they save) or every sequence fits (contiguous_keys: no split)."""
     tables = (qo_indptr, positions, kv_indptr, kv_indices, pos_base, valid_len)
     return ragged_keys(*tables, max_key_ratio, min_tokens, any_ratio_tokens, whole=False)
 

@@ -86,6 +86,7 @@ class ModelRunner:
         self.ragged_steps = 0  # steps through FlashInfer's ragged prefill (lazy_flashinfer_prefill)
         self._piece_keys: dict = {}  # interned PieceKeys (shared_chunk.run_pieces); cleared when large
         self._grouping = SharedGrouping()  # the last step's document-run grouping (shared_arrays)
+        self._rest_grouping = SharedGrouping()  # the same for split steps' other sequences (_rest_shared)
         self._layout = DecodeLayout()  # the last step's batch and inputs (from_plan patches decode steps)
         self.pool = pool
         self.device = model.device
@@ -232,6 +233,21 @@ class ModelRunner:
             self._layout, force=force, wave_items=self.shared_wave_items,
         )
 
+    def _rest_shared(self, plan: StepPlan, keys: dict) -> dict | None:
+        """A split step's other sequences (decodes, questions over cached documents) through shared-chunk
+        attention when they share documents enough to pay (shared_arrays over them alone): in a
+        document's prefill step under load the running decodes then read each shared document once
+        instead of once per request."""
+        if not self.shared_chunk_attention:
+            return None
+        rest = StepPlan(items=[plan.items[i] for i in keys["rest_seqs"]])
+        rows = np.empty(len(keys["rest_rows"]), np.int64)
+        sub = StepInputs(qo_indptr=keys["rest_qo_indptr"], input_ids=rows)
+        return shared_arrays(
+            rest, sub, self.pool.page_size, self.shared_block_pairs, self._rest_grouping, self._piece_keys,
+            wave_items=self.shared_wave_items,
+        )
+
     def step_metadata(self, plan: StepPlan, s: StepInputs) -> tuple[torch.Tensor, AttentionMetadata]:
         """build_metadata, with the step's shared-chunk segments when it has some worth sharing."""
         input_ids, meta = self.build_metadata(s)
@@ -242,7 +258,11 @@ class ModelRunner:
         elif self.ragged_prefill and s.max_q_len > 1 and s.entry_logit_scale is None:
             keys = ragged_keys(s.qo_indptr, s.positions, s.kv_indptr, s.kv_indices, s.pos_base, s.valid_len)
             if keys is not None and "q_rows" in keys:  # split: the other sequences' own tables
-                meta.ragged_rest = AttentionMetadata.split_rest(keys, self.device)
+                meta.ragged_rest = rest = AttentionMetadata.split_rest(keys, self.device)
+                arrays = self._rest_shared(plan, keys)
+                if arrays is not None:
+                    self.shared_steps += 1
+                    rest.shared = SharedChunkMeta.from_arrays(arrays, self.shared_block_pairs, self.device)
             if keys is not None:
                 self.ragged_steps += 1
                 meta.ragged = RaggedKeys.from_arrays(keys, self.device)
