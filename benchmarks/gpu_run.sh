@@ -106,6 +106,9 @@ run_stage() {
         --out "$OUT/doc_prefill.jsonl" "${batches[@]}" 2>&1 | grep -v -i warn | tail -8
       # one layer: documents alone and beside decodes (the split), then sequences after many cached keys
       python3 benchmarks/experiments/ragged_vs_lazy.py --docs 1 4 --decodes 0 16 64 2>&1 | grep "^|"
+      # a question too long for shared-chunk attention beside decodes (decode_split), and small documents
+      python3 benchmarks/experiments/ragged_vs_lazy.py --docs 1 --doc-tokens 32 128 --prior-tokens 0 8192 \
+        --decodes 4 16 64 2>&1 | grep "^|"
       python3 benchmarks/experiments/ragged_vs_lazy.py --docs 1 8 --doc-tokens 16 64 256 1024 \
         --prior-tokens 8192 2>&1 | grep "^|" ;;
     # in parts under the 16 MB a returned file may have: cat jit.tgz.part.* > .jit.tgz locally

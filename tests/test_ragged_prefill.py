@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -17,6 +18,7 @@ from lazyrt.kernels.metadata import AttentionMetadata
 from lazyrt.kernels.ragged_prefill import (
     RaggedKeys,
     contiguous_keys,
+    decode_split,
     ragged_causal_attention_ref,
     ragged_prefill_attention,
     sequences_that_fit,
@@ -254,6 +256,7 @@ class _TorchRaggedBackend(TorchAttentionBackend):
 
     splits = 0
     shared_rests = 0  # split steps whose other sequences went through shared-chunk attention
+    parted_rests = 0  # split steps whose other sequences mixed decodes with longer ones (decode_split)
 
     def forward(self, layer, q, k, v, meta):
         if meta.ragged is None:
@@ -266,6 +269,7 @@ class _TorchRaggedBackend(TorchAttentionBackend):
         rest = meta.ragged_rest
         self.splits += layer == 0
         self.shared_rests += layer == 0 and rest.shared is not None
+        self.parted_rests += layer == 0 and rest.parts is not None
         return split_prefill_attention(q, r, ragged_part, lambda q_rest: self.attend(layer, q_rest, rest))
 
 
@@ -328,6 +332,103 @@ def test_engine_splits_a_document_prefill_beside_decodes(running):
     assert len(logits) == len(want_logits)
     for g, w in zip(logits, want_logits):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+def test_engine_launches_decodes_apart_from_longer_sequences(ragged):
+    """A lazy CPU engine whose steps mix running decodes with a long question over cached documents
+    (not shared: more than 64 new tokens; not ragged: 4+ keys a new token) and a new document's
+    prefill: the decodes go in a launch of their own (decode_split, here at any key count), through
+    shared-chunk attention (they share documents); with the ragged path, inside a split step's other
+    sequences. Every step's logits equal the lazy kernels' over whole steps."""
+    engine = Engine(model="tiny-llama", load_format="dummy", device="cpu", overlap_schedule=False,
+                    dtype="float32")  # fmt: skip
+    vocab = engine.model_config.vocab_size
+    toks = lambda n: [random.randrange(10, vocab) for _ in range(n)]  # noqa: E731
+    prefix, shared = toks(9), [toks(random.randint(150, 250)) for _ in range(2)]
+    first = [RagPrompt(prefix, random.sample(shared, 2), toks(random.randint(3, 9))) for _ in range(3)]
+    later = [RagPrompt(prefix, shared, toks(random.randint(80, 120))),  # cached documents, long question
+             RagPrompt(prefix, [toks(random.randint(140, 200))], toks(4))]  # a new document  # fmt: skip
+    sp = SamplingParams(max_tokens=8, ignore_eos=True)
+
+    def serve() -> None:
+        core = engine.core
+        reqs = [engine._make_request(p, sp) for p in first]
+        for r in reqs:
+            core.add(r)
+        for _ in range(4):  # their prefill and some decodes
+            core.step()
+        reqs += [engine._make_request(p, sp) for p in later]
+        for r in reqs[-2:]:
+            core.add(r)
+        while any(r.state is not RequestState.FINISHED for r in reqs):
+            core.step()
+
+    runner = engine.runner
+    logits: list[torch.Tensor] = []
+    model_logits = runner.model.logits
+    runner.model.logits = lambda hidden: logits.append(model_logits(hidden)) or logits[-1]
+    runner.split_decode_keys = 1 << 40  # never: whole steps
+    serve()
+    want, logits[:] = list(logits), []
+    assert runner.decode_splits == 0
+    engine.flush_cache()
+    runner.split_decode_keys = 1
+    if ragged:
+        runner.backend = _TorchRaggedBackend(runner.pool.kv, runner.rope, runner.backend.sm_scale)
+        runner.ragged_prefill = True
+    parts, part_meta = [], runner._part_meta
+
+    def record(plan, tables):
+        meta = part_meta(plan, tables)
+        parts.append((bool((np.diff(tables["qo_indptr"]) == 1).all()), meta.shared is not None))
+        return meta
+
+    runner._part_meta = record
+    serve()
+    assert runner.decode_splits >= 1
+    assert (True, True) in parts  # decodes apart, through shared-chunk attention
+    if ragged:
+        assert runner.backend.splits >= 1 and runner.backend.parted_rests >= 1
+    assert len(logits) == len(want)
+    for g, w in zip(logits, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_split_tables_cover_the_step():
+    """decode_split on random mixed steps: the two parts' rows and sequences partition the step's, each
+    part's tables are its sequences' own (the lazy reference over each part, written into its rows,
+    equals the whole step's), and a step of one kind, or whose decodes read fewer keys, stays whole."""
+    page, kv_heads, head_dim = 4, 2, 8
+    seqs = [_other(page) for _ in range(3)] + [_fitting(page) for _ in range(2)]
+    seqs += [(runs, 1) for runs, _ in (_other(page) for _ in range(4))]  # decodes
+    random.shuffle(seqs)
+    kv, meta = _tables(seqs, kv_heads, head_dim, page)
+    tables = _tables_of(meta)
+    split = decode_split(*tables, min_keys=1)
+    assert split is not None
+    longer, decodes = split
+    n_new = [b - a for a, b in zip(tables[0], tables[0][1:])]
+    assert sorted(longer["seqs"].tolist() + decodes["seqs"].tolist()) == list(range(len(seqs)))
+    assert all(n_new[i] == 1 for i in decodes["seqs"]) and all(n_new[i] > 1 for i in longer["seqs"])
+    assert sorted(longer["rows"].tolist() + decodes["rows"].tolist()) == list(range(int(tables[0][-1])))
+    rope = _rope(head_dim, False)
+    q = torch.randn(int(tables[0][-1]), kv_heads * 2, head_dim)
+    want = lazy_attention_ref(q, kv, meta, rope, head_dim**-0.5)
+    got = torch.empty_like(want)
+    for part in split:
+        m = AttentionMetadata.from_tables(part, torch.device("cpu"))
+        got[part["rows"]] = lazy_attention_ref(q[part["rows"]], kv, m, rope, head_dim**-0.5)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    decode_keys = sum(
+        int(meta.valid_len[meta.kv_indptr[i] : meta.kv_indptr[i + 1]].sum()) for i in decodes["seqs"]
+    )
+    assert decode_split(*tables, min_keys=decode_keys) is not None
+    assert decode_split(*tables, min_keys=decode_keys + 1) is None
+    only_decodes = _tables([(runs, 1) for runs, _ in seqs], kv_heads, head_dim, page)[1]
+    assert decode_split(*_tables_of(only_decodes), min_keys=1) is None
+    no_decodes = _tables([s for s in seqs if s[1] > 1], kv_heads, head_dim, page)[1]
+    assert decode_split(*_tables_of(no_decodes), min_keys=1) is None
 
 
 def test_engine_steps_that_qualify(monkeypatch):

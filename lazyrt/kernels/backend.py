@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -10,6 +11,16 @@ from lazyrt.kernels.attention_ref import lazy_attention_ref, store_kv_ref
 from lazyrt.kernels.metadata import AttentionMetadata
 from lazyrt.kernels.rope import RopeCache, apply_rope_ref
 from lazyrt.kernels.shared_chunk import merge_parts_ref, shared_chunk_attention_torch
+
+
+def attend_parts(
+    q: torch.Tensor, meta: AttentionMetadata, attend: Callable[..., torch.Tensor]
+) -> torch.Tensor:
+    """A step attended in parts (meta.parts): each part's rows of q through attend, into those rows."""
+    out = torch.empty_like(q)
+    for rows, part in meta.parts:
+        out[rows] = attend(q[rows], part)
+    return out
 
 
 class AttentionBackend(Protocol):
@@ -38,6 +49,8 @@ class TorchAttentionBackend:
     def attend(self, layer: int, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Attention over meta's tables (K/V already stored): its shared-chunk segments when set, else
         per sequence."""
+        if meta.parts is not None:
+            return attend_parts(q, meta, lambda q_part, m: self.attend(layer, q_part, m))
         kv = self.kv_layers[layer]
         if meta.shared is not None:
             sh = meta.shared
@@ -75,6 +88,8 @@ class TritonAttentionBackend:
     def attend(self, layer: int, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Attention over meta's tables (K/V already stored): the shared-chunk kernel and its merge
         when meta has segments, else the lazy kernel per sequence."""
+        if meta.parts is not None:
+            return attend_parts(q, meta, lambda q_part, m: self.attend(layer, q_part, m))
         kv = self.kv_layers[layer]
         if meta.shared is not None:
             sh = meta.shared

@@ -55,22 +55,33 @@ class AttentionMetadata:
     # with ragged in a split step (ragged.q_rows set): the step's other sequences, their own page
     # tables (q rows ragged.rest_rows), attended by the lazy kernel after the step's one store
     ragged_rest: AttentionMetadata | None = None
+    # A step attended in parts, each (its rows of q, its sequences' own tables; ragged_prefill.decode_split):
+    # decodes launched apart from longer sequences, after the step's one store
+    parts: tuple[tuple[Any, AttentionMetadata], ...] | None = None
 
     @classmethod
     def split_rest(cls, keys: dict[str, Any], device: torch.device) -> AttentionMetadata:
         """A split step's other sequences (ragged_prefill.split_keys' rest_* tables) for the lazy kernel
-        alone: their K/V is stored with the whole step's, so no store here."""
+        alone."""
+        return cls.from_tables(keys, device, "rest_")
+
+    @classmethod
+    def from_tables(
+        cls, tables: dict[str, Any], device: torch.device, prefix: str = "", rotate_keys: bool = True
+    ) -> AttentionMetadata:
+        """Some of a step's sequences on their own (ragged_prefill.sequence_tables, its names after
+        prefix): their K/V is stored with the whole step's, so no store here."""
 
         def t(name: str, dtype: torch.dtype) -> torch.Tensor:
-            return to_device(keys["rest_" + name], device, dtype)
+            return to_device(tables[prefix + name], device, dtype)
 
-        qo, kvp = keys["rest_qo_indptr"], keys["rest_kv_indptr"]
+        qo, kvp = tables[prefix + "qo_indptr"], tables[prefix + "kv_indptr"]
         none = torch.zeros(0, dtype=torch.long, device=device)
         return cls(
             qo_indptr=t("qo_indptr", torch.int32), positions=t("positions", torch.long),
             kv_indptr=t("kv_indptr", torch.int32), kv_indices=t("kv_indices", torch.int32),
             pos_base=t("pos_base", torch.int32), valid_len=t("valid_len", torch.int32),
-            store_pages=none, store_slots=none, rotate_keys=True,
+            store_pages=none, store_slots=none, rotate_keys=rotate_keys,
             max_q_len=int((qo[1:] - qo[:-1]).max()), max_kv_entries=int((kvp[1:] - kvp[:-1]).max()),
         )  # fmt: skip
 

@@ -35,6 +35,10 @@ MAX_KEY_RATIO = 2.0
 ANY_RATIO_NEW_TOKENS = 256
 # a mixed step splits off its fitting sequences when they bring at least this many new tokens
 MIN_SPLIT_TOKENS = 128
+# a step through the lazy kernel launches its decodes apart from its longer sequences when they read
+# at least this many keys (measured: 16 decodes x 10,240 keys paid, 0.71-0.93x even with FlashInfer's
+# launches for the rest; 4 x 10,240 paid at 128 new tokens beside them, not at 32: docs/kernels.md)
+MIN_SPLIT_DECODE_KEYS = 1 << 17
 
 
 @dataclass
@@ -161,21 +165,54 @@ def ragged_keys(
     if not split or fits.all() or not fits.any() or int(n_new[fits].sum()) < min_tokens:
         return None
     arrays = gather_arrays(qo_indptr, kv_indptr, kv_indices, pos_base, valid_len, fits)
-    row_fits = np.repeat(fits, n_new)
-    rest, indptr = ~fits, np.asarray(kv_indptr, dtype=_I64)
-    entry = np.repeat(rest, np.diff(indptr))
-    arrays.update(
-        rest_seqs=np.flatnonzero(rest),
-        q_rows=np.flatnonzero(row_fits),
-        rest_rows=np.flatnonzero(~row_fits),
-        rest_qo_indptr=np.concatenate(([0], np.cumsum(n_new[rest]))),
-        rest_positions=np.asarray(positions, dtype=_I64)[~row_fits],
-        rest_kv_indptr=np.concatenate(([0], np.cumsum(np.diff(indptr)[rest]))),
-        rest_kv_indices=np.asarray(kv_indices)[entry],
-        rest_pos_base=np.asarray(pos_base)[entry],
-        rest_valid_len=np.asarray(valid_len)[entry],
-    )
+    arrays["q_rows"] = np.flatnonzero(np.repeat(fits, n_new))
+    rest = sequence_tables(qo_indptr, positions, kv_indptr, kv_indices, pos_base, valid_len, ~fits)
+    arrays.update({"rest_" + name: a for name, a in rest.items()})
     return arrays
+
+
+def sequence_tables(
+    qo_indptr, positions, kv_indptr, kv_indices, pos_base, valid_len, seqs
+) -> dict[str, np.ndarray]:
+    """The page tables of the sequences marked in seqs (bool [B]) on their own: qo_indptr, positions,
+    kv_indptr, kv_indices, pos_base, valid_len, and "seqs" (their indices in the step) and "rows" (their
+    rows in the step's q)."""
+    qo, indptr = np.asarray(qo_indptr, dtype=_I64), np.asarray(kv_indptr, dtype=_I64)
+    seqs = np.asarray(seqs, dtype=bool)
+    n_new = np.diff(qo)
+    rows, entry = np.repeat(seqs, n_new), np.repeat(seqs, np.diff(indptr))
+    return {
+        "seqs": np.flatnonzero(seqs),
+        "rows": np.flatnonzero(rows),
+        "qo_indptr": np.concatenate(([0], np.cumsum(n_new[seqs]))),
+        "positions": np.asarray(positions, dtype=_I64)[rows],
+        "kv_indptr": np.concatenate(([0], np.cumsum(np.diff(indptr)[seqs]))),
+        "kv_indices": np.asarray(kv_indices)[entry],
+        "pos_base": np.asarray(pos_base)[entry],
+        "valid_len": np.asarray(valid_len)[entry],
+    }
+
+
+def decode_split(
+    qo_indptr, positions, kv_indptr, kv_indices, pos_base, valid_len, min_keys: int = MIN_SPLIT_DECODE_KEYS
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | None:
+    """A step that mixes decodes with sequences of several new tokens, as two launches: (the longer
+    sequences' tables, the decodes' tables), each as sequence_tables; None when it has only one kind
+    or its decodes read fewer than min_keys keys in all. One launch of the lazy kernel takes the
+    longer sequences' query tiles for every sequence, so each decode runs its keys through the
+    prefill path (H200, 64 decodes over 10,240 keys beside one small document: 2.6 ms a layer in one
+    launch, 1.0 split off; docs/kernels.md)."""
+    n_new = np.diff(np.asarray(qo_indptr, dtype=_I64))
+    decode = n_new == 1
+    if decode.all() or not decode.any():
+        return None
+    valid = np.asarray(valid_len, dtype=_I64)
+    key_start = np.concatenate(([0], np.cumsum(valid)))
+    n_keys = np.diff(key_start[np.asarray(kv_indptr, dtype=_I64)])
+    if int(n_keys[decode].sum()) < min_keys:
+        return None
+    tables = (qo_indptr, positions, kv_indptr, kv_indices, pos_base, valid_len)
+    return sequence_tables(*tables, ~decode), sequence_tables(*tables, decode)
 
 
 def contiguous_keys(

@@ -15,7 +15,13 @@ from lazyrt.kernels.backend import make_backend
 from lazyrt.kernels.flashinfer_backend import FlashInferPrefillBackend
 from lazyrt.kernels.host_copy import to_device
 from lazyrt.kernels.metadata import AttentionMetadata
-from lazyrt.kernels.ragged_prefill import RaggedKeys, ragged_keys
+from lazyrt.kernels.ragged_prefill import (
+    MIN_SPLIT_DECODE_KEYS,
+    RaggedKeys,
+    decode_split,
+    ragged_keys,
+    rows_index,
+)
 from lazyrt.kernels.rope import RopeCache
 from lazyrt.kernels.shared_chunk import SharedChunkMeta, build_arrays, group_segments
 from lazyrt.kernels.waves import one_wave_items
@@ -86,7 +92,9 @@ class ModelRunner:
         self.ragged_steps = 0  # steps through FlashInfer's ragged prefill (lazy_flashinfer_prefill)
         self._piece_keys: dict = {}  # interned PieceKeys (shared_chunk.run_pieces); cleared when large
         self._grouping = SharedGrouping()  # the last step's document-run grouping (shared_arrays)
-        self._rest_grouping = SharedGrouping()  # the same for split steps' other sequences (_rest_shared)
+        self._rest_grouping = SharedGrouping()  # the same for some of a step's sequences (_part_meta)
+        self.decode_splits = 0  # lazy steps whose decodes launched apart from longer sequences (decode_split)
+        self.split_decode_keys = MIN_SPLIT_DECODE_KEYS
         self._layout = DecodeLayout()  # the last step's batch and inputs (from_plan patches decode steps)
         self.pool = pool
         self.device = model.device
@@ -231,41 +239,62 @@ class ModelRunner:
         return shared_arrays(
             plan, s, self.pool.page_size, self.shared_block_pairs, self._grouping, self._piece_keys,
             self._layout, force=force, wave_items=self.shared_wave_items,
-        )
+        )  # fmt: skip
 
-    def _rest_shared(self, plan: StepPlan, keys: dict) -> dict | None:
-        """A split step's other sequences (decodes, questions over cached documents) through shared-chunk
-        attention when they share documents enough to pay (shared_arrays over them alone): in a
-        document's prefill step under load the running decodes then read each shared document once
-        instead of once per request."""
-        if not self.shared_chunk_attention:
-            return None
-        rest = StepPlan(items=[plan.items[i] for i in keys["rest_seqs"]])
-        rows = np.empty(len(keys["rest_rows"]), np.int64)
-        sub = StepInputs(qo_indptr=keys["rest_qo_indptr"], input_ids=rows)
-        return shared_arrays(
-            rest, sub, self.pool.page_size, self.shared_block_pairs, self._rest_grouping, self._piece_keys,
-            wave_items=self.shared_wave_items,
-        )
+    def _part_meta(self, plan: StepPlan, tables: dict) -> AttentionMetadata:
+        """Some of a lazy step's sequences on their own (ragged_prefill.sequence_tables: a split step's
+        other sequences, or one part of decode_split): through shared-chunk attention when they share
+        documents enough to pay (shared_arrays over them alone: in a document's prefill step under
+        load the running decodes then read each shared document once, as in decode steps), else per
+        sequence, with their decodes launched apart when they mix (decode_split)."""
+        meta = AttentionMetadata.from_tables(tables, self.device)
+        if self.shared_chunk_attention:
+            part = StepPlan(items=[plan.items[i] for i in tables["seqs"]])
+            sub = StepInputs(qo_indptr=tables["qo_indptr"], input_ids=np.empty(len(tables["rows"]), np.int64))
+            arrays = shared_arrays(
+                part, sub, self.pool.page_size, self.shared_block_pairs, self._rest_grouping,
+                self._piece_keys, wave_items=self.shared_wave_items,
+            )  # fmt: skip
+            if arrays is not None:
+                self.shared_steps += 1
+                meta.shared = SharedChunkMeta.from_arrays(arrays, self.shared_block_pairs, self.device)
+                return meta
+        names = ("qo_indptr", "positions", "kv_indptr", "kv_indices", "pos_base", "valid_len")
+        split = decode_split(*(tables[n] for n in names), min_keys=self.split_decode_keys)
+        if split is not None:
+            self.decode_splits += 1
+            meta.parts = tuple(self._part(plan, tables, t) for t in split)
+        return meta
+
+    def _part(self, plan: StepPlan, tables: dict, part: dict) -> tuple:
+        """(rows, metadata) of one part of decode_split over tables (whose own seqs and rows are the
+        step's): the part's indices into tables made the step's."""
+        step_part = dict(part, seqs=tables["seqs"][part["seqs"]], rows=tables["rows"][part["rows"]])
+        return rows_index(part["rows"], self.device), self._part_meta(plan, step_part)
 
     def step_metadata(self, plan: StepPlan, s: StepInputs) -> tuple[torch.Tensor, AttentionMetadata]:
-        """build_metadata, with the step's shared-chunk segments when it has some worth sharing."""
+        """build_metadata, with the step's shared-chunk segments when it has some worth sharing; a lazy
+        prefill step: its sequences at consecutive positions through FlashInfer (ragged_keys) and
+        the others through _part_meta, or, with none of those, its decodes launched apart
+        (decode_split)."""
         input_ids, meta = self.build_metadata(s)
         arrays = self._shared(plan, s)
         if arrays is not None:
             self.shared_steps += 1
             meta.shared = SharedChunkMeta.from_arrays(arrays, self.shared_block_pairs, self.device)
-        elif self.ragged_prefill and s.max_q_len > 1 and s.entry_logit_scale is None:
-            keys = ragged_keys(s.qo_indptr, s.positions, s.kv_indptr, s.kv_indices, s.pos_base, s.valid_len)
-            if keys is not None and "q_rows" in keys:  # split: the other sequences' own tables
-                meta.ragged_rest = rest = AttentionMetadata.split_rest(keys, self.device)
-                arrays = self._rest_shared(plan, keys)
-                if arrays is not None:
-                    self.shared_steps += 1
-                    rest.shared = SharedChunkMeta.from_arrays(arrays, self.shared_block_pairs, self.device)
+        elif self.rotate_keys and s.max_q_len > 1 and s.entry_logit_scale is None:
+            tables = (s.qo_indptr, s.positions, s.kv_indptr, s.kv_indices, s.pos_base, s.valid_len)
+            keys = ragged_keys(*tables) if self.ragged_prefill else None
             if keys is not None:
                 self.ragged_steps += 1
                 meta.ragged = RaggedKeys.from_arrays(keys, self.device)
+                if "q_rows" in keys:  # split: the other sequences on their own
+                    rest = {name[5:]: a for name, a in keys.items() if name.startswith("rest_")}
+                    meta.ragged_rest = self._part_meta(plan, rest)
+            elif (split := decode_split(*tables, min_keys=self.split_decode_keys)) is not None:
+                self.decode_splits += 1
+                every = {"seqs": np.arange(s.num_seqs), "rows": np.arange(len(s.positions))}
+                meta.parts = tuple(self._part(plan, every, t) for t in split)
         return input_ids, meta
 
     def copy_pages(self, copies: list[PageCopy]) -> None:
