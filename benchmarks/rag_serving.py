@@ -516,6 +516,9 @@ def summarize(results: list[Result], wall: float, before: dict, after: dict, pea
         "prom_requests_aborted": prom_value(prom, "lazyrt_requests_aborted_total"),
         "steps": delta("steps"),
         "ragged_prefill_steps": delta("ragged_prefill_steps"),  # --lazy-flashinfer-prefill
+        "decode_split_steps": delta("decode_split_steps"),  # decodes launched apart in mixed steps
+        "shared_chunk_steps": delta("shared_chunk_steps"),
+        "graph_steps": delta("graph_steps"),
         # late planning (server, overlap on): waits before decode-only steps, their total, how many an
         # arriving request ended, and the last step-time and margin estimates; None when it is off
         "late_plan": {
@@ -762,6 +765,8 @@ def write_row(args, row: dict) -> None:
         f"hit={_f(row['chunk_hit_ratio'], 3)} "
         f"pages peak={row['kv_pages_used_peak']} "
         + (f"ragged steps={row['ragged_prefill_steps']} " if row.get("ragged_prefill_steps") else "")
+        + (f"decode splits={row['decode_split_steps']} " if row.get("decode_split_steps") else "")
+        + (f"shared steps={row['shared_chunk_steps']} " if row.get("shared_chunk_steps") else "")
         + "server TTFT split p50 ms: "
         + _split_text(row["server_ttft_split_ms"])
         + " (all docs cached: " + _split_text(row["server_ttft_split_all_hit_ms"]) + ")"

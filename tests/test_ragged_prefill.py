@@ -387,6 +387,7 @@ def test_engine_launches_decodes_apart_from_longer_sequences(ragged):
     runner._part_meta = record
     serve()
     assert runner.decode_splits >= 1
+    assert engine.cache_stats()["decode_split_steps"] == runner.decode_splits  # reported to the scheduler
     assert (True, True) in parts  # decodes apart, through shared-chunk attention
     if ragged:
         assert runner.backend.splits >= 1 and runner.backend.parted_rests >= 1

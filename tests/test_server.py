@@ -228,6 +228,8 @@ def test_chunk_reuse_across_requests_in_stats_and_metrics(server, oai):
         "lazyrt_kv_pages_used",
         "lazyrt_time_to_first_token_seconds_count",
         "lazyrt_inter_token_latency_seconds_count",
+        "lazyrt_ragged_prefill_steps_total",
+        "lazyrt_decode_split_steps_total",
     ):
         assert name in values, name
     assert values["lazyrt_time_to_first_token_seconds_count"] >= 2

@@ -184,6 +184,7 @@ class StepResult:
     shared_chunk_steps: int = 0  # steps the worker has run with shared-chunk attention so far
     graph_steps: int = 0  # steps the worker has replayed from CUDA graphs so far
     ragged_prefill_steps: int = 0  # steps (or parts) through FlashInfer's ragged prefill so far
+    decode_split_steps: int = 0  # steps (or parts) whose decodes launched apart (decode_split) so far
     # per token (same order), for requests asking logprobs: [logprob, [top ids], [top logprobs]]
     logprobs: list[list | None] | None = None
     # rid -> [top ids, top logprobs] per scored token, for scoring requests asking top logprobs

@@ -45,7 +45,7 @@ class EngineCore:
         self.failed_rids: list[int] = []  # the requests the last failed step aborted: tell their clients
         # steps sent (overlapped: of them, deferred), and the worker's shared-chunk step count
         self.step_counts = {"steps": 0, "overlapped_steps": 0, "shared_chunk_steps": 0, "graph_steps": 0,
-                            "ragged_prefill_steps": 0}
+                            "ragged_prefill_steps": 0, "decode_split_steps": 0}
         # the last step() had nothing to run until a peer replica answers (peer KV): the loop waits
         # for messages instead of stepping again at once
         self.waiting_on_peers = False
@@ -148,6 +148,7 @@ class EngineCore:
         c["shared_chunk_steps"] = result.shared_chunk_steps
         c["graph_steps"] = result.graph_steps
         c["ragged_prefill_steps"] = result.ragged_prefill_steps
+        c["decode_split_steps"] = result.decode_split_steps
 
     def _apply(self, plan: StepPlan, result: StepResult) -> list[TokenOut]:
         self.scheduler.on_step_complete(plan)

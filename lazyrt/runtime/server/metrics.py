@@ -66,6 +66,8 @@ class _CacheCollector(Collector):
             "lazyrt_graph_steps": ("steps replayed from a CUDA graph", "graph_steps"),
             "lazyrt_ragged_prefill_steps": ("lazy steps that computed new tokens through FlashInfer's ragged "
                                             "prefill (--lazy-flashinfer-prefill)", "ragged_prefill_steps"),
+            "lazyrt_decode_split_steps": ("lazy steps (or parts) that launched their decodes apart from "
+                                          "longer sequences", "decode_split_steps"),
         }
         for name, (doc, key) in counters.items():
             yield CounterMetricFamily(name, doc, value=s[key])

@@ -438,6 +438,7 @@ class ModelWorker:
         result.shared_chunk_steps = self.runner.shared_steps
         result.graph_steps = self.runner.graph_steps
         result.ragged_prefill_steps = self.runner.ragged_steps
+        result.decode_split_steps = self.runner.decode_splits
         return result
 
     @torch.inference_mode()
