@@ -219,3 +219,55 @@ def test_lazy_engine_split_steps_read_shared_documents_through_the_shared_kernel
         engine.core.step()
     assert rests and len(errors) >= engine.model_config.num_layers, (len(rests), len(errors))
     assert max(errors) < 2e-2, errors
+
+
+def test_lazy_engine_launches_decodes_apart_from_a_long_question():
+    """Running requests decode while another's 100-token question over cached documents runs (too long
+    for shared-chunk attention, too few tokens for FlashInfer): the step launches its decodes apart
+    (decode_split, forced here at any key count), and its attention equals one lazy-kernel launch of
+    the whole step to bf16 rounding; every request finishes."""
+    import random
+
+    from lazyrt import Engine, RagPrompt, SamplingParams
+    from lazyrt.runtime.scheduler.request import RequestState
+
+    model_dir = os.environ.get("LAZYRT_GPU_MODEL_DIR")
+    kw = {"load_format": "dummy"} if model_dir else {}
+    engine = Engine(model_dir, device="cuda", dtype="bfloat16", kv_cache_tokens=65536, overlap_schedule=False,
+                    **kw)  # fmt: skip
+    runner = engine.runner
+    runner.split_decode_keys = 1
+    parted, errors = set(), []
+    step_metadata, attend = runner.step_metadata, runner.backend.fallback.attend
+
+    def record(plan, s):
+        input_ids, meta = step_metadata(plan, s)
+        if meta.parts is not None:
+            parted.add(id(meta))
+        return input_ids, meta
+
+    def check(layer, q, meta):
+        out = attend(layer, q, meta)
+        if id(meta) in parted:
+            meta.parts, parts = None, meta.parts
+            want = attend(layer, q, meta).float()
+            meta.parts = parts
+            errors.append(float((out.float() - want).norm() / want.norm()))
+        return out
+
+    runner.step_metadata, runner.backend.fallback.attend = record, check
+    vocab = engine.model_config.vocab_size
+    toks = lambda n: [random.randrange(10, vocab) for _ in range(n)]  # noqa: E731
+    shared, prefix = [toks(1500), toks(900), toks(2000)], toks(20)
+    sp = SamplingParams(max_tokens=10, ignore_eos=True)
+    reqs = [engine._make_request(RagPrompt(prefix, random.sample(shared, 3), toks(12)), sp) for _ in range(6)]
+    for r in reqs:
+        engine.core.add(r)
+    for _ in range(3):
+        engine.core.step()
+    reqs.append(engine._make_request(RagPrompt(prefix, shared, toks(100)), sp))
+    engine.core.add(reqs[-1])
+    while any(r.state is not RequestState.FINISHED for r in reqs):
+        engine.core.step()
+    assert parted and runner.decode_splits >= 1
+    assert len(errors) >= engine.model_config.num_layers and max(errors) < 2e-2, errors
