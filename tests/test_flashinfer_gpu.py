@@ -170,36 +170,33 @@ def test_lazy_engine_runs_document_prefill_through_flashinfer():
     assert engine.runner.ragged_steps >= 1
 
 
-def test_lazy_engine_split_steps_read_shared_documents_through_the_shared_kernel():
-    """A document's prefill beside running requests over the same documents: the split step's other
-    rows (their decodes) go through shared-chunk attention, and each such launch equals the lazy
-    Triton kernel over the same rows' page tables to bf16 rounding; every request finishes."""
+def _serve_beside_decodes(engine, pick, field: str, late_question: int, late_docs: list[int]) -> list[float]:
+    """Six requests over three shared documents decode while a seventh (late_docs new documents, a
+    late_question-token question) joins; for every attention launch over metadata that pick(step's
+    metadata) returns, the output against the same launch with its `field` removed (the path it
+    replaces): relative differences, one a layer."""
     import random
 
-    from lazyrt import Engine, RagPrompt, SamplingParams
+    from lazyrt import RagPrompt, SamplingParams
     from lazyrt.runtime.scheduler.request import RequestState
 
-    model_dir = os.environ.get("LAZYRT_GPU_MODEL_DIR")
-    kw = {"load_format": "dummy"} if model_dir else {}
-    engine = Engine(model_dir, device="cuda", dtype="bfloat16", kv_cache_tokens=65536,
-                    lazy_flashinfer_prefill=True, overlap_schedule=False, **kw)  # fmt: skip
     runner = engine.runner
-    assert runner.ragged_prefill and runner.shared_chunk_attention
-    rests, errors = set(), []
+    chosen, errors = set(), []
     step_metadata, attend = runner.step_metadata, runner.backend.fallback.attend
 
     def record(plan, s):
         input_ids, meta = step_metadata(plan, s)
-        if meta.ragged_rest is not None and meta.ragged_rest.shared is not None:
-            rests.add(id(meta.ragged_rest))
+        if pick(meta) is not None:
+            chosen.add(id(pick(meta)))
         return input_ids, meta
 
     def check(layer, q, meta):
         out = attend(layer, q, meta)
-        if id(meta) in rests:
-            meta.shared, shared = None, meta.shared
+        if id(meta) in chosen:
+            kept = getattr(meta, field)
+            setattr(meta, field, None)
             want = attend(layer, q, meta).float()
-            meta.shared = shared
+            setattr(meta, field, kept)
             errors.append(float((out.float() - want).norm() / want.norm()))
         return out
 
@@ -213,12 +210,32 @@ def test_lazy_engine_split_steps_read_shared_documents_through_the_shared_kernel
         engine.core.add(r)
     for _ in range(3):
         engine.core.step()
-    reqs.append(engine._make_request(RagPrompt(prefix, [toks(700), toks(600)], toks(12)), sp))
+    docs = [toks(n) for n in late_docs] or shared
+    reqs.append(engine._make_request(RagPrompt(prefix, docs, toks(late_question)), sp))
     engine.core.add(reqs[-1])
     while any(r.state is not RequestState.FINISHED for r in reqs):
         engine.core.step()
-    assert rests and len(errors) >= engine.model_config.num_layers, (len(rests), len(errors))
-    assert max(errors) < 2e-2, errors
+    return errors
+
+
+def _gpu_engine(**kw):
+    from lazyrt import Engine
+
+    model_dir = os.environ.get("LAZYRT_GPU_MODEL_DIR")
+    load = {"load_format": "dummy"} if model_dir else {}
+    return Engine(model_dir, device="cuda", dtype="bfloat16", kv_cache_tokens=65536, overlap_schedule=False,
+                  **load, **kw)  # fmt: skip
+
+
+def test_lazy_engine_split_steps_read_shared_documents_through_the_shared_kernel():
+    """A document's prefill beside running requests over the same documents: the split step's other
+    rows (their decodes) go through shared-chunk attention, and each such launch equals the lazy
+    Triton kernel over the same rows' page tables to bf16 rounding; every request finishes."""
+    engine = _gpu_engine(lazy_flashinfer_prefill=True)
+    assert engine.runner.ragged_prefill and engine.runner.shared_chunk_attention
+    rest = lambda meta: meta.ragged_rest if meta.ragged_rest is not None and meta.ragged_rest.shared else None  # noqa: E731
+    errors = _serve_beside_decodes(engine, rest, "shared", late_question=12, late_docs=[700, 600])
+    assert len(errors) >= engine.model_config.num_layers and max(errors) < 2e-2, errors
 
 
 def test_lazy_engine_launches_decodes_apart_from_a_long_question():
@@ -226,48 +243,9 @@ def test_lazy_engine_launches_decodes_apart_from_a_long_question():
     for shared-chunk attention, too few tokens for FlashInfer): the step launches its decodes apart
     (decode_split, forced here at any key count), and its attention equals one lazy-kernel launch of
     the whole step to bf16 rounding; every request finishes."""
-    import random
-
-    from lazyrt import Engine, RagPrompt, SamplingParams
-    from lazyrt.runtime.scheduler.request import RequestState
-
-    model_dir = os.environ.get("LAZYRT_GPU_MODEL_DIR")
-    kw = {"load_format": "dummy"} if model_dir else {}
-    engine = Engine(model_dir, device="cuda", dtype="bfloat16", kv_cache_tokens=65536, overlap_schedule=False,
-                    **kw)  # fmt: skip
-    runner = engine.runner
-    runner.split_decode_keys = 1
-    parted, errors = set(), []
-    step_metadata, attend = runner.step_metadata, runner.backend.fallback.attend
-
-    def record(plan, s):
-        input_ids, meta = step_metadata(plan, s)
-        if meta.parts is not None:
-            parted.add(id(meta))
-        return input_ids, meta
-
-    def check(layer, q, meta):
-        out = attend(layer, q, meta)
-        if id(meta) in parted:
-            meta.parts, parts = None, meta.parts
-            want = attend(layer, q, meta).float()
-            meta.parts = parts
-            errors.append(float((out.float() - want).norm() / want.norm()))
-        return out
-
-    runner.step_metadata, runner.backend.fallback.attend = record, check
-    vocab = engine.model_config.vocab_size
-    toks = lambda n: [random.randrange(10, vocab) for _ in range(n)]  # noqa: E731
-    shared, prefix = [toks(1500), toks(900), toks(2000)], toks(20)
-    sp = SamplingParams(max_tokens=10, ignore_eos=True)
-    reqs = [engine._make_request(RagPrompt(prefix, random.sample(shared, 3), toks(12)), sp) for _ in range(6)]
-    for r in reqs:
-        engine.core.add(r)
-    for _ in range(3):
-        engine.core.step()
-    reqs.append(engine._make_request(RagPrompt(prefix, shared, toks(100)), sp))
-    engine.core.add(reqs[-1])
-    while any(r.state is not RequestState.FINISHED for r in reqs):
-        engine.core.step()
-    assert parted and runner.decode_splits >= 1
+    engine = _gpu_engine()
+    engine.runner.split_decode_keys = 1
+    parted = lambda meta: meta if meta.parts is not None else None  # noqa: E731
+    errors = _serve_beside_decodes(engine, parted, "parts", late_question=100, late_docs=[])
+    assert engine.runner.decode_splits >= 1
     assert len(errors) >= engine.model_config.num_layers and max(errors) < 2e-2, errors
