@@ -66,10 +66,8 @@ class AttentionMetadata:
         return cls.from_tables(keys, device, "rest_")
 
     @classmethod
-    def from_tables(
-        cls, tables: dict[str, Any], device: torch.device, prefix: str = "", rotate_keys: bool = True
-    ) -> AttentionMetadata:
-        """Some of a step's sequences on their own (ragged_prefill.sequence_tables, its names after
+    def from_tables(cls, tables: dict[str, Any], device: torch.device, prefix: str = "") -> AttentionMetadata:
+        """Some of a lazy step's sequences on their own (ragged_prefill.sequence_tables, its names after
         prefix): their K/V is stored with the whole step's, so no store here."""
 
         def t(name: str, dtype: torch.dtype) -> torch.Tensor:
@@ -81,7 +79,7 @@ class AttentionMetadata:
             qo_indptr=t("qo_indptr", torch.int32), positions=t("positions", torch.long),
             kv_indptr=t("kv_indptr", torch.int32), kv_indices=t("kv_indices", torch.int32),
             pos_base=t("pos_base", torch.int32), valid_len=t("valid_len", torch.int32),
-            store_pages=none, store_slots=none, rotate_keys=rotate_keys,
+            store_pages=none, store_slots=none, rotate_keys=True,
             max_q_len=int((qo[1:] - qo[:-1]).max()), max_kv_entries=int((kvp[1:] - kvp[:-1]).max()),
         )  # fmt: skip
 
