@@ -71,7 +71,8 @@ def make_step(page_size, kv_heads, head_dim, dtype, n_chunks=4, n_requests=5, q_
     uses = [[] for _ in chunks]  # per chunk: (request, start)
     for r in range(n_requests):
         pos = random.randint(0, 20)
-        used = random.sample(range(n_chunks), random.randint(0, n_chunks))
+        # the first request uses at least one chunk: a step where none does has nothing to share
+        used = random.sample(range(n_chunks), random.randint(int(r == 0 and n_chunks > 0), n_chunks))
         for c in used:
             pages, n = chunks[c]
             uses[c].append((r, pos))
