@@ -6,10 +6,11 @@ unrotated, so such a step gathers its keys out of the pages, rotates them by pos
 buffer, and runs FlashInfer's ragged causal prefill over it (the pages keep the unrotated keys).
 It pays one more pass over each key, so a sequence takes it only where its new tokens are most of its
 keys or are many (`sequences_that_fit`); short questions over cached documents and decodes keep the
-lazy kernels. A
-step whose every sequence fits runs whole (`contiguous_keys`); a mixed one (a document's prefill
-beside running decodes, the usual step under load) splits (`split_keys`): the fitting sequences'
-rows through the ragged path, the others through the lazy kernel over their own page tables.
+lazy kernels. A step whose every sequence fits runs whole (`contiguous_keys`); a mixed one (a
+document's prefill beside running decodes, the usual step under load) splits (`split_keys`): the
+fitting sequences' rows through the ragged path, the others through the lazy kernel over their own
+page tables. A lazy step's decodes beside longer sequences get a launch of their own
+(`decode_split`: one launch would take the longer sequences' query tiles for the decodes too).
 
 `ragged_causal_attention_ref` is the torch reference of the dense part (FlashInfer's ragged prefill
 with causal=True: each sequence's queries are its last keys). `ragged_prefill_attention` and
