@@ -9,6 +9,7 @@ import torch
 
 from lazyrt.kernels.attention_ref import lazy_attention_ref, store_kv_ref
 from lazyrt.kernels.metadata import AttentionMetadata
+from lazyrt.kernels.ragged_prefill import into_rows
 from lazyrt.kernels.rope import RopeCache, apply_rope_ref
 from lazyrt.kernels.shared_chunk import merge_parts_ref, shared_chunk_attention_torch
 
@@ -16,11 +17,9 @@ from lazyrt.kernels.shared_chunk import merge_parts_ref, shared_chunk_attention_
 def attend_parts(
     q: torch.Tensor, meta: AttentionMetadata, attend: Callable[..., torch.Tensor]
 ) -> torch.Tensor:
-    """A step attended in parts (meta.parts): each part's rows of q through attend, into those rows."""
-    out = torch.empty_like(q)
-    for rows, part in meta.parts:
-        out[rows] = attend(q[rows], part)
-    return out
+    """A step attended in parts (meta.parts): each part's rows of q through attend(q_rows, its
+    metadata), into those rows."""
+    return into_rows(q, ((rows, lambda x, m=part: attend(x, m)) for rows, part in meta.parts))
 
 
 class AttentionBackend(Protocol):

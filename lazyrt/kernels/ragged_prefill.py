@@ -102,8 +102,7 @@ def _causal_sequences(qo_indptr, positions, kv_indptr, pos_base, valid_len) -> t
     valid = np.asarray(valid_len, dtype=_I64)
     n_new, n_entries = np.diff(qo), np.diff(indptr)
     seqs = len(n_new)
-    key_start = np.concatenate(([0], np.cumsum(valid)))
-    n_keys = np.diff(key_start[indptr])
+    n_keys = _keys_per_sequence(indptr, valid)
     ok = (n_new >= 1) & (n_entries > 0)
     if not ok.any():
         return ok, n_new, n_keys
@@ -117,6 +116,11 @@ def _causal_sequences(qo_indptr, positions, kv_indptr, pos_base, valid_len) -> t
     expect = (first_base + n_keys - n_new)[q_seq] + np.arange(len(pos)) - qo[q_seq]
     ok[q_seq[expect != pos]] = False
     return ok, n_new, n_keys
+
+
+def _keys_per_sequence(indptr: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    """Keys each sequence lists (int64 [B]): the sum of its entries' valid_len."""
+    return np.diff(np.concatenate(([0], np.cumsum(valid)))[indptr])
 
 
 def gather_arrays(
@@ -207,9 +211,7 @@ def decode_split(
     decode = n_new == 1
     if decode.all() or not decode.any():
         return None
-    valid = np.asarray(valid_len, dtype=_I64)
-    key_start = np.concatenate(([0], np.cumsum(valid)))
-    n_keys = np.diff(key_start[np.asarray(kv_indptr, dtype=_I64)])
+    n_keys = _keys_per_sequence(np.asarray(kv_indptr, dtype=_I64), np.asarray(valid_len, dtype=_I64))
     if int(n_keys[decode].sum()) < min_keys:
         return None
     tables = (qo_indptr, positions, kv_indptr, kv_indices, pos_base, valid_len)
@@ -282,9 +284,15 @@ def split_prefill_attention(
 ) -> torch.Tensor:
     """A split step: ragged_part(q of ragged.q_rows) (ragged_prefill_attention) and rest_part(q of
     ragged.rest_rows) (the lazy kernel over the other sequences' tables), each into its rows."""
+    return into_rows(q, ((ragged.q_rows, ragged_part), (ragged.rest_rows, rest_part)))
+
+
+def into_rows(q: torch.Tensor, parts) -> torch.Tensor:
+    """A step attended in parts: parts = ((rows, attend), ...), each attend(q[rows]) written into its
+    rows of the output (shaped as q)."""
     out = torch.empty_like(q)
-    out[ragged.q_rows] = ragged_part(q[ragged.q_rows])
-    out[ragged.rest_rows] = rest_part(q[ragged.rest_rows])
+    for rows, attend in parts:
+        out[rows] = attend(q[rows])
     return out
 
 

@@ -239,7 +239,7 @@ class ModelRunner:
         return shared_arrays(
             plan, s, self.pool.page_size, self.shared_block_pairs, self._grouping, self._piece_keys,
             self._layout, force=force, wave_items=self.shared_wave_items,
-        )  # fmt: skip
+        )
 
     def _part_meta(self, plan: StepPlan, tables: dict) -> AttentionMetadata:
         """Some of a lazy step's sequences on their own (ragged_prefill.sequence_tables: a split step's
