@@ -460,8 +460,58 @@ def test_warm_up_cases_launch_every_variant_a_step_can(kv_heads, group):
         batch = rng.choice([rng.randint(1, 8), rng.randint(1, 300)])
         q_len = 1 if rng.random() < 0.5 else rng.choice([rng.randint(2, 64), rng.randint(2, 4000)])
         entries = rng.choice([rng.randint(1, 8), rng.randint(1, 2000)])
-        cfg = ta.launch_config(batch, q_len, entries, kv_heads, group, 16, True, dev)  # the engine's splits
-        assert cfg.variants() <= warmed, (batch, q_len, entries, cfg)
+        # the step's tokens: the longest sequence's, and 1..q_len for each other (decodes beside it)
+        tokens = q_len + sum(rng.choice([1, rng.randint(1, q_len)]) for _ in range(batch - 1))
+        for total in (None, tokens):
+            cfg = ta.launch_config(batch, q_len, entries, kv_heads, group, 16, True, dev, total_tokens=total)
+            assert cfg.variants() <= warmed, (batch, q_len, entries, total, cfg)
+
+
+def test_working_q_blocks_counts_the_blocks_that_hold_tokens():
+    # the bound from the step's tokens is never below the true count of blocks with tokens (so no
+    # program at work goes uncounted) and never above the grid
+    rng = random.Random(7)
+    for _ in range(2000):
+        lens = [rng.choice([1, rng.randint(1, 300)]) for _ in range(rng.randint(1, 40))]
+        bm = rng.choice([1, 16, 32, 64])
+        true = sum(-(-n // bm) for n in lens)
+        got = ta.working_q_blocks(len(lens), max(lens), bm, sum(lens))
+        assert true <= got <= len(lens) * -(-max(lens) // bm)
+    assert ta.working_q_blocks(5, 128, 32, 132) == 4 + 4  # a 128-token question beside 4 decodes
+    assert ta.working_q_blocks(5, 128, 32, None) == 5 * 4
+
+
+def test_a_mixed_step_split_by_its_working_programs_equals_the_reference(small_blocks, monkeypatch):
+    # a 40-token sequence beside decodes on a device of 32 SMs: the grid (4 sequences x 10 query
+    # blocks x 2 kv heads = 80 programs) takes the large tiles unsplit, its 26 programs at work the
+    # small tiles and split keys; the kernel's output with the splits the launch picks equals the
+    # reference
+    monkeypatch.setattr(ta, "device_sms", lambda device: 32)
+    monkeypatch.setattr(ta, "MIN_SPLIT_TOKENS", 16)
+    monkeypatch.setattr(ta, "EXTEND_LARGE", (32, 16, 4, 2))
+    q_lens, group, kv_heads, page = [40, 1, 1, 1], 4, 2, 16
+    kv, meta = make_batch(q_lens, page, kv_heads, 32, torch.float32, True)
+    entries = int((meta.kv_indptr[1:] - meta.kv_indptr[:-1]).max())
+    dev = torch.device("cpu")
+    grid_cfg = ta.launch_config(4, 40, entries, kv_heads, group, page, True, dev)
+    cfg = ta.launch_config(4, 40, entries, kv_heads, group, page, True, dev, total_tokens=sum(q_lens))
+    assert (grid_cfg.rows, grid_cfg.num_splits) == (32, 1) and (cfg.rows, cfg.num_splits) == (16, 2)
+    check_attention(q_lens, group, kv_heads, 32, page, torch.float32, True)
+
+
+def test_a_question_beside_decodes_splits_the_keys_like_its_working_programs(monkeypatch):
+    # 132 SMs, 8 kv heads, group 4: a 128-token question beside 4 decodes over 10,240 keys. The grid
+    # has 5 x 4 query blocks x 8 heads = 160 programs (no split: >= the SMs), but only 8 x 8 = 64 hold
+    # tokens, so the keys split as for 64 programs; a prefill step that fills its grid is unchanged
+    monkeypatch.setattr(ta, "device_sms", lambda device: 132)
+    dev = torch.device("cpu")
+    whole = ta.launch_config(5, 128, 640, 8, 4, 16, True, dev)
+    mixed = ta.launch_config(5, 128, 640, 8, 4, 16, True, dev, total_tokens=132)
+    assert whole.num_splits == 1
+    assert mixed.num_splits == ta.pick_num_splits(64, 10240, dev, ta.EXTEND_SLOTS) > 1
+    assert (mixed.rows, mixed.block_m) == (whole.rows, whole.block_m)
+    full = ta.launch_config(4, 512, 640, 8, 4, 16, True, dev, total_tokens=2048)
+    assert full == ta.launch_config(4, 512, 640, 8, 4, 16, True, dev)
 
 
 def test_warm_up_runs_every_case_over_a_small_pool(monkeypatch):

@@ -259,12 +259,25 @@ def warm_up(kv: torch.Tensor, rope: RopeCache | None, num_q_heads: int, rotate: 
     return n
 
 
+def working_q_blocks(batch: int, max_q_len: int, block_m: int, total_tokens: int | None) -> int:
+    """Query blocks of a step that hold tokens. The grid gives every sequence the longest one's
+    blocks, and a block past its sequence's tokens exits at once, so a mixed step (decodes beside a
+    128-token question) has far fewer programs at work than the grid has. Counted from the step's
+    tokens on the host: sum of ceil(n_i / block_m) <= (T + batch * (block_m - 1)) // block_m."""
+    grid = batch * triton.cdiv(max_q_len, block_m)
+    if total_tokens is None:
+        return grid
+    return max(1, min(grid, (total_tokens + batch * (block_m - 1)) // block_m))
+
+
 def launch_config(
     batch: int, max_q_len: int, max_kv_entries: int, num_kv_heads: int, group: int, page_size: int,
-    rotate: bool, device: torch.device, num_splits: int | None = None,
+    rotate: bool, device: torch.device, num_splits: int | None = None, total_tokens: int | None = None,
 ) -> LaunchConfig:  # fmt: skip
     """The launch of a step of `batch` sequences (host only): the decode path when max_q_len == 1,
-    tiles by the grid's size, splits of the keys (num_splits forces them, capped at max_kv_entries)."""
+    tiles by the programs at work, splits of the keys (num_splits forces them, capped at
+    max_kv_entries). total_tokens (the step's query tokens, an upper bound is fine) counts the
+    programs at work (working_q_blocks); without it every program of the grid counts."""
     max_tokens = max_kv_entries * page_size
     decode = max_q_len == 1
     if decode:
@@ -273,13 +286,14 @@ def launch_config(
     else:
         ext_rows, block_n, warps, stages = EXTEND_ROWS, EXTEND_BLOCK_N, EXTEND_WARPS, EXTEND_STAGES
         rows = max(MIN_DOT, ext_rows, _pow2(group))
-        grid0 = batch * triton.cdiv(max_q_len, rows // group) * num_kv_heads
-        if grid0 >= EXTEND_LARGE_MIN_PER_SM * device_sms(device):
+        working = working_q_blocks(batch, max_q_len, rows // group, total_tokens) * num_kv_heads
+        if working >= EXTEND_LARGE_MIN_PER_SM * device_sms(device):
             ext_rows, block_n, warps, stages = EXTEND_LARGE
             rows = max(MIN_DOT, ext_rows, _pow2(group))
         block_m = rows // group
         q_blocks = triton.cdiv(max_q_len, block_m)
-        auto_splits = pick_num_splits(batch * q_blocks * num_kv_heads, max_tokens, device, EXTEND_SLOTS)
+        working = working_q_blocks(batch, max_q_len, block_m, total_tokens) * num_kv_heads
+        auto_splits = pick_num_splits(working, max_tokens, device, EXTEND_SLOTS)
     angle = int(DECODE_ROT_ANGLE if decode else EXTEND_ROT_ANGLE) if rotate else 0
     if decode and batch * num_kv_heads > DECODE_ANGLE_MAX_GRID:
         angle = 0
@@ -680,7 +694,7 @@ def lazy_attention_triton(
     rotate = bool(meta.rotate_keys)
     half_kv = kv.dtype in (torch.float16, torch.bfloat16)
     cfg = launch_config(B, max_q_len, max_kv_entries, num_kv_heads, group, page_size, rotate, q.device,
-                        num_splits)
+                        num_splits, total_tokens=T)
     decode, rows, block_m, q_blocks, block_n = cfg.decode, cfg.rows, cfg.block_m, cfg.q_blocks, cfg.block_n
     warps, stages, angle, num_splits = cfg.warps, cfg.stages, cfg.angle, cfg.num_splits
     rot_lowp = int(DECODE_ROT_LOWP if decode else EXTEND_ROT_LOWP) if half_kv else 0
