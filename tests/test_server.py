@@ -543,6 +543,13 @@ BAD = [
     ("/generate", {"text": "hi", "sampling_params": {"nope": 1}}, 400, "sampling_params.nope"),
     ("/generate", {"text": "hi", "sampling_params": {"top_k": -3}}, 400, "sampling_params.top_k"),
     ("/generate", {"text": "hi", "docs": [1]}, 400, "docs[0]"),
+    # fields the OpenAI endpoints do not take: refused by name, never accepted and ignored
+    ("/v1/chat/completions", {**X, "min_p": 0.1}, 400, "min_p"),
+    ("/v1/chat/completions", {**X, "reasoning_effort": "low"}, 400, "reasoning_effort"),
+    ("/v1/chat/completions", {**X, "store": True}, 400, "store"),
+    ("/v1/chat/completions", {**X, "echo": True}, 400, "echo"),
+    ("/v1/completions", {"prompt": "x", "top_logprobs": 2}, 400, "top_logprobs"),
+    ("/v1/completions", {"prompt": "x", "docs": ["d"]}, 400, "docs"),
 ]
 
 

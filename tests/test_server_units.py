@@ -93,3 +93,61 @@ def test_detokenizer_holds_back_and_cuts_stop_strings(tokenizer):
     assert len(d.ids) < len(ids)  # tokens after the stop are not consumed
     d, pieces = _stream(tokenizer, ids, stop=["absent"])
     assert "".join(pieces) == text and not d.stopped
+
+
+class _ReadLog(dict):
+    """A request body that records every field the parser looks at."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.read: set[str] = set()
+
+    def get(self, key, default=None):
+        self.read.add(key)
+        return super().get(key, default)
+
+    def __getitem__(self, key):
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def __contains__(self, key):
+        self.read.add(key)
+        return super().__contains__(key)
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_openai_bodies_take_only_the_fields_their_parser_reads(chat):
+    # every field the parser reads is on the endpoint's list (else a field it honours would be
+    # refused), and a field off the list is a 400 naming it (else it would be accepted and ignored);
+    # fields without an effect (user, store false, ...) pass, asking for what they cannot do does not
+    from lazyrt.runtime.server import protocol
+    from lazyrt.runtime.server.errors import ApiError
+
+    fields = protocol.CHAT_FIELDS if chat else protocol.COMPLETION_FIELDS
+    parse = protocol.parse_chat if chat else protocol.parse_completion
+    body = {"model": "m", "max_tokens": 5, "temperature": 0.5, "top_p": 0.9, "top_k": 4, "stop": ["."],
+            "seed": 1, "presence_penalty": 0.1, "frequency_penalty": 0.1, "repetition_penalty": 1.1,
+            "logit_bias": {"3": 1}, "min_tokens": 1, "stop_token_ids": [2], "citations": False, "n": 2,
+            "doc_attention_temperature": 1.0, "doc_attention_scale": 1.0, "doc_positions": "sequential",
+            "retrieval_top_k": 4, "response_format": {"type": "text"}, "stream": True,
+            "stream_options": {"include_usage": True}, "documents": ["a doc"]}  # fmt: skip
+    if chat:
+        body |= {"messages": [{"role": "user", "content": "q"}], "logprobs": True, "top_logprobs": 2,
+                 "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+                 "tool_choice": "auto", "parallel_tool_calls": True}  # fmt: skip
+    else:
+        body |= {"prompt": "p", "logprobs": 2, "echo": False}
+    logged = _ReadLog(body)
+    parse(logged, "m")
+    assert logged.read <= set(fields), sorted(logged.read - set(fields))
+    assert set(body) <= logged.read  # the body above exercises the fields it sends
+    for extra in ({"user": "u"}, {"store": False}, {"service_tier": "auto"}, {"modalities": ["text"]},
+                  {"metadata": {"k": "v"}}, {"prompt_cache_key": "k"}, {"min_p": None}):  # fmt: skip
+        parse({**body, **extra}, "m")
+    refused = (("min_p", 0.1), ("reasoning_effort", "low"), ("audio", {"voice": "x"}), ("store", True),
+               ("service_tier", "flex"), ("modalities", ["text", "audio"]), ("topk", 3),
+               ("top_logprobs" if not chat else "echo", 1), ("best_of", 2))  # fmt: skip
+    for name, value in refused:
+        with pytest.raises(ApiError) as e:
+            parse({**body, name: value}, "m")
+        assert e.value.param == name, (name, e.value.param)

@@ -232,6 +232,45 @@ def _logprobs(body: dict, chat: bool) -> int | None:
     return lp
 
 
+# The OpenAI endpoints' fields: a field outside these is a 400 naming it (as OpenAI answers an
+# unrecognized argument), so a typo or a setting this server lacks (min_p, reasoning_effort, audio)
+# is never accepted and then ignored. /generate has its own list (GENERATE_FIELDS).
+_SAMPLING_FIELDS = (
+    "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "stop", "seed", "ignore_eos",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens",
+    "stop_token_ids", "citations", "n", "logprobs", "doc_attention_temperature", "doc_attention_scale",
+    "doc_positions", "retrieval_top_k", "response_format", "guided_json", "guided_regex", "guided_choice",
+    "guided_grammar",
+)  # fmt: skip
+_COMMON_FIELDS = ("model", "stream", "stream_options", "documents", *_SAMPLING_FIELDS, *_UNSUPPORTED)
+CHAT_FIELDS = ("messages", "tools", "tool_choice", "parallel_tool_calls", "top_logprobs", *_COMMON_FIELDS)
+COMPLETION_FIELDS = ("prompt", "echo", *_COMMON_FIELDS)
+# OpenAI fields without an effect on the answer (identifiers, storage and routing hints), taken at
+# these values: a value asking for something this server does not do is a 400
+_NO_EFFECT = {
+    "user": None,  # any value: an end-user id
+    "safety_identifier": None,
+    "prompt_cache_key": None,  # a cache routing hint: documents are cached by their contents anyway
+    "metadata": None,  # stored with the completion only where store is true
+    "store": (False,),
+    "service_tier": ("auto", "default"),
+    "modalities": (["text"],),
+}
+
+
+def _check_fields(body: dict, fields: tuple[str, ...]) -> None:
+    """Every field of an OpenAI-style body is one this endpoint reads or one without an effect."""
+    for key, v in body.items():
+        if key in fields or v is None:
+            continue
+        if key not in _NO_EFFECT:
+            raise bad(key, "is not a field this server supports on this endpoint (sampling fields it "
+                           "takes: " + ", ".join(_SAMPLING_FIELDS) + ")")  # fmt: skip
+        allowed = _NO_EFFECT[key]
+        if allowed is not None and v not in allowed:
+            raise bad(key, f"is not supported by this server (only {' or '.join(map(repr, allowed))})")
+
+
 def _check_unsupported(body: dict) -> None:
     for key, default in _UNSUPPORTED.items():
         v = body.get(key)
@@ -263,6 +302,7 @@ def _stream(body: dict) -> tuple[bool, bool]:
 
 def parse_completion(body: dict, served: str) -> Parsed:
     _check_model(body, served)
+    _check_fields(body, COMPLETION_FIELDS)
     _check_unsupported(body)
     prompt = body.get("prompt")
     if prompt is None:
@@ -327,6 +367,7 @@ def _content(m: dict, i: int) -> str:
 
 def parse_chat(body: dict, served: str) -> Parsed:
     _check_model(body, served)
+    _check_fields(body, CHAT_FIELDS)
     _check_unsupported(body)
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
