@@ -51,6 +51,7 @@ class SamplingParams:
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = -1  # -1 (or 0) = off
+    min_p: float = 0.0  # keep tokens >= min_p x as likely as the likeliest (after top-k / top-p); 0 = off
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
     ignore_eos: bool = False
@@ -133,6 +134,8 @@ class SamplingParams:
             raise bad("temperature", "must be a number >= 0")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise bad("top_p", "must be in (0, 1]")
+        if not _number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise bad("min_p", "must be a number in [0, 1] (0 = off)")
         if not _int(self.top_k) or not -1 <= self.top_k <= MAX_COUNT:
             raise bad("top_k", f"must be an integer in [1, {MAX_COUNT}], or -1/0 to disable")
         if not all(isinstance(s, str) and s for s in self.stop):

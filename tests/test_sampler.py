@@ -1,5 +1,5 @@
 """The device sampler (runtime/worker/sampler.py): the distribution it samples from equals HF
-transformers' temperature / top-k / top-p logits warpers on fresh random logits, its inverse-CDF pick
+transformers' temperature / top-k / top-p / min-p logits warpers on fresh random logits, its inverse-CDF pick
 reproduces that distribution over a fine grid of uniforms, greedy rows take the argmax, and seeded
 requests repeat."""
 
@@ -10,6 +10,7 @@ import random
 import pytest
 import torch
 from transformers.generation.logits_process import (
+    MinPLogitsWarper,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
@@ -19,12 +20,16 @@ from lazyrt import SamplingParams
 from lazyrt.runtime.worker.sampler import pick, sample_tokens_device, sampling_probs
 
 
-def hf_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+def hf_probs(
+    logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float = 0.0
+) -> torch.Tensor:
     scores = TemperatureLogitsWarper(temperature)(None, logits[None].clone())
     if 0 < top_k < logits.numel():
         scores = TopKLogitsWarper(top_k)(None, scores)
     if top_p < 1.0:
         scores = TopPLogitsWarper(top_p)(None, scores)
+    if min_p > 0:
+        scores = MinPLogitsWarper(min_p)(None, scores)
     return torch.softmax(scores, dim=-1)[0]
 
 
@@ -40,6 +45,38 @@ def test_sampling_probs_match_hf_warpers():
         got = torch.zeros(vocab).scatter_(0, order[i], probs[i])
         torch.testing.assert_close(got / got.sum(), hf_probs(logits[i], temperature, top_k, top_p),
                                    rtol=1e-5, atol=1e-6)  # fmt: skip
+
+
+def test_min_p_matches_hf_warper_with_and_without_top_k_and_top_p():
+    rng = random.Random()
+    vocab = 400
+    configs = [(rng.uniform(0.3, 2.0), rng.choice([-1, 5, 60]), rng.choice([1.0, 0.95, 0.6]),
+                rng.choice([0.0, 0.01, 0.1, 0.5, 1.0])) for _ in range(16)]  # fmt: skip
+    configs[0] = (1.0, -1, 1.0, 0.1)  # one row where min_p alone filters
+    logits = torch.randn(len(configs), vocab) * rng.uniform(1, 4)
+    t, k, p, m = (torch.tensor(c) for c in zip(*configs))
+    probs, order = sampling_probs(logits, t.float(), k.long(), p.float(), m.float())
+    filtered = 0
+    for i, (temperature, top_k, top_p, min_p) in enumerate(configs):
+        got = torch.zeros(vocab).scatter_(0, order[i], probs[i])
+        want = hf_probs(logits[i], temperature, top_k, top_p, min_p)
+        torch.testing.assert_close(got / got.sum(), want, rtol=1e-5, atol=1e-6)
+        filtered += int((got > 0).sum() < (hf_probs(logits[i], temperature, top_k, top_p) > 0).sum())
+    assert filtered  # min_p removed tokens that top-k / top-p alone keep, in some rows
+
+
+def test_min_p_rows_sample_only_tokens_it_keeps():
+    # a row with min_p samples only tokens at least min_p x as likely as the likeliest; a row beside
+    # it without min_p is unaffected (its seeded draws equal a batch without the min_p row)
+    logits = torch.tensor([[4.0, 3.5, 1.0, 0.0, -1.0], [4.0, 3.5, 1.0, 0.0, -1.0]])
+    keep = {0, 1}  # exp(-0.5) = 0.61 >= 0.3; exp(-3) = 0.05 < 0.3
+    for seed in range(40):
+        params = [SamplingParams(temperature=1.0, min_p=0.3, seed=seed), SamplingParams(temperature=1.0)]
+        gens = [torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed + 1000)]
+        tok = sample_tokens_device(logits, params, gens)
+        assert int(tok[0]) in keep
+        alone = sample_tokens_device(logits[1:], params[1:], [torch.Generator().manual_seed(seed + 1000)])
+        assert int(tok[1]) == int(alone[0])
 
 
 def test_pick_reproduces_the_distribution_over_a_grid_of_uniforms():

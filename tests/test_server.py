@@ -290,6 +290,21 @@ def test_n_choices_greedy_identical_and_seeded_reproducible(server, oai, engine)
     assert got == texts
 
 
+def test_min_p_reaches_the_sampler(server, oai, engine):
+    # min_p 1 keeps only the likeliest token: sampling at temperature 1.5 answers as greedy does; a
+    # small min_p at a seed answers as Engine with the same SamplingParams
+    msgs = [{"role": "user", "content": "Name a fruit."}]
+    kw = dict(model=MODEL, messages=msgs, max_tokens=12)
+    greedy = oai.chat.completions.create(**kw, temperature=0).choices[0].message.content
+    hot = [oai.chat.completions.create(**kw, temperature=1.5, seed=s, extra_body={"min_p": 1.0})
+           for s in range(3)]  # fmt: skip
+    assert [r.choices[0].message.content for r in hot] == [greedy] * 3
+    prompt = engine.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    want = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=1.5, seed=7, min_p=0.02))[0]
+    got = oai.chat.completions.create(**kw, temperature=1.5, seed=7, extra_body={"min_p": 0.02})
+    assert got.choices[0].message.content == want["text"]
+
+
 def test_logprobs_equal_engine_score(server, oai, engine):
     prompt = "The three primary colours are"
     resp = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, logprobs=3)
@@ -544,7 +559,8 @@ BAD = [
     ("/generate", {"text": "hi", "sampling_params": {"top_k": -3}}, 400, "sampling_params.top_k"),
     ("/generate", {"text": "hi", "docs": [1]}, 400, "docs[0]"),
     # fields the OpenAI endpoints do not take: refused by name, never accepted and ignored
-    ("/v1/chat/completions", {**X, "min_p": 0.1}, 400, "min_p"),
+    ("/v1/chat/completions", {**X, "min_p": 1.5}, 400, "min_p"),
+    ("/v1/chat/completions", {**X, "minp": 0.1}, 400, "minp"),
     ("/v1/chat/completions", {**X, "reasoning_effort": "low"}, 400, "reasoning_effort"),
     ("/v1/chat/completions", {**X, "store": True}, 400, "store"),
     ("/v1/chat/completions", {**X, "echo": True}, 400, "echo"),

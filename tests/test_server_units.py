@@ -119,15 +119,17 @@ class _ReadLog(dict):
 def test_openai_bodies_take_only_the_fields_their_parser_reads(chat):
     # every field the parser reads is on the endpoint's list (else a field it honours would be
     # refused), and a field off the list is a 400 naming it (else it would be accepted and ignored);
-    # fields without an effect (user, store false, ...) pass, asking for what they cannot do does not
+    # fields without an effect (user, store false, ...) pass, asking for what they cannot do does not;
+    # a bad value of a field it takes (min_p 2) is refused by its name too
     from lazyrt.runtime.server import protocol
     from lazyrt.runtime.server.errors import ApiError
 
     fields = protocol.CHAT_FIELDS if chat else protocol.COMPLETION_FIELDS
     parse = protocol.parse_chat if chat else protocol.parse_completion
-    body = {"model": "m", "max_tokens": 5, "temperature": 0.5, "top_p": 0.9, "top_k": 4, "stop": ["."],
-            "seed": 1, "presence_penalty": 0.1, "frequency_penalty": 0.1, "repetition_penalty": 1.1,
-            "logit_bias": {"3": 1}, "min_tokens": 1, "stop_token_ids": [2], "citations": False, "n": 2,
+    body = {"model": "m", "max_tokens": 5, "temperature": 0.5, "top_p": 0.9, "top_k": 4, "min_p": 0.05,
+            "stop": ["."], "seed": 1, "presence_penalty": 0.1, "frequency_penalty": 0.1,
+            "repetition_penalty": 1.1, "logit_bias": {"3": 1}, "min_tokens": 1, "stop_token_ids": [2],
+            "citations": False, "n": 2,
             "doc_attention_temperature": 1.0, "doc_attention_scale": 1.0, "doc_positions": "sequential",
             "retrieval_top_k": 4, "response_format": {"type": "text"}, "stream": True,
             "stream_options": {"include_usage": True}, "documents": ["a doc"]}  # fmt: skip
@@ -142,9 +144,9 @@ def test_openai_bodies_take_only_the_fields_their_parser_reads(chat):
     assert logged.read <= set(fields), sorted(logged.read - set(fields))
     assert set(body) <= logged.read  # the body above exercises the fields it sends
     for extra in ({"user": "u"}, {"store": False}, {"service_tier": "auto"}, {"modalities": ["text"]},
-                  {"metadata": {"k": "v"}}, {"prompt_cache_key": "k"}, {"min_p": None}):  # fmt: skip
+                  {"metadata": {"k": "v"}}, {"prompt_cache_key": "k"}, {"verbosity": None}):  # fmt: skip
         parse({**body, **extra}, "m")
-    refused = (("min_p", 0.1), ("reasoning_effort", "low"), ("audio", {"voice": "x"}), ("store", True),
+    refused = (("min_p", 2), ("reasoning_effort", "low"), ("audio", {"voice": "x"}), ("store", True),
                ("service_tier", "flex"), ("modalities", ["text", "audio"]), ("topk", 3),
                ("top_logprobs" if not chat else "echo", 1), ("best_of", 2))  # fmt: skip
     for name, value in refused:

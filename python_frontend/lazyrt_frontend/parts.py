@@ -86,6 +86,7 @@ def gen(
     temperature: float = 0.0,
     top_p: float = 1.0,
     top_k: int = -1,
+    min_p: float | None = None,
     seed: int | None = None,
     doc_attention_temperature: float | None = None,
     doc_attention_scale: float | None = None,
@@ -107,7 +108,7 @@ def gen(
     """Generate into the assistant turn; the text is stored as s[name]. temperature 0 = greedy.
     doc_attention_temperature / doc_attention_scale / doc_positions: the program's documents as
     lazyrt.SamplingParams takes them (None: the engine's setting). The penalties, logit_bias,
-    min_tokens and stop_token_ids are lazyrt.SamplingParams'; with logprobs (the number of top
+    min_tokens, stop_token_ids and min_p are lazyrt.SamplingParams'; with logprobs (the number of top
     tokens, 0 = the sampled one's only), s.metas[name]["logprobs"] holds one entry per token; with
     citations, s.metas[name]["citations"] ranks the program's documents by the attention paid them.
     Structured output (at most one, enforced while decoding): json_schema (a JSON schema dict),
@@ -117,7 +118,7 @@ def gen(
     sampling: dict = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k}
     if stop:
         sampling["stop"] = [stop] if isinstance(stop, str) else list(stop)
-    optional = {"seed": seed, "doc_attention_temperature": doc_attention_temperature,
+    optional = {"min_p": min_p, "seed": seed, "doc_attention_temperature": doc_attention_temperature,
                 "doc_attention_scale": doc_attention_scale, "doc_positions": doc_positions,
                 "presence_penalty": presence_penalty, "frequency_penalty": frequency_penalty,
                 "repetition_penalty": repetition_penalty, "logit_bias": logit_bias, "min_tokens": min_tokens,

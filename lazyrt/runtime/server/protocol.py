@@ -115,6 +115,9 @@ def _sampling(
     top_p = 1.0 if src.get("top_p") is None else src["top_p"]
     if not _is_num(top_p) or not 0 < top_p <= 1:
         raise bad(p("top_p"), f"must be a number in (0, 1], got {top_p!r}")
+    min_p = 0.0 if src.get("min_p") is None else src["min_p"]
+    if not _is_num(min_p) or not 0 <= min_p <= 1:
+        raise bad(p("min_p"), f"must be a number in [0, 1] (0 = off), got {min_p!r}")
     top_k = -1 if src.get("top_k") is None else src["top_k"]
     if not _is_int(top_k) or top_k < -1:
         raise bad(p("top_k"), f"must be an integer >= 1, or -1/0 to disable, got {top_k!r}")
@@ -152,6 +155,7 @@ def _sampling(
             max_tokens=max_tokens,
             temperature=float(temperature),
             top_p=float(top_p),
+            min_p=float(min_p),
             top_k=top_k,
             stop=stop,
             seed=seed,
@@ -233,11 +237,11 @@ def _logprobs(body: dict, chat: bool) -> int | None:
 
 
 # The OpenAI endpoints' fields: a field outside these is a 400 naming it (as OpenAI answers an
-# unrecognized argument), so a typo or a setting this server lacks (min_p, reasoning_effort, audio)
+# unrecognized argument), so a typo or a setting this server lacks (reasoning_effort, audio)
 # is never accepted and then ignored. /generate has its own list (GENERATE_FIELDS).
 _SAMPLING_FIELDS = (
-    "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "stop", "seed", "ignore_eos",
-    "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens",
+    "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "seed",
+    "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens",
     "stop_token_ids", "citations", "n", "logprobs", "doc_attention_temperature", "doc_attention_scale",
     "doc_positions", "retrieval_top_k", "response_format", "guided_json", "guided_regex", "guided_choice",
     "guided_grammar",
