@@ -92,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--min-p", type=float, default=0.0,
+                   help="keep tokens at least this times as likely as the likeliest (0 = off)")
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--doc-attention-temperature", type=float, default=None,
                    help="lazy/block: temperature on the question's logits over document tokens (1 = off)")
@@ -198,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         "temperature": args.temperature,
         "top_p": args.top_p,
         "top_k": args.top_k,
+        "min_p": args.min_p,
         "seed": args.seed,
     }
     for name in ("doc_attention_temperature", "doc_attention_scale", "doc_positions"):
