@@ -142,6 +142,25 @@ def test_gen_penalties_and_logprobs_on_both_backends(backends, ref):
         assert [e["logprob"] for e in lps] == pytest.approx(ref_lps, abs=1e-3)
 
 
+def test_gen_min_p_on_both_backends(backends, ref):
+    # a seeded sample with min_p answers as Engine with the same SamplingParams on both backends
+    opts = dict(temperature=1.5, seed=3, min_p=0.05)
+
+    @function
+    def line(s, topic):
+        s += user(f"Write one sentence about {topic}.")
+        s += gen("line", max_tokens=10, **opts)
+
+    prompt = build_program_prompt(
+        ref.tokenizer, [{"role": "user", "content": "Write one sentence about lakes."},
+                        {"role": "assistant", "content": ""}], [], None, True)  # fmt: skip
+    want = ref.generate(prompt, SamplingParams(max_tokens=10, **opts))[0]
+    plain = ref.generate(prompt, SamplingParams(max_tokens=10, temperature=1.5, seed=3))[0]
+    assert want["token_ids"] != plain["token_ids"]  # min_p changes this sample: it was not dropped
+    for name, be in backends.items():
+        assert line.run(topic="lakes", backend=be)["line"] == want["text"], name
+
+
 def test_gen_citations_on_both_backends(backends, ref):
     @function
     def cited(s, docs, question):
