@@ -119,8 +119,9 @@ def test_program_with_docs_gen_select_same_state_on_both_backends(backends, ref)
     assert again.metas["answer"]["chunk_hits"] == 3
 
 
-def test_gen_penalties_and_logprobs_on_both_backends(backends, ref):
-    opts = dict(frequency_penalty=1.2, repetition_penalty=1.3, min_tokens=2, logprobs=2)
+def _one_line(ref, topic: str, opts: dict):
+    """A program that writes one line about topic with gen options opts, and its prompt as Engine
+    takes it."""
 
     @function
     def story(s, topic):
@@ -128,8 +129,14 @@ def test_gen_penalties_and_logprobs_on_both_backends(backends, ref):
         s += gen("line", max_tokens=10, **opts)
 
     prompt = build_program_prompt(
-        ref.tokenizer, [{"role": "user", "content": "Write one sentence about rivers."},
+        ref.tokenizer, [{"role": "user", "content": f"Write one sentence about {topic}."},
                         {"role": "assistant", "content": ""}], [], None, True)  # fmt: skip
+    return story, prompt
+
+
+def test_gen_penalties_and_logprobs_on_both_backends(backends, ref):
+    opts = dict(frequency_penalty=1.2, repetition_penalty=1.3, min_tokens=2, logprobs=2)
+    story, prompt = _one_line(ref, "rivers", opts)
     want = ref.generate(prompt, SamplingParams(max_tokens=10, **opts))[0]
     plain = ref.generate(prompt, SamplingParams(max_tokens=10))[0]
     assert want["token_ids"] != plain["token_ids"]  # the penalties change this answer
@@ -145,20 +152,12 @@ def test_gen_penalties_and_logprobs_on_both_backends(backends, ref):
 def test_gen_min_p_on_both_backends(backends, ref):
     # a seeded sample with min_p answers as Engine with the same SamplingParams on both backends
     opts = dict(temperature=1.5, seed=3, min_p=0.05)
-
-    @function
-    def line(s, topic):
-        s += user(f"Write one sentence about {topic}.")
-        s += gen("line", max_tokens=10, **opts)
-
-    prompt = build_program_prompt(
-        ref.tokenizer, [{"role": "user", "content": "Write one sentence about lakes."},
-                        {"role": "assistant", "content": ""}], [], None, True)  # fmt: skip
+    story, prompt = _one_line(ref, "lakes", opts)
     want = ref.generate(prompt, SamplingParams(max_tokens=10, **opts))[0]
     plain = ref.generate(prompt, SamplingParams(max_tokens=10, temperature=1.5, seed=3))[0]
     assert want["token_ids"] != plain["token_ids"]  # min_p changes this sample: it was not dropped
     for name, be in backends.items():
-        assert line.run(topic="lakes", backend=be)["line"] == want["text"], name
+        assert story.run(topic="lakes", backend=be)["line"] == want["text"], name
 
 
 def test_gen_citations_on_both_backends(backends, ref):
