@@ -26,14 +26,26 @@ from lazyrt.sampling_params import (
 )
 
 ROLES = ("system", "user", "assistant")
-# OpenAI fields we cannot honour: reject a non-default value rather than silently ignore it.
-_UNSUPPORTED = {
-    "best_of": 1,
-    "functions": None,
-    "function_call": "none",
-    "suffix": None,
-    "prompt_logprobs": None,
+# OpenAI fields taken only at these values: the ones we cannot honour (best_of ... prompt_logprobs)
+# at their no-op value, and storage / routing hints at the values that ask nothing of this server; any
+# other value is a 400 rather than silently ignored (a null value counts as absent)
+_ONLY = {
+    "best_of": (1,),
+    "functions": (None,),
+    "function_call": ("none",),
+    "suffix": (None,),
+    "prompt_logprobs": (None,),
+    "store": (False,),  # storing completions (with their metadata) for OpenAI's evals: not here
+    "service_tier": ("auto", "default"),
+    "modalities": (["text"],),
 }
+# OpenAI fields without an effect on the answer at any value: identifiers and hints
+_NO_EFFECT = (
+    "user",
+    "safety_identifier",
+    "prompt_cache_key",  # a cache routing hint: documents are cached by their contents anyway
+    "metadata",  # kept with a stored completion only (store is false here)
+)
 
 
 @dataclass
@@ -246,40 +258,22 @@ _SAMPLING_FIELDS = (
     "doc_positions", "retrieval_top_k", "response_format", "guided_json", "guided_regex", "guided_choice",
     "guided_grammar",
 )  # fmt: skip
-_COMMON_FIELDS = ("model", "stream", "stream_options", "documents", *_SAMPLING_FIELDS, *_UNSUPPORTED)
+_COMMON_FIELDS = ("model", "stream", "stream_options", "documents", *_SAMPLING_FIELDS, *_NO_EFFECT)
 CHAT_FIELDS = ("messages", "tools", "tool_choice", "parallel_tool_calls", "top_logprobs", *_COMMON_FIELDS)
 COMPLETION_FIELDS = ("prompt", "echo", *_COMMON_FIELDS)
-# OpenAI fields without an effect on the answer (identifiers, storage and routing hints), taken at
-# these values: a value asking for something this server does not do is a 400
-_NO_EFFECT = {
-    "user": None,  # any value: an end-user id
-    "safety_identifier": None,
-    "prompt_cache_key": None,  # a cache routing hint: documents are cached by their contents anyway
-    "metadata": None,  # stored with the completion only where store is true
-    "store": (False,),
-    "service_tier": ("auto", "default"),
-    "modalities": (["text"],),
-}
 
 
 def _check_fields(body: dict, fields: tuple[str, ...]) -> None:
-    """Every field of an OpenAI-style body is one this endpoint reads or one without an effect."""
+    """Every field of an OpenAI-style body is one this endpoint reads, or one of _ONLY at a value it
+    allows."""
     for key, v in body.items():
         if key in fields or v is None:
             continue
-        if key not in _NO_EFFECT:
+        if key not in _ONLY:
             raise bad(key, "is not a field this server supports on this endpoint (sampling fields it "
                            "takes: " + ", ".join(_SAMPLING_FIELDS) + ")")  # fmt: skip
-        allowed = _NO_EFFECT[key]
-        if allowed is not None and v not in allowed:
-            raise bad(key, f"is not supported by this server (only {' or '.join(map(repr, allowed))})")
-
-
-def _check_unsupported(body: dict) -> None:
-    for key, default in _UNSUPPORTED.items():
-        v = body.get(key)
-        if v is not None and v != default:
-            raise bad(key, f"is not supported by this server (only {default!r})")
+        if v not in _ONLY[key]:
+            raise bad(key, f"is not supported by this server (only {' or '.join(map(repr, _ONLY[key]))})")
 
 
 def _check_model(body: dict, served: str) -> None:
@@ -307,7 +301,6 @@ def _stream(body: dict) -> tuple[bool, bool]:
 def parse_completion(body: dict, served: str) -> Parsed:
     _check_model(body, served)
     _check_fields(body, COMPLETION_FIELDS)
-    _check_unsupported(body)
     prompt = body.get("prompt")
     if prompt is None:
         raise bad("prompt", "is required")
@@ -372,7 +365,6 @@ def _content(m: dict, i: int) -> str:
 def parse_chat(body: dict, served: str) -> Parsed:
     _check_model(body, served)
     _check_fields(body, CHAT_FIELDS)
-    _check_unsupported(body)
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad("messages", "must be a non-empty list of {role, content} objects")
