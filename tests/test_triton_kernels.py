@@ -507,11 +507,61 @@ def test_a_question_beside_decodes_splits_the_keys_like_its_working_programs(mon
     dev = torch.device("cpu")
     whole = ta.launch_config(5, 128, 640, 8, 4, 16, True, dev)
     mixed = ta.launch_config(5, 128, 640, 8, 4, 16, True, dev, total_tokens=132)
-    assert whole.num_splits == 1
+    assert whole.num_splits == ta.extend_num_splits(160, 10240, dev)  # by whole waves (see below)
     assert mixed.num_splits == ta.pick_num_splits(64, 10240, dev, ta.EXTEND_SLOTS) > 1
+    assert mixed.num_splits != whole.num_splits
     assert (mixed.rows, mixed.block_m) == (whole.rows, whole.block_m)
     full = ta.launch_config(4, 512, 640, 8, 4, 16, True, dev, total_tokens=2048)
     assert full == ta.launch_config(4, 512, 640, 8, 4, 16, True, dev)
+
+
+def test_extend_splits_by_whole_waves_between_one_and_two_programs_a_sm(monkeypatch):
+    # 132 SMs, 2 resident programs each: 136 programs at work (16 decodes beside a question) ran one
+    # 10k-key program on most SMs unsplit; split s ways they take ceil(136 s / 264) waves of 1/s the
+    # keys. The pick is never worse than unsplit by that count, within the slack of the best count up
+    # to MAX_WAVE_SPLITS, and the fewest splits that are; a grid that fills the slots, or keys too
+    # short to split, stay unsplit; under one program a SM the one-wave rule holds
+    monkeypatch.setattr(ta, "device_sms", lambda device: 132)
+    dev, slots = torch.device("cpu"), 132 * ta.EXTEND_SLOTS
+
+    def waves(w: int, s: int) -> float:
+        return -(-w * s // slots) / s
+
+    assert ta.extend_num_splits(136, 10240, dev) > 1
+    assert waves(136, ta.extend_num_splits(136, 10240, dev)) <= 0.7
+    for w in range(132, slots + 40):
+        for keys in (10240, 600, 100):
+            s = ta.extend_num_splits(w, keys, dev)
+            if w >= slots:
+                assert s == 1
+                continue
+            top = max(1, min(ta.MAX_WAVE_SPLITS, keys // ta.MIN_SPLIT_TOKENS))
+            best = min(waves(w, k) for k in range(1, top + 1))
+            assert 1 <= s <= top and waves(w, s) <= best * (1 + ta.WAVE_SPLIT_SLACK), (w, keys, s)
+            assert all(waves(w, k) > best * (1 + ta.WAVE_SPLIT_SLACK) for k in range(1, s)), (w, keys, s)
+    for w in (1, 40, 131):
+        assert ta.extend_num_splits(w, 10240, dev) == ta.pick_num_splits(w, 10240, dev, ta.EXTEND_SLOTS)
+
+
+def test_a_step_split_by_whole_waves_equals_the_reference(small_blocks, monkeypatch):
+    # a device of 4 SMs, tiles of 4 tokens x group 4: a 12-token sequence beside 3 decodes is 3 + 3 = 6
+    # programs at work (4 to 8 a wave: the wave rule), which split the keys; the kernel's output with
+    # those splits equals the reference, fp32 and fp16
+    monkeypatch.setattr(ta, "device_sms", lambda device: 4)
+    monkeypatch.setattr(ta, "MIN_SPLIT_TOKENS", 8)
+    monkeypatch.setattr(ta, "EXTEND_LARGE_MIN_PER_SM", 100)
+    q_lens, group, kv_heads, page = [12, 1, 1, 1], 4, 1, 8
+    for dtype in (torch.float32, torch.float16):
+        kv, meta = make_batch(q_lens, page, kv_heads, 32, dtype, True, docs=4, prior=64)
+        entries = int((meta.kv_indptr[1:] - meta.kv_indptr[:-1]).max())
+        cpu = torch.device("cpu")
+        cfg = ta.launch_config(4, 12, entries, kv_heads, group, page, True, cpu, total_tokens=sum(q_lens))
+        assert cfg.block_m == 4 and cfg.num_splits == ta.extend_num_splits(6, entries * page, cpu) > 1
+        rope = make_rope(32, False, None)
+        q = torch.randn(sum(q_lens), kv_heads * group, 32).to(dtype)
+        ref = lazy_attention_ref(q, kv, meta, rope, 32**-0.5)
+        out = ta.lazy_attention_triton(q, kv, meta, rope, 32**-0.5)
+        assert rel_err(out, ref) < TOL[dtype], f"seed {SEED}"
 
 
 def test_warm_up_runs_every_case_over_a_small_pool(monkeypatch):

@@ -108,6 +108,9 @@ EXTEND_SCAN = 128  # page-table entries scanned per step to find the unmasked / 
 # than MIN_SPLIT_TOKENS keys.
 MIN_SPLIT_TOKENS = 256
 MAX_SPLITS = 64
+# Extend launches of one to EXTEND_SLOTS programs per SM split by whole waves (extend_num_splits).
+MAX_WAVE_SPLITS = 8
+WAVE_SPLIT_SLACK = 0.15
 HALF_TABLES = True
 # Merge of the splits launched with programmatic dependent launch (sm_90+): the split kernel lets it
 # launch at once, its programs wait (griddepcontrol.wait) for the split kernel's results, so the merge's
@@ -155,6 +158,29 @@ def pick_num_splits(base_programs: int, max_tokens: int, device: torch.device, s
         return 1
     by_len = max(1, max_tokens // MIN_SPLIT_TOKENS)
     return max(1, min(sms * slots_per_sm // base_programs, by_len, MAX_SPLITS))
+
+
+def extend_num_splits(working: int, max_tokens: int, device: torch.device) -> int:
+    """Splits of the keys for an extend launch of `working` programs at work. Under a program per SM:
+    pick_num_splits' one wave. From one to EXTEND_SLOTS programs per SM (a step of 17-32 sequences,
+    e.g. decodes beside a question) most SMs run one long program while they could run two; s splits
+    give `working * s` programs of 1/s the keys each, which take ceil(working * s / slots) waves of
+    the slots, so the step takes about waves / s of the unsplit time (H200: 136 programs over 10k keys
+    each, s = 2 / 3 / 4 / 8 measured 0.84-0.95 / 0.68 / 0.70-0.77 / 0.65-0.69 of it; the model says 1 /
+    0.67 / 0.75 / 0.63). The fewest splits within WAVE_SPLIT_SLACK of the best up to
+    MAX_WAVE_SPLITS; 1 unless that beats it by more than the slack."""
+    sms = device_sms(device)
+    if working < sms:
+        return pick_num_splits(working, max_tokens, device, EXTEND_SLOTS)
+    slots = sms * EXTEND_SLOTS
+    if working >= slots:
+        return 1
+    top = max(1, min(MAX_WAVE_SPLITS, max_tokens // MIN_SPLIT_TOKENS))
+    cost = {s: -(-working * s // slots) / s for s in range(1, top + 1)}
+    best = min(cost.values())
+    if cost[1] <= best * (1 + WAVE_SPLIT_SLACK):
+        return 1
+    return min(s for s, c in cost.items() if c <= best * (1 + WAVE_SPLIT_SLACK))
 
 
 @functools.cache
@@ -287,13 +313,16 @@ def launch_config(
         ext_rows, block_n, warps, stages = EXTEND_ROWS, EXTEND_BLOCK_N, EXTEND_WARPS, EXTEND_STAGES
         rows = max(MIN_DOT, ext_rows, _pow2(group))
         working = working_q_blocks(batch, max_q_len, rows // group, total_tokens) * num_kv_heads
-        if working >= EXTEND_LARGE_MIN_PER_SM * device_sms(device):
+        large = working >= EXTEND_LARGE_MIN_PER_SM * device_sms(device)
+        if large:
             ext_rows, block_n, warps, stages = EXTEND_LARGE
             rows = max(MIN_DOT, ext_rows, _pow2(group))
         block_m = rows // group
         q_blocks = triton.cdiv(max_q_len, block_m)
         working = working_q_blocks(batch, max_q_len, block_m, total_tokens) * num_kv_heads
-        auto_splits = pick_num_splits(working, max_tokens, device, EXTEND_SLOTS)
+        # the large tile (8 warps) is not EXTEND_SLOTS-resident and its grids are compute-bound: one wave
+        auto_splits = (pick_num_splits(working, max_tokens, device, EXTEND_SLOTS) if large
+                       else extend_num_splits(working, max_tokens, device))  # fmt: skip
     angle = int(DECODE_ROT_ANGLE if decode else EXTEND_ROT_ANGLE) if rotate else 0
     if decode and batch * num_kv_heads > DECODE_ANGLE_MAX_GRID:
         angle = 0
