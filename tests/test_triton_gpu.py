@@ -146,6 +146,24 @@ def test_extend_bf16(q_lens, num_splits, rotate):
     assert rel_err(out, ref) <= 1e-2
 
 
+@pytest.mark.parametrize("q_len", [16, 128])
+def test_extend_bf16_question_beside_decodes_split_by_waves(q_len):
+    # a question beside 16 decodes: 17 sequences x 8 kv heads = 136 programs at work, between one and
+    # two a SM on an H100 / H200, so the launch splits the keys by whole waves; equals the reference
+    q_lens = [q_len] + [1] * 16
+    kv, meta = rag_batch(q_lens, docs=4, doc_len=700, rotate_keys=True)
+    entries = int((meta.kv_indptr[1:] - meta.kv_indptr[:-1]).max())
+    cfg = ta.launch_config(len(q_lens), q_len, entries, KV_HEADS, Q_HEADS // KV_HEADS, PAGE, True,
+                           torch.device(DEV), total_tokens=sum(q_lens))  # fmt: skip
+    sms = ta.device_sms(torch.device(DEV))
+    if sms <= 17 * KV_HEADS < sms * ta.EXTEND_SLOTS:
+        assert cfg.num_splits > 1
+    rope = make_rope()
+    q = torch.randn(sum(q_lens), Q_HEADS, HEAD_DIM, device=DEV, dtype=BF16)
+    ref = lazy_attention_ref(q, kv, meta, rope, HEAD_DIM**-0.5)
+    assert rel_err(lazy_attention_triton(q, kv, meta, rope, HEAD_DIM**-0.5), ref) <= 1e-2
+
+
 def test_lazy_kernel_compiles_once_across_grid_sizes():
     # A step's q_blocks and num_splits are runtime ints: a value of 1 or a multiple of 16 must not pick
     # another compiled variant (a compile mid-serving stalls every request in flight for seconds).
