@@ -7,7 +7,9 @@ also timed with the decodes in a launch of their own (ragged_prefill.decode_spli
 for mixed steps that do not take FlashInfer). With --prior-tokens P
 each document sequence has P cached keys before its --doc-tokens new ones (a long document's second
 prefill step, or a long question over cached documents): the what-if behind the rule of at most 2 keys
-a new token (the ragged path is timed whatever the ratio).
+a new token (the ragged path is timed whatever the ratio). With --lazy-splits S... the one lazy launch
+is also timed with its key splits forced to each S (the launch's own pick is the "lazy kernel"
+column), appended to the row: the sweep behind extend_num_splits' whole-wave rule.
 
     python benchmarks/experiments/ragged_vs_lazy.py [--docs 1 4] [--doc-tokens 2048] [--decodes 0 32]
     python benchmarks/experiments/ragged_vs_lazy.py --docs 1 8 --doc-tokens 16 64 256 --prior-tokens 8192
@@ -16,6 +18,7 @@ a new token (the ragged path is timed whatever the ratio).
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 
 import torch
@@ -25,6 +28,7 @@ from lazyrt.kernels.flashinfer_backend import FlashInferPrefillBackend
 from lazyrt.kernels.metadata import AttentionMetadata
 from lazyrt.kernels.ragged_prefill import RaggedKeys, contiguous_keys, decode_split, rows_index, split_keys
 from lazyrt.kernels.rope import RopeCache
+from lazyrt.kernels.triton_attention import lazy_attention_triton
 from lazyrt.models.config import ModelConfig
 
 
@@ -35,6 +39,8 @@ def main() -> None:
     p.add_argument("--prior-tokens", type=int, nargs="+", default=[0], help="cached keys before them")
     p.add_argument("--decodes", type=int, nargs="+", default=[0], help="running decodes in the step")
     p.add_argument("--decode-context", type=int, default=10240, help="each decode's keys")
+    p.add_argument("--lazy-splits", type=int, nargs="*", default=[],
+                   help="also time the one lazy launch with its keys split S ways")
     args = p.parse_args()
     hq, hk, d, prefix = 32, 8, 128, 24
     scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -50,18 +56,23 @@ def main() -> None:
         for prior in args.prior_tokens:
             for n in args.doc_tokens:
                 for b in args.docs:
-                    lazy, ragged, apart, err = one_size(b, n, prefix, rope, m, args.decode_context, prior)
+                    lazy, ragged, apart, err, forced = one_size(
+                        b, n, prefix, rope, m, args.decode_context, prior, args.lazy_splits)
                     cells = f"{apart:.1f} | {apart / lazy:.2f}" if apart else "- | -"
+                    split_cells = ", ".join(f"{k}: {us:.1f}" for k, us in forced.items())
+                    tail = f" lazy split {split_cells} us" if forced else ""
                     print(f"| {b} | {n} | {prior} | {m} | {lazy:.1f} | {ragged:.1f} | {ragged / lazy:.2f} | "
-                          f"{cells} | (rel diff {err:.1e})", flush=True)  # fmt: skip
+                          f"{cells} | (rel diff {err:.1e}){tail}", flush=True)  # fmt: skip
 
 
 def one_size(
-    b: int, n: int, prefix: int, rope: RopeCache, decodes: int = 0, context: int = 0, prior: int = 0
-) -> tuple[float, float, float, float]:
-    """(lazy us, ragged us, lazy with the decodes apart us (0: no decodes), relative difference) for b
-    sequences of n new tokens after prior cached ones (after decodes running decodes over context
-    keys each, listed first as the scheduler lists running requests)."""
+    b: int, n: int, prefix: int, rope: RopeCache, decodes: int = 0, context: int = 0, prior: int = 0,
+    lazy_splits: list[int] = (),
+) -> tuple[float, float, float, float, dict[int, float]]:
+    """(lazy us, ragged us, lazy with the decodes apart us (0: no decodes), relative difference, lazy
+    us with its keys split S ways for each S of lazy_splits) for b sequences of n new tokens after
+    prior cached ones (after decodes running decodes over context keys each, listed first as the
+    scheduler lists running requests)."""
     dev, ps, hq, hk, d = "cuda", 16, 32, 8, 128
     # per sequence: its runs of tokens (each from a page boundary) and its new tokens, the last ones
     seqs = [((context,), 1)] * decodes + [((prefix, prior + n), n)] * b
@@ -111,6 +122,12 @@ def one_size(
         pmeta.parts = tuple((rows_index(p["rows"], torch.device(dev)),
                              AttentionMetadata.from_tables(p, torch.device(dev))) for p in parts)  # fmt: skip
         runs.append(("apart", lambda: tri.forward(0, q, k, v, pmeta)))
+
+    def forced_launch(splits: int) -> None:  # the step's store, then the lazy kernel split `splits` ways
+        tri._store(kv, k, v, meta.store_pages, meta.store_slots)
+        lazy_attention_triton(q, kv, meta, rope, d**-0.5, num_splits=splits)
+
+    runs += [(sp, functools.partial(forced_launch, sp)) for sp in lazy_splits]
     for name, fn in runs:
         for _ in range(3):
             fn()
@@ -127,7 +144,11 @@ def one_size(
     err = (fi.forward(0, q, k, v, rmeta).float() - want).norm() / want.norm()
     if decodes:
         err = max(err, (tri.forward(0, q, k, v, pmeta).float() - want).norm() / want.norm())
-    return times["lazy"], times["ragged"], times.get("apart", 0.0), float(err)
+    for splits in lazy_splits:
+        got = lazy_attention_triton(q, kv, meta, rope, d**-0.5, num_splits=splits).float()
+        err = max(err, (got - want).norm() / want.norm())
+    forced = {sp: times[sp] for sp in lazy_splits}
+    return times["lazy"], times["ragged"], times.get("apart", 0.0), float(err), forced
 
 
 if __name__ == "__main__":
