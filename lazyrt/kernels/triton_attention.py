@@ -168,7 +168,7 @@ def extend_num_splits(working: int, max_tokens: int, device: torch.device) -> in
     the slots, so the step takes about waves / s of the unsplit time (H200: 136 programs over 10k keys
     each, s = 2 / 3 / 4 / 8 measured 0.84-0.95 / 0.68 / 0.70-0.77 / 0.65-0.69 of it; the model says 1 /
     0.67 / 0.75 / 0.63). The fewest splits within WAVE_SPLIT_SLACK of the best up to
-    MAX_WAVE_SPLITS; 1 unless that beats it by more than the slack."""
+    MAX_WAVE_SPLITS (so 1 unless a split beats it by more than the slack)."""
     sms = device_sms(device)
     if working < sms:
         return pick_num_splits(working, max_tokens, device, EXTEND_SLOTS)
@@ -176,11 +176,9 @@ def extend_num_splits(working: int, max_tokens: int, device: torch.device) -> in
     if working >= slots:
         return 1
     top = max(1, min(MAX_WAVE_SPLITS, max_tokens // MIN_SPLIT_TOKENS))
-    cost = {s: -(-working * s // slots) / s for s in range(1, top + 1)}
-    best = min(cost.values())
-    if cost[1] <= best * (1 + WAVE_SPLIT_SLACK):
-        return 1
-    return min(s for s, c in cost.items() if c <= best * (1 + WAVE_SPLIT_SLACK))
+    cost = [-(-working * s // slots) / s for s in range(1, top + 1)]  # cost[s - 1]; cost[0] = 1
+    limit = min(cost) * (1 + WAVE_SPLIT_SLACK)
+    return next(s for s, c in enumerate(cost, 1) if c <= limit)
 
 
 @functools.cache
