@@ -367,6 +367,25 @@ def test_split_heuristics():
     assert ta.pick_num_splits(4096, 10368, cpu, 2) == 1
 
 
+def test_decode_splits_the_wide_tiles_at_least_a_fixed_count_and_one_wave_where_it_is_more():
+    cpu = torch.device("cpu")  # 132 SMs
+    for heads in (2, 4, 8):
+        for batch in range(1, 2 * 132 // heads + 8):
+            base = batch * heads
+            for keys in (300, 1500, 10368):
+                block_n, splits = ta.decode_tiles(base, keys, cpu)
+                by_len = max(1, keys // ta.MIN_SPLIT_TOKENS)
+                if base > 132 * ta.DECODE_SLOTS_WIDE:  # narrow tiles: past one program per SM, unsplit
+                    assert (block_n, splits) == (ta.DECODE_BLOCK_N, 1)
+                    continue
+                assert block_n == ta.DECODE_BLOCK_N_WIDE and 1 <= splits <= by_len  # no split under 256 keys
+                assert splits >= min(ta.DECODE_WIDE_SPLITS, by_len)  # 17-33 sequences of 8 heads split too
+                if splits > ta.DECODE_WIDE_SPLITS:  # more only while one wave (two programs an SM) holds them
+                    wave = 132 * ta.DECODE_SLOTS_WIDE
+                    assert base * splits <= wave
+                    assert splits in (by_len, ta.MAX_SPLITS) or base * (splits + 1) > wave
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_store_kv(dtype):
     kv_heads, head_dim, page_size, T = 3, 64, 8, 11

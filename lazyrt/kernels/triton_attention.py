@@ -108,6 +108,17 @@ EXTEND_SCAN = 128  # page-table entries scanned per step to find the unmasked / 
 # than MIN_SPLIT_TOKENS keys.
 MIN_SPLIT_TOKENS = 256
 MAX_SPLITS = 64
+# Decode launches of the wide tiles split the keys at least this many ways (fewer only where
+# MIN_SPLIT_TOKENS caps them; more where one wave holds more). Decode streams keys: a program per SM
+# leaves bandwidth idle and a partial last wave of short programs costs little, so the one-wave rule
+# alone (1 split past one program an SM, 2-7 from a quarter) left much of it. H200, one layer,
+# kernels.py's RAG pages (10,368 keys), us with the merge, the one-wave pick -> 8 splits
+# (`decode_splits.py --batches 9 12 16 17 20 24 32 40 --splits 2 4 8 16`, and 2 3 4 5 8 at 17-32,
+# 36f0c55 and after, 2026-11-28): 8 kv heads at 12 sequences (2) 204 -> 142, 16 (2) 216 -> 197, 17
+# (1) 391 -> 202, 20 (1) 393 -> 240, 24 (1) 398 -> 270, 32 (1) 412 -> 367; 4 kv heads (a TP=2 rank)
+# at 9 (7) 71 -> 67, 12 (5) 93 -> 76, 17 (3) 140 -> 125, 24 (2) 202 -> 142, 32 (2) 214 -> 197.
+# No forced count of 2 / 4 / 16 beat 8 by more than 10% at any of them.
+DECODE_WIDE_SPLITS = 8
 # Extend launches of one to EXTEND_SLOTS programs per SM split by whole waves (extend_num_splits).
 MAX_WAVE_SPLITS = 8
 WAVE_SPLIT_SLACK = 0.15
@@ -192,11 +203,14 @@ def _pdl_ok(device: torch.device) -> bool:
 
 
 def decode_tiles(base_programs: int, max_tokens: int, device: torch.device) -> tuple[int, int]:
-    """(keys per step, splits) for decode. H100, B x 8 kv heads, 10k keys: B <= 32 -> 64 keys/step
-    and B*8*splits ~ 2 per SM; B = 64 -> 32 keys/step, no split (4 per SM)."""
+    """(keys per step, splits) for decode. H100, B x 8 kv heads, 10k keys: B <= 32 -> 64 keys/step;
+    B = 64 -> 32 keys/step, no split (4 per SM). The wide tiles split one wave's worth of programs
+    (pick_num_splits) but at least DECODE_WIDE_SPLITS ways (see it)."""
     sms = device_sms(device)
     if base_programs <= sms * DECODE_SLOTS_WIDE:
-        return DECODE_BLOCK_N_WIDE, pick_num_splits(base_programs, max_tokens, device, DECODE_SLOTS_WIDE)
+        least = max(1, min(DECODE_WIDE_SPLITS, max_tokens // MIN_SPLIT_TOKENS))
+        wave = pick_num_splits(base_programs, max_tokens, device, DECODE_SLOTS_WIDE)
+        return DECODE_BLOCK_N_WIDE, max(least, wave)
     return DECODE_BLOCK_N, pick_num_splits(base_programs, max_tokens, device, DECODE_SLOTS)
 
 
