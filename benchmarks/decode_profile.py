@@ -27,15 +27,21 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 
-def kernel_times(prof, device_type: str) -> dict[str, float]:
-    """Total self time (us) of each device kernel (or CPU op on a CPU run), by name."""
+def kernel_times(prof, device_type: str, counts: dict[str, int] | None = None) -> dict[str, float]:
+    """Total self time (us) of each device kernel (or CPU op on a CPU run), by name; counts, when
+    given, gets each name's number of launches."""
     out: dict[str, float] = defaultdict(float)
     for ev in prof.events():
         if device_type == "cuda":
-            if ev.device_type == torch.autograd.DeviceType.CUDA:
-                out[ev.name] += ev.self_device_time_total
+            if ev.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            out[ev.name] += ev.self_device_time_total
         elif ev.cpu_parent is None:
             out[ev.name] += ev.self_cpu_time_total
+        else:
+            continue
+        if counts is not None:
+            counts[ev.name] = counts.get(ev.name, 0) + 1
     return out
 
 
@@ -112,15 +118,19 @@ def main() -> None:
         graphs = {}
 
         @contextlib.contextmanager
-        def count_graphs(graphs=graphs):  # steps of the timed window replayed from a CUDA graph
-            before = eng.runner.graph_steps
+        def count_graphs(graphs=graphs):  # steps of the timed window replayed from a CUDA graph,
+            r = eng.runner  # through shared-chunk attention, and their work items
+            before = r.graph_steps, r.shared_steps, r.shared_work_items
             yield
-            graphs["n"] = eng.runner.graph_steps - before
+            graphs["n"], graphs["shared"], graphs["items"] = (
+                now - was for now, was in zip((r.graph_steps, r.shared_steps, r.shared_work_items), before))
 
         wall_us = decode_step_seconds(eng, prompts(b), args.steps, around_steps=count_graphs) * 1e6
+        shared_steps, items = graphs["shared"], graphs["items"] / max(1, graphs["shared"])
         prof = profile(activities=activities)
         decode_step_seconds(eng, prompts(b), args.steps, around_steps=lambda p=prof: p)
-        per_step = {k: v / args.steps for k, v in kernel_times(prof, dev).items()}
+        counts: dict[str, int] = {}
+        per_step = {k: v / args.steps for k, v in kernel_times(prof, dev, counts).items()}
         busy_us = sum(per_step.values())
         span, short, long = (x / args.steps for x in device_gaps(prof)) if dev == "cuda" else (0.0,) * 3
         print(f"\n== batch {b}, context {args.context}, overlap {overlap}: pure decode step wall "
@@ -129,9 +139,15 @@ def main() -> None:
         if dev == "cuda":  # profiled window, per step: where the wall time the kernels do not fill goes
             print(f"   device span {span / 1e3:.2f} ms a step: kernels {busy_us / 1e3:.2f}, gaps under "
                   f"{GAP_US:.0f} us {short / 1e3:.2f}, longer gaps (waiting on the host) {long / 1e3:.2f}")
+        if shared_steps:  # rank 0's view (every rank of a tensor-parallel model groups the same)
+            heads = eng.runner.pool.num_kv_heads
+            print(f"   shared-chunk attention in {shared_steps}/{args.steps} steps: "
+                  f"{eng.runner.shared_piece_tokens}-token pieces, {items:.0f} work items a step "
+                  f"(x {heads} kv heads = {items * heads:.0f} programs' work)")
         top = sorted(per_step.items(), key=lambda kv: -kv[1])[: args.top]
         for name, us in top:
-            print(f"  {us / 1e3:8.3f} ms  {us / busy_us:5.1%}  {name[:110]}")
+            print(f"  {us / 1e3:8.3f} ms  {us / busy_us:5.1%}  {counts[name] / args.steps:5.1f}x  "
+                  f"{name[:100]}")
         if args.host_profile:
             host_profile(eng, prompts(b), args.steps, args.top)
         if args.out:

@@ -89,6 +89,7 @@ class ModelRunner:
         self.shared_wave_items = one_wave_items(pool.num_kv_heads, model.device)
         self.shared_steps = 0  # steps run through shared-chunk attention (tests, stats)
         self.graph_steps = 0  # steps replayed from a CUDA graph (the rest launch eagerly)
+        self.shared_work_items = 0  # summed over the steps grouped for shared-chunk attention (stats)
         self.ragged_steps = 0  # steps through FlashInfer's ragged prefill (lazy_flashinfer_prefill)
         self._piece_keys: dict = {}  # interned PieceKeys (shared_chunk.run_pieces); cleared when large
         self._grouping = SharedGrouping()  # the last step's document-run grouping (shared_arrays)
@@ -231,7 +232,14 @@ class ModelRunner:
             return None
         if s.shared is False:
             s.shared = self._shared_arrays(plan, s)
+            if s.shared is not None:
+                self.shared_work_items += int(s.shared["num_work"][0])
         return s.shared
+
+    @property
+    def shared_piece_tokens(self) -> int:
+        """The piece size of the batch's last grouping of its documents (0: none yet)."""
+        return self._grouping.key[0] if self._grouping.key is not None else 0
 
     def _shared_arrays(self, plan: StepPlan, s: StepInputs, force: bool = False) -> dict | None:
         if len(self._piece_keys) > 1 << 16:
