@@ -105,6 +105,18 @@ def serve_cpu(kv_cache_tokens: int, *args: str):
         srv.stop()
 
 
+def selected_params(request, argname: str) -> list:
+    """The values `argname` is parametrized with in the tests of request's module that this session
+    runs (after -k / deselection), in order, each once: the ones worth starting a server for ahead."""
+    seen: list = []
+    for item in request.session.items:
+        callspec = getattr(item, "callspec", None)
+        if getattr(item, "module", None) is request.module and callspec and argname in callspec.params:
+            if callspec.params[argname] not in seen:
+                seen.append(callspec.params[argname])
+    return seen
+
+
 def child_names(pid: int) -> set[str]:
     with open(f"/proc/{pid}/task/{pid}/children") as f:
         kids = [int(k) for k in f.read().split()]

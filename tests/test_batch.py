@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from server_util import selected_params
 
 from lazyrt.batch import read_done
 
@@ -28,19 +29,31 @@ BAD = [
 ]
 
 
+def _cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "lazyrt.batch", "--device", "cpu", "--max-tokens", "1", "--no-progress",
+            *args]  # fmt: skip
+
+
 def _run(*args: str) -> subprocess.CompletedProcess:
-    cmd = [
-        sys.executable,
-        "-m",
-        "lazyrt.batch",
-        "--device",
-        "cpu",
-        "--max-tokens",
-        "1",
-        "--no-progress",
-        *args,
-    ]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    return subprocess.run(_cmd(*args), capture_output=True, text=True, timeout=600)
+
+
+def _run_together(*runs: tuple[str, ...]) -> list[subprocess.CompletedProcess]:
+    """Independent runs at once: a run's start-up (imports, the model) is seconds of one core, and the
+    box has two."""
+    procs = [subprocess.Popen(_cmd(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for args in runs]  # fmt: skip
+    done = []
+    try:
+        for args, p in zip(runs, procs):
+            out, err = p.communicate(timeout=600)
+            done.append(subprocess.CompletedProcess(_cmd(*args), p.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return done
 
 
 def _summary(stderr: str) -> dict:
@@ -115,9 +128,8 @@ def test_read_done_cuts_a_torn_line(tmp_path):
 
 
 def test_help_shows_an_example_and_missing_input_fails():
-    h = subprocess.run([sys.executable, "-m", "lazyrt.batch", "--help"], capture_output=True, text=True)
+    h, r = _run_together(("--help",), ("--input", "/nonexistent/in.jsonl", "--output", "/tmp/never.jsonl"))
     assert h.returncode == 0 and "example:" in h.stdout and "--endpoint" in h.stdout
-    r = _run("--input", "/nonexistent/in.jsonl", "--output", "/tmp/never.jsonl")
     assert r.returncode == 2 and "nonexistent" in r.stderr
 
 
@@ -125,14 +137,25 @@ ENGINE_OPTS = [["--cache-mode", "block"], ["--no-overlap-schedule", "--kv-cache-
                ["--device", "cpu"]]
 
 
+@pytest.fixture(scope="module")
+def endpoint_runs(request, tmp_path_factory):
+    """ENGINE_OPTS (those of the selected tests) each run with --endpoint, all at once: a refusal costs
+    the seconds of a start-up (imports), one core each. opts -> (the run, its --output path)."""
+    d = tmp_path_factory.mktemp("endpoint")
+    inp = d / "in.jsonl"
+    inp.write_text('{"prompt": "hi"}\n')
+    chosen = [tuple(o) for o in selected_params(request, "opts")] or [tuple(o) for o in ENGINE_OPTS]
+    outs = [d / f"o{i}.jsonl" for i in range(len(chosen))]
+    runs = _run_together(*[("--input", str(inp), "--output", str(out), "--endpoint", "http://127.0.0.1:9", *o)
+                           for o, out in zip(chosen, outs)])  # fmt: skip
+    return {o: (r, out) for o, r, out in zip(chosen, runs, outs)}
+
+
 @pytest.mark.parametrize("opts", ENGINE_OPTS)
-def test_local_engine_options_with_endpoint_are_an_error(opts, tmp_path):
+def test_local_engine_options_with_endpoint_are_an_error(opts, endpoint_runs):
     """With --endpoint the server's settings apply: a local engine option is refused, by name,
     before any request is sent (none would be honoured)."""
-    inp = tmp_path / "in.jsonl"
-    inp.write_text('{"prompt": "hi"}\n')
-    out = tmp_path / "o.jsonl"
-    r = _run("--input", str(inp), "--output", str(out), "--endpoint", "http://127.0.0.1:9", *opts)
+    r, out = endpoint_runs[tuple(opts)]
     assert r.returncode == 2
     for o in opts:
         if o.startswith("--"):
@@ -140,32 +163,43 @@ def test_local_engine_options_with_endpoint_are_an_error(opts, tmp_path):
     assert not out.exists()
 
 
-def test_recompute_options_reach_the_engine(tmp_path):
+RECOMPUTE_ROWS = [{"id": f"r{i}", "docs": DOCS, "question": "How tall is Mount Feller?"} for i in range(3)]
+N_LOGPROBS_ROW = {"id": "a", "prompt": "Once upon a time",
+                  "sampling_params": {"max_tokens": 5, "n": 2, "temperature": 1.0, "seed": 7, "logprobs": 1}}
+
+
+@pytest.fixture(scope="module")
+def plain_run(tmp_path_factory) -> list[dict]:
+    """One run with the default options (a model load, seconds) over the rows of both tests below: the
+    recompute test's three, then the n/logprobs one. Its records, in input order."""
+    d = tmp_path_factory.mktemp("plain")
+    inp, out = d / "in.jsonl", d / "out.jsonl"
+    inp.write_text("".join(json.dumps(r) + "\n" for r in [*RECOMPUTE_ROWS, N_LOGPROBS_ROW]))
+    done = _run("--input", str(inp), "--output", str(out))
+    assert done.returncode == 0, done.stderr
+    return [json.loads(x) for x in out.read_text().splitlines()]
+
+
+def test_recompute_options_reach_the_engine(tmp_path, plain_run):
     inp = tmp_path / "in.jsonl"
-    rows = [{"id": f"r{i}", "docs": DOCS, "question": "How tall is Mount Feller?"} for i in range(3)]
-    inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    bad = _run("--input", str(inp), "--output", str(tmp_path / "bad.jsonl"), "--recompute-ratio", "1.5")
+    inp.write_text("".join(json.dumps(r) + "\n" for r in RECOMPUTE_ROWS))
+    tail = tmp_path / "tail.jsonl"
+    bad, ok = _run_together(
+        ("--input", str(inp), "--output", str(tmp_path / "bad.jsonl"), "--recompute-ratio", "1.5"),
+        ("--input", str(inp), "--output", str(tail), "--recompute-policy", "tail", "--recompute-pages", "1"),
+    )
     assert bad.returncode != 0 and "recompute_ratio" in bad.stderr and "Traceback" not in bad.stderr
-    plain, tail = tmp_path / "plain.jsonl", tmp_path / "tail.jsonl"
-    assert _run("--input", str(inp), "--output", str(plain)).returncode == 0
-    ok = _run("--input", str(inp), "--output", str(tail), "--recompute-policy", "tail",
-              "--recompute-pages", "1")
     assert ok.returncode == 0, ok.stderr
-    a = [json.loads(x) for x in plain.read_text().splitlines()]
+    a = plain_run[: len(RECOMPUTE_ROWS)]
     b = [json.loads(x) for x in tail.read_text().splitlines()]
-    assert [g["id"] for g in b] == ["r0", "r1", "r2"]
+    assert [g["id"] for g in a] == [g["id"] for g in b] == ["r0", "r1", "r2"]
     # repeats hit the chunk table; with recompute the later docs' pages are computed, not cached
     for x, y in zip(a[1:], b[1:]):
         assert y["meta"]["cached_tokens"] < x["meta"]["cached_tokens"]
 
 
-def test_n_and_logprobs_reach_the_output_lines(tmp_path):
-    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    sp = {"max_tokens": 5, "n": 2, "temperature": 1.0, "seed": 7, "logprobs": 1}
-    inp.write_text(json.dumps({"id": "a", "prompt": "Once upon a time", "sampling_params": sp}) + "\n")
-    done = _run("--input", str(inp), "--output", str(out))
-    assert done.returncode == 0, done.stderr
-    (rec,) = [json.loads(x) for x in out.read_text().splitlines()]
+def test_n_and_logprobs_reach_the_output_lines(plain_run):
+    (rec,) = [r for r in plain_run if r["id"] == N_LOGPROBS_ROW["id"]]
     assert len(rec["outputs"]) == 2 and rec["outputs"][0]["text"] == rec["text"]
     assert len(rec["logprobs"]) == len(rec["outputs"][0]["token_ids"]) == rec["meta"]["completion_tokens"]
     assert rec["outputs"][0]["text"] != rec["outputs"][1]["text"]  # seeds 7 and 8

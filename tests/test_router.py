@@ -358,13 +358,25 @@ def _wait_gone(pids: set[int], timeout: float = 60) -> set[int]:
     return {p for p in pids if pid_alive(p)}
 
 
+def _stop_and_check(router: subprocess.Popen, sig: int, below: set[int], ports: list[int]) -> None:
+    """Signals a `--dp` router: it exits (0 on SIGTERM), and every process below it stops, freeing the
+    replicas' ports."""
+    router.send_signal(sig)
+    rc = router.wait(60)
+    assert rc == (0 if sig == signal.SIGTERM else -signal.SIGKILL)
+    assert _wait_gone(below) == set()
+    for port in ports:
+        with pytest.raises(httpx.TransportError):  # the replica's port is free again
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; PR_SET_PDEATHSIG is Linux's")
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
-def test_dp_replicas_stop_with_the_router(sig):
-    """`--dp` replicas hold a GPU each: stopping the router stops them and their processes (uvicorn
-    re-raises the SIGTERM it shut down on, which killed the router before it stopped them), and a
-    router killed outright takes them with it (they are signalled when their parent dies)."""
+def test_dp_replicas_stop_with_the_router_killed_outright():
+    """`--dp` replicas hold a GPU each: a router killed outright takes them and their processes with it
+    (they are signalled when their parent dies). A SIGTERM to the router (uvicorn re-raises the
+    SIGTERM it shut down on, which killed the router before it stopped them) is checked the same way
+    at the end of test_dp_kv_peers_wires_the_replicas_as_peers, on the router it starts anyway."""
     port, base = free_port(), free_port()
     replica = ["--device", "cpu", "--kv-cache-tokens", "4096", "--log-level", "warning"]
     cmd = [sys.executable, "-m", "lazyrt.router", "--dp", "1", "--dp-base-port", str(base)]
@@ -383,12 +395,7 @@ def test_dp_replicas_stop_with_the_router(sig):
             time.sleep(0.5)
         below = _descendants(router.pid)
         assert len(below) >= 2, below  # the replica's HTTP process and its scheduler (the worker in it)
-        router.send_signal(sig)
-        rc = router.wait(60)
-        assert rc == (0 if sig == signal.SIGTERM else -signal.SIGKILL)
-        assert _wait_gone(below) == set()
-        with pytest.raises(httpx.TransportError):  # the replica's port is free again
-            httpx.get(f"http://127.0.0.1:{base}/health", timeout=2)
+        _stop_and_check(router, signal.SIGKILL, below, [base])
     finally:
         for p in [router.pid, *below]:  # a failed run must not leave a server behind
             if pid_alive(p):
@@ -414,7 +421,8 @@ def test_dp_kv_peers_wires_the_replicas_as_peers():
     from lazyrt.cache.placement import owner as place
 
     """`--dp 2 --dp-kv-peers` starts replicas that read each other's documents (peer KV) and routes
-    each request to the replica owning most of its documents."""
+    each request to the replica owning most of its documents. Then a SIGTERM to the router stops it
+    (status 0) and both replicas with every process of theirs."""
     port, base = free_port(), free_port()
     cmd = [sys.executable, "-m", "lazyrt.router", "--dp", "2", "--dp-kv-peers", "--policy", "owner",
            "--dp-base-port", str(base),
@@ -452,10 +460,14 @@ def test_dp_kv_peers_wires_the_replicas_as_peers():
         for r in stats["replicas"]:  # each document cached by its owner only (and a prefix chunk)
             held = r["stats"]["chunks"] - 1
             assert held == sum(place(doc_key(d), names) == r["stats"]["kv_peer_addr"] for d in pair + DOCS)
+        below = _descendants(router.pid)
+        assert len(below) >= 4, below  # each replica's HTTP process and its scheduler (the worker in it)
+        _stop_and_check(router, signal.SIGTERM, below, [base, base + 1])
     finally:
-        router.terminate()
-        router.wait(60)
-        _wait_gone(below)
+        for p in [router.pid, *below]:  # a failed run must not leave a server behind
+            if pid_alive(p):
+                os.kill(p, signal.SIGKILL)
+        router.wait()
     bad = subprocess.run([sys.executable, "-m", "lazyrt.router", "--dp", "1", "--dp-kv-peers"],
                          capture_output=True, text=True, timeout=60)  # fmt: skip
     assert bad.returncode == 2 and "--dp-kv-peers needs --dp 2" in bad.stderr

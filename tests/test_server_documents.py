@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 from openai import OpenAI
-from server_util import ServerProc
+from server_util import ServerProc, selected_params
 
 from lazyrt.documents import DocumentStore
 
@@ -23,22 +23,27 @@ def _text(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n)) + "."
 
 
+def _launch(model: str, store: str, flags: tuple[str, ...]) -> ServerProc:
+    """A server on the store, started (not yet healthy)."""
+    return ServerProc("--model", model, "--device", "cpu", "--kv-cache-tokens", "8192",
+                      "--document-store", store, "--log-level", "warning", *flags)  # fmt: skip
+
+
+def _healthy(srv: ServerProc) -> ServerProc:
+    try:
+        srv.wait_healthy()
+    except BaseException:
+        srv.stop()
+        raise
+    return srv
+
+
 class Served:
     """The module's server; restart() stops it and starts a new one on the same document store."""
 
-    def __init__(self, model: str, store: str, flags: tuple[str, ...] = ()):
+    def __init__(self, model: str, store: str, flags: tuple[str, ...] = (), srv: ServerProc | None = None):
         self.model, self.store, self.flags = model, store, flags
-        self.srv = self._start()
-
-    def _start(self) -> ServerProc:
-        srv = ServerProc("--model", self.model, "--device", "cpu", "--kv-cache-tokens", "8192",
-                         "--document-store", self.store, "--log-level", "warning", *self.flags)  # fmt: skip
-        try:
-            srv.wait_healthy()
-        except BaseException:
-            srv.stop()
-            raise
-        return srv
+        self.srv = _healthy(srv or _launch(model, store, flags))
 
     @property
     def url(self) -> str:
@@ -47,15 +52,33 @@ class Served:
     def restart(self, store: str | None = None) -> None:
         assert self.srv.stop() == 0
         self.store = store or self.store
-        self.srv = self._start()
+        self.srv = _healthy(_launch(self.model, self.store, self.flags))
+
+
+@pytest.fixture(scope="module")
+def _ahead():
+    """flags -> (store, server) started ahead: a start-up is ~10 s of one core, and the box has two, so
+    the first `served` starts the server of every parametrization this session runs at once. Any not
+    taken (a failure on the way) is stopped with the module."""
+    ahead: dict[tuple[str, ...], tuple[str, ServerProc]] = {}
+    yield ahead
+    for _, srv in ahead.values():
+        srv.stop()
 
 
 @pytest.fixture(
     scope="module", params=[("--no-tokenizer-in-http",), ()], ids=["tokenizer-process", "in-http"]
 )
-def served(request, tiny_model_dir, tmp_path_factory):
-    """The store lives with the tokenizer: in its own process, or in the HTTP process."""
-    s = Served(tiny_model_dir("llama"), str(tmp_path_factory.mktemp("docs") / "store.sqlite"), request.param)
+def served(request, _ahead, tiny_model_dir, tmp_path_factory):
+    """The store lives with the tokenizer: in its own process, or in the HTTP process. Each
+    parametrization has a server and a store of its own."""
+    model = tiny_model_dir("llama")
+    if request.param not in _ahead:
+        for flags in selected_params(request, "served") or [request.param]:
+            store = str(tmp_path_factory.mktemp("docs") / "store.sqlite")
+            _ahead.setdefault(flags, (store, _launch(model, store, flags)))
+    store, srv = _ahead.pop(request.param)
+    s = Served(model, store, request.param, srv)
     try:
         yield s
     finally:
@@ -256,21 +279,22 @@ def test_restart_keeps_the_registry(served, http):
 
 def test_without_a_store_and_with_another_models_store(served, tmp_path):
     """After the restart test: --document-store none refuses ids by name; another model's file
-    stops the server at startup, saying why."""
-    served.restart("none")
-    with httpx.Client(base_url=served.url, timeout=120) as c:
-        msgs = [{"role": "user", "content": "q"}]
-        body = {"messages": msgs, "documents": [{"id": "doc-x"}], "max_tokens": 2}
-        r = c.post("/v1/chat/completions", json=body)
-        msg = _err(r, 400, "documents[0].id")
-        assert "document store" in msg
-        assert c.get("/v1/documents").status_code == 501
-        assert c.post("/generate", json={"text": "q", "docs": ["a text"]}).status_code == 200
+    stops the server at startup, saying why (that server starts beside the restart: a start-up is
+    ~10 s of one core, the box has two)."""
     other = str(tmp_path / "other.sqlite")
     DocumentStore(other, "another-model:1").open().close()
     srv = ServerProc("--model", served.model, "--device", "cpu", "--kv-cache-tokens", "1024",
                      "--document-store", other, *served.flags)  # fmt: skip
     try:
+        served.restart("none")
+        with httpx.Client(base_url=served.url, timeout=120) as c:
+            msgs = [{"role": "user", "content": "q"}]
+            body = {"messages": msgs, "documents": [{"id": "doc-x"}], "max_tokens": 2}
+            r = c.post("/v1/chat/completions", json=body)
+            msg = _err(r, 400, "documents[0].id")
+            assert "document store" in msg
+            assert c.get("/v1/documents").status_code == 501
+            assert c.post("/generate", json={"text": "q", "docs": ["a text"]}).status_code == 200
         with pytest.raises(RuntimeError, match="exited") as e:
             srv.wait_healthy()
         assert "another-model:1" in str(e.value) and "document store" in str(e.value)
