@@ -7,6 +7,7 @@ kernel (plus its merge) per forced split count beside the engine's choice, on ke
 pages (5 x 2,048-token chunks + a 128-token question), one layer, CUDA-graph replay:
 
     python benchmarks/experiments/decode_splits.py [--batches 1 2 4] [--splits 16 24 32 40 48 64]
+        [--cold-layers 8]
 
 Prints one row per (KV heads, batch): the engine's split count and time, then each forced count's
 time, and the largest relative difference of any output from the engine's choice's (must stay at
@@ -36,6 +37,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--splits", type=int, nargs="+", default=[16, 24, 32, 40, 48, 64])
+    ap.add_argument("--cold-layers", type=int, default=1,
+                    help="time over this many layers' KV in turn, per launch (1: one layer, partly in L2)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("decode_splits.py needs CUDA")
@@ -54,13 +57,21 @@ def main() -> None:
             meta, ppr = lazy_meta(lay, 1), lay.pages_per_req
             q = torch.randn(B, 4 * heads, HEAD_DIM, generator=gen, device="cuda", dtype=torch.bfloat16)
 
-            def run(splits: int | None, q=q, lay=lay, meta=meta, ppr=ppr) -> torch.Tensor:
-                return lazy_attention_triton(q, lay.kv, meta, rope, scale, max_q_len=1, max_kv_entries=ppr,
-                                             num_splits=splits)  # fmt: skip
+            # --cold-layers: each timed call runs over that many layers' pools in turn (none in L2)
+            layers = [lay.kv] + [torch.randn_like(lay.kv) for _ in range(max(1, args.cold_layers) - 1)]
+
+            def run(splits: int | None, q=q, layers=layers, meta=meta, ppr=ppr) -> torch.Tensor:
+                for kv in layers:
+                    out = lazy_attention_triton(q, kv, meta, rope, scale, max_q_len=1, max_kv_entries=ppr,
+                                                num_splits=splits)  # fmt: skip
+                return out
 
             _, auto = decode_tiles(B * heads, ppr * 16, q.device)
             want = run(None)
-            us = lambda splits: triton.testing.do_bench_cudagraph(lambda: run(splits)) * 1e3  # noqa: E731
+
+            def us(splits: int | None, run=run, n=len(layers)) -> float:  # noqa: B008
+                return triton.testing.do_bench_cudagraph(lambda: run(splits)) * 1e3 / n
+
             row = [str(heads), str(B), str(auto), f"{us(None):.1f}"]
             diff = 0.0
             for s in args.splits:

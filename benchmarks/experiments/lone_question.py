@@ -11,7 +11,11 @@ replay), at batch 1 and a few requests at once:
   (row, head) over blocks of parts (merge_parts_blocked_triton);
 - the per-request lazy kernel and FlashInfer's paged prefill without RoPE on the same pages.
 
-    python benchmarks/experiments/lone_question.py [--batches 1 4] [--q-len 16] [--kv-heads 4] [--out F]
+    python benchmarks/experiments/lone_question.py [--batches 1 4] [--q-len 16] [--kv-heads 4]
+        [--cold-layers 16] [--out F]
+
+(--cold-layers N: the kernels run over N layers' pools in turn and each launch's time is the total / N,
+so that, as in a model's step, no launch finds its KV in L2.)
 
 Prints the fastest configurations per batch and each merge's largest difference from the default
 merge (must stay at fp32 rounding). GPU only.
@@ -54,15 +58,25 @@ def one_step(B: int, a, bp: int, rope: RopeCache, scale: float, bench, ref: dict
 
     kv, full, shared, _ = build_step(B, a, random.Random(0), "cuda", bp)
     q = torch.randn(B * a.q_len, 4 * a.kv_heads, 128, device="cuda", dtype=torch.bfloat16)  # groups of 4
+    # --cold-layers: the step over that many layers' pools, one launch each, timed per launch (a
+    # model's step reads each layer's KV once: a lone layer replayed keeps part of it in L2)
+    layers = [kv] + [torch.randn_like(kv) for _ in range(a.cold_layers - 1)]
+
+    def bench_layers(launch) -> float:  # launch(kv) -> output of the last layer
+        return bench(lambda: [launch(k) for k in layers][-1]) / len(layers)
+
     if not ref:
-        ref["per_request_us"] = bench(lambda: lazy_attention_triton(q, kv, full, rope, scale))
+        ref["per_request_us"] = bench_layers(lambda k: lazy_attention_triton(q, k, full, rope, scale))
         try:
             if not a.skip_flashinfer:
                 ref["flashinfer_us"] = bench(flashinfer_run(full, q, kv, a.q_len))
         except Exception as e:  # noqa: BLE001
             print(f"flashinfer skipped: {type(e).__name__}: {str(e)[:100]}")
         print(json.dumps({"batch": B, **{k: round(v, 1) for k, v in ref.items()}}), flush=True)
-    sh = functools.partial(shared_chunk_attention_triton, q, kv, full.positions, shared, rope, scale)
+    def sh_on(k: torch.Tensor, **kw):
+        return shared_chunk_attention_triton(q, k, full.positions, shared, rope, scale, **kw)
+
+    sh = functools.partial(sh_on, kv)
     o, lse = sh()
     want = merge_parts_triton(o, lse, shared, q.dtype).float()
     merges = {"loop_h4": bench(lambda: merge_parts_triton(o, lse, shared, q.dtype))}
@@ -76,7 +90,7 @@ def one_step(B: int, a, bp: int, rope: RopeCache, scale: float, bench, ref: dict
     for bn, stages, nreg in tiles:
         setting = "auto" if stages is None else f"s{stages}" + (f" r{nreg}" if nreg else "")
         try:
-            us = bench(functools.partial(sh, block_n=bn, num_stages=stages, maxnreg=nreg))
+            us = bench_layers(functools.partial(sh_on, block_n=bn, num_stages=stages, maxnreg=nreg))
         except Exception as e:  # noqa: BLE001 (out of shared memory)
             print(f"skip {a.piece_tokens} {bp} {bn} {setting}: {type(e).__name__}")
             continue
@@ -106,6 +120,8 @@ def main() -> None:
                     help="KV heads (query heads: 4x): 4 is a rank's share of Llama-3.1-8B at TP=2")
     ap.add_argument("--skip-flashinfer", action="store_true",
                     help="no FlashInfer reference (its JIT build for a new head count takes minutes)")
+    ap.add_argument("--cold-layers", type=int, default=1,
+                    help="time the kernels over this many layers' KV (1: one layer replayed, partly in L2)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     tiles = ENGINE_TILES if args.engine_tile else TILES
@@ -113,7 +129,7 @@ def main() -> None:
         ap.error("needs a CUDA device")
     base = argparse.Namespace(docs=5, doc_tokens=2048, private=args.q_len, pool=100, alpha=2.1,
                               q_len=args.q_len, piece_tokens=None, seed=0, kv_heads=args.kv_heads,
-                              skip_flashinfer=args.skip_flashinfer)
+                              skip_flashinfer=args.skip_flashinfer, cold_layers=max(1, args.cold_layers))
     cfg = ModelConfig.from_hf(PRESETS["llama-3.1-8b"])
     rope = RopeCache.build(cfg, base.docs * base.doc_tokens + base.private + 1, "cuda")
     scale = 128**-0.5
