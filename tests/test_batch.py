@@ -6,6 +6,7 @@ import json
 import random
 import subprocess
 import sys
+import tempfile
 
 import pytest
 from server_util import selected_params
@@ -41,18 +42,23 @@ def _run(*args: str) -> subprocess.CompletedProcess:
 def _run_together(*runs: tuple[str, ...]) -> list[subprocess.CompletedProcess]:
     """Independent runs at once: a run's start-up (imports, the model) is seconds of one core, and the
     box has two."""
-    procs = [subprocess.Popen(_cmd(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for args in runs]  # fmt: skip
+    files = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in runs]  # (no pipe to fill)
+    procs = [subprocess.Popen(_cmd(*args), stdout=out, stderr=err, text=True)
+             for args, (out, err) in zip(runs, files)]  # fmt: skip
     done = []
     try:
-        for args, p in zip(runs, procs):
-            out, err = p.communicate(timeout=600)
-            done.append(subprocess.CompletedProcess(_cmd(*args), p.returncode, out, err))
+        for args, p, (out, err) in zip(runs, procs, files):
+            p.wait(timeout=600)
+            out.seek(0)
+            err.seek(0)
+            done.append(subprocess.CompletedProcess(_cmd(*args), p.returncode, out.read(), err.read()))
     finally:
-        for p in procs:
+        for p, (out, err) in zip(procs, files):
             if p.poll() is None:
                 p.kill()
                 p.wait()
+            out.close()
+            err.close()
     return done
 
 

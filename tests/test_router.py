@@ -219,6 +219,9 @@ def cluster(tmp_path_factory):
         yield url, reps
     finally:
         router.terminate()
+        for r in reps:  # side by side: each takes about a second to wind down
+            if r.proc.poll() is None:
+                r.proc.send_signal(signal.SIGTERM)
         router.wait(30)
         for r in reps:
             r.stop()

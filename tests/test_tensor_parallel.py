@@ -444,20 +444,40 @@ def test_engine_with_a_size_the_heads_do_not_divide_is_refused(tiny_model_dir):
 
 
 # ---- the launched server: the model worker is rank 0, rank 1 its own process ------------------------
+def _tp2_server(path: str, in_scheduler: bool):
+    from server_util import ServerProc
+
+    return ServerProc("--model", path, "--device", "cpu", "--kv-cache-tokens", "8192",
+                      "--tensor-parallel-size", "2", "--log-level", "info",
+                      "--worker-in-scheduler" if in_scheduler else "--no-worker-in-scheduler")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tp2_servers(request, tiny_model_dir):
+    """in_scheduler -> its TP=2 server, every one the session's tests below use started at once (not
+    yet healthy): a start-up is a chain of processes, ~one core for many seconds, and the box has two.
+    Each test takes its own and ends it (rank 1 is killed); any left over is stopped here."""
+    from server_util import selected_params
+
+    path = tiny_model_dir("qwen3")
+    started = {v: _tp2_server(path, v) for v in selected_params(request, "in_scheduler")}
+    yield started
+    for srv in started.values():
+        srv.stop()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("in_scheduler", [False, True], ids=["worker process", "worker in scheduler"])
-def test_server_tp2_equals_engine_tp1(tiny_model_dir, in_scheduler):
+def test_server_tp2_equals_engine_tp1(tiny_model_dir, tp2_servers, in_scheduler):
     """Rank 0 in the model worker process, or in the scheduler's (--worker-in-scheduler)."""
-    from server_util import ServerProc, pid_alive
+    from server_util import pid_alive
 
     path = tiny_model_dir("qwen3")
     rng = random.Random()
     docs = [" ".join(rng.choice(["alpha", "beta", "gamma", "delta", "river", "stone"]) for _ in range(40))
             for _ in range(3)]
     engine = Engine(path, device="cpu", kv_cache_tokens=8192)
-    srv = ServerProc("--model", path, "--device", "cpu", "--kv-cache-tokens", "8192",
-                     "--tensor-parallel-size", "2", "--log-level", "info",
-                     "--worker-in-scheduler" if in_scheduler else "--no-worker-in-scheduler")
+    srv = tp2_servers.pop(in_scheduler, None) or _tp2_server(path, in_scheduler)
     try:
         srv.wait_healthy()
         pids = srv.child_pids()
