@@ -32,11 +32,9 @@ def kernel_times(prof, device_type: str, counts: dict[str, int] | None = None) -
     given, gets each name's number of launches."""
     out: dict[str, float] = defaultdict(float)
     for ev in prof.events():
-        if device_type == "cuda":
-            if ev.device_type != torch.autograd.DeviceType.CUDA:
-                continue
+        if device_type == "cuda" and ev.device_type == torch.autograd.DeviceType.CUDA:
             out[ev.name] += ev.self_device_time_total
-        elif ev.cpu_parent is None:
+        elif device_type != "cuda" and ev.cpu_parent is None:
             out[ev.name] += ev.self_cpu_time_total
         else:
             continue
