@@ -38,7 +38,7 @@ sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 from lazyrt.kernels.metadata import AttentionMetadata  # noqa: E402
 from lazyrt.kernels.rope import RopeCache  # noqa: E402
 from lazyrt.kernels.shared_chunk import SharedChunkMeta, group_segments  # noqa: E402
-from lazyrt.kernels.waves import one_wave_items  # noqa: E402
+from lazyrt.kernels.waves import half_piece_items  # noqa: E402
 from lazyrt.models.config import ModelConfig  # noqa: E402
 from lazyrt.models.dummy import PRESETS  # noqa: E402
 from lazyrt.runtime.worker.step_inputs import SHARED_PIECE_TOKENS, piece_tokens_for  # noqa: E402
@@ -86,11 +86,11 @@ def build_step(
     kv_heads = getattr(args, "kv_heads", KV_HEADS)  # a tensor-parallel rank's share: fewer
     bp = block_pairs or max(1, 64 // (Q_HEADS // KV_HEADS))
     piece = args.piece_tokens
-    if not piece:  # as the engine (step_inputs.shared_arrays): half-size pieces within one wave
-        full = group_segments(seqs, PAGE, SHARED_PIECE_TOKENS)[0]
-        items = sum(-(-len(pairs) // bp) for _, _, pairs in full)
-        wave = one_wave_items(kv_heads, torch.device(dev))
-        piece = piece_tokens_for(items, wave)
+    if not piece:  # as the engine (step_inputs.shared_arrays): half-size pieces for few document items
+        docs = [(rows, runs[:-1]) for rows, runs in seqs]  # a sequence's last run is its own
+        full = group_segments(docs, PAGE, SHARED_PIECE_TOKENS)[0]
+        keys = sum(n * -(-len(pairs) // bp) for _, n, pairs in full)
+        piece = piece_tokens_for(keys, half_piece_items(kv_heads, torch.device(dev)))
     if segments_only:
         return group_segments(seqs, PAGE, piece)[0]
     kv = torch.randn(next_page, 2, PAGE, kv_heads, HEAD_DIM, device=dev, dtype=torch.bfloat16)

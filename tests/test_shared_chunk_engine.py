@@ -184,18 +184,19 @@ def test_shared_arrays_reuse_the_document_grouping_across_decode_steps():
 
 
 @pytest.mark.parametrize("ps", [1, 3, 4])
-def test_steps_within_one_wave_take_half_size_pieces(ps, monkeypatch):
-    """shared_arrays cuts a step's runs into half-size pieces when its work items at
-    SHARED_PIECE_TOKENS fit one resident wave of the kernel (wave_items: more fit a tensor-parallel
-    rank, which holds fewer kv heads), into full ones past it. On random steps (documents longer
-    than a piece shared by several requests, questions of several rows, lone questions; a page size
-    that does not divide the piece), with the wave set at the step's own count at full size (from an
-    independent grouping), one below it, and at its count were nothing shared (then no grouping at
-    full size is needed to decide), the arrays are a from-scratch grouping at the size the count
-    picks; a batch keeps its size while its documents stay the same (decode steps), whatever the
-    wave says later."""
-    from lazyrt.kernels.shared_chunk import build_arrays, run_pieces
-    from lazyrt.kernels.waves import WAVE_PROGRAMS_PER_SM, one_wave_items
+def test_steps_with_few_document_items_take_half_size_pieces(ps, monkeypatch):
+    """shared_arrays cuts a step's runs into half-size pieces when the work items of its documents (the
+    runs other than the items' own) read at most half_items full pieces' worth of keys
+    (waves.half_piece_items: more for a tensor-parallel rank, which holds fewer kv heads), into full
+    ones past it. On random steps (documents longer than a piece shared by several requests,
+    questions of several rows, lone questions; a page size that does not divide the piece), with
+    half_items set just at and just under the documents' own keys (from an independent grouping of
+    the documents alone), and at their keys were nothing shared (then no grouping at full size is
+    needed to decide), the arrays are a from-scratch grouping of every run at the size the keys pick;
+    a batch keeps its size while its documents stay the same (decode steps), whatever half_items
+    says later."""
+    from lazyrt.kernels.shared_chunk import build_arrays
+    from lazyrt.kernels.waves import HALF_PIECE_PROGRAMS_PER_SM, half_piece_items
     from lazyrt.runtime.worker import step_inputs
     from lazyrt.runtime.worker.step_inputs import SharedGrouping, shared_arrays
 
@@ -226,19 +227,21 @@ def test_steps_within_one_wave_take_half_size_pieces(ps, monkeypatch):
         plan = StepPlan(items=items)
         s = StepInputs.from_plan(plan, ps)
         qo, T = s.qo_indptr, len(s.input_ids)
-        # independent of shared_arrays: every run of every item in one grouping; and with none shared
+        # independent of shared_arrays: the documents (every run but the last, the item's own) of
+        # every item in one grouping; and with none shared
         runs = [[(g.pages, g.num_tokens, g.start_pos) for g in it.segments if g.num_tokens] for it in items]
         seqs = [(range(qo[i], qo[i + 1]), r) for i, r in enumerate(runs)]
-        at_full = int(build_arrays(group_segments(seqs, ps, full)[0], ps, T, bp)["num_work"][0])
-        unshared = sum(sum(len(run_pieces(pg, n, ps, full)) for pg, n, _ in r) * -(-len(rows) // bp)
-                       for rows, r in seqs)  # fmt: skip
-        assert unshared >= at_full
-        for wave in (at_full, at_full - 1, unshared):
-            want_pt = full // 2 if at_full <= wave else full
+        docs_only = [(rows, r[:-1]) for rows, r in seqs]
+        grouped = build_arrays(group_segments(docs_only, ps, full)[0], ps, T, bp)
+        keys = int(grouped["chunk_len"][grouped["work_chunk"]].sum())  # each work item reads its piece
+        unshared = sum(sum(n for _, n, _ in r) * -(-len(rows) // bp) for rows, r in docs_only)
+        assert unshared >= keys
+        for wave in (-(-keys // full), -(-keys // full) - 1, -(-unshared // full)):
+            want_pt = full // 2 if keys <= wave * full else full
             want = build_arrays(real_group(seqs, ps, want_pt)[0], ps, T, bp)
             cache = SharedGrouping()
             grouped_at.clear()
-            got = shared_arrays(plan, s, ps, bp, cache, force=True, wave_items=wave)
+            got = shared_arrays(plan, s, ps, bp, cache, force=True, half_items=wave)
             assert _canon_arrays(got) == _canon_arrays(want), (trial, wave)
             if wave == unshared:  # decided without grouping at full size
                 assert full not in grouped_at, grouped_at
@@ -246,11 +249,12 @@ def test_steps_within_one_wave_take_half_size_pieces(ps, monkeypatch):
             if len(items) > 1:  # the same documents next step: the size stays, the wave notwithstanding
                 flip = 0 if want_pt < full else 10**6
                 s2 = StepInputs.from_plan(plan, ps)
-                again = shared_arrays(plan, s2, ps, bp, cache, force=True, wave_items=flip)
+                again = shared_arrays(plan, s2, ps, bp, cache, force=True, half_items=flip)
                 assert _canon_arrays(again) == _canon_arrays(got)
     assert picked[full // 2] and picked[full]
-    cpu = torch.device("cpu")  # (an H100's 132 SMs off CUDA): a TP=2 rank's 4 kv heads fit twice the items
-    assert one_wave_items(4, cpu) == 2 * one_wave_items(8, cpu) == 132 * WAVE_PROGRAMS_PER_SM // 4
+    cpu = torch.device("cpu")  # (an H100's 132 SMs off CUDA): a TP=2 rank's 4 kv heads take twice the items
+    per_sm = HALF_PIECE_PROGRAMS_PER_SM
+    assert half_piece_items(4, cpu) == int(132 * per_sm) // 4 >= 2 * half_piece_items(8, cpu)
 
 
 @pytest.mark.parametrize("ps", [1, 4, 16])

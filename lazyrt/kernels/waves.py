@@ -1,6 +1,7 @@
-"""One resident wave of the shared-chunk kernel's programs on a device: the host picks the kernel's
-launch settings (triton_shared_chunk.launch_settings) and a step's piece size
-(step_inputs.shared_arrays) by whether a launch fits it. No Triton here: the CPU engine asks too."""
+"""The shared-chunk kernel's programs against a device's SMs: the host picks the kernel's launch
+settings (triton_shared_chunk.launch_settings) by whether a launch fits one resident wave, and a
+step's piece size (step_inputs.shared_arrays) by its documents' programs an SM. No Triton here: the
+CPU engine asks too."""
 
 from __future__ import annotations
 
@@ -31,7 +32,14 @@ def within_one_wave(items: int, device: torch.device) -> bool:
     return 0 < items <= device_sms(device) * WAVE_PROGRAMS_PER_SM
 
 
-def one_wave_items(num_kv_heads: int, device: torch.device) -> int:
-    """Work items (each runs once per kv head) that fill one wave: a tensor-parallel rank holds fewer
-    kv heads, so more of its items fit."""
-    return device_sms(device) * WAVE_PROGRAMS_PER_SM // max(1, num_kv_heads)
+# A step whose documents, cut at the full piece size (step_inputs.SHARED_PIECE_TOKENS), give at most
+# this many programs an SM (work items x kv heads) takes half-size pieces: fewer long programs leave
+# SMs idle while the last ones run. The measured crossover (step_inputs has the figures): 1.1-1.2 an
+# SM went faster at half size, 1.6 and more at full size.
+HALF_PIECE_PROGRAMS_PER_SM = 1.5
+
+
+def half_piece_items(num_kv_heads: int, device: torch.device) -> int:
+    """Work items of a step's documents at the full piece size (each runs once per kv head) up to
+    which it takes half-size pieces: a tensor-parallel rank holds fewer kv heads, so more."""
+    return int(device_sms(device) * HALF_PIECE_PROGRAMS_PER_SM) // max(1, num_kv_heads)

@@ -379,21 +379,27 @@ def decode_inputs(plan: StepPlan, page_size: int, lay: DecodeLayout) -> StepInpu
 
 
 # Shared-chunk attention (kernels/shared_chunk.py) for a step when its page tables repeat runs of
-# pages (documents used by several requests): runs cut into pieces of SHARED_PIECE_TOKENS, or half
-# that when the step's work items at the full size fit one resident wave of the kernel
-# (waves.one_wave_items: a rank of a tensor-parallel model holds fewer kv heads, so more fit), used
-# for steps of at most SHARED_MAX_Q_LEN new tokens per sequence (decode, questions; a long prompt's
-# own causal run is the per-request kernel's work) when it reads at most 1/SHARED_MIN_SAVING of the
-# pages. Within one wave smaller items finish sooner; past it the kernel runs capped at three
-# programs an SM (triton_shared_chunk.launch_settings) and larger items win. One layer, 5 x 2,048-token
-# documents a request, us with the merge, half / full pieces (programs = items x kv heads at the full
-# size; `experiments/lone_question.py --engine-tile --pieces 512 1024 [--q-len 1] [--kv-heads 4]`):
-# - H100, 8 kv heads (b8311eb, 2026-11-27): a lone question 34.8 vs 46.9 (88 programs), a decode
-#   step of 2 33.8 vs 45.5 (112); 4 questions 83.2 vs 73.1 (352), 8 questions 152.5 vs 130.7 (704),
-#   a decode step of 16 83.2 vs 77.2 (432);
-# - H200, 4 kv heads (a TP=2 rank, 6ea295c): decode steps of 4 28.3 vs 37.4 (96), 8 32.1 vs 44.2
-#   (136), 16 41.3 vs 51.3 (216); 32 65.4 vs 61.7 (344), 64 76.7 vs 72.5 (600).
-# So the split falls between 216 and 344 programs at the full size: one wave is 264 on both.
+# pages (documents used by several requests), used for steps of at most SHARED_MAX_Q_LEN new tokens
+# per sequence (decode, questions; a long prompt's own causal run is the per-request kernel's work)
+# when it reads at most 1/SHARED_MIN_SAVING of the pages. Runs are cut into pieces of
+# SHARED_PIECE_TOKENS, or half that when the step's documents (its runs other than the items' own,
+# which are short and cheap) give few programs at the full size: waves.half_piece_items, under 1.5
+# an SM, counting a program per full piece's worth of the keys the work items read and per kv head
+# (a document's short tail piece hardly counts; a tensor-parallel rank holds fewer kv heads, so takes
+# more). With few long programs the SMs that drew none wait for the last ones; with many, larger
+# pieces cost less. One layer, us with the merge, half / full pieces (document programs an SM at the
+# full size):
+# - H100, 8 kv heads, 5 x 2,048-token documents a request (b8311eb, 2026-11-27,
+#   `experiments/lone_question.py --engine-tile --pieces 512 1024 [--q-len 1]`): a lone question 34.8
+#   vs 46.9 (0.61), a decode step of 2 33.8 vs 45.5 (0.73); 4 questions 83.2 vs 73.1 (2.42), 8
+#   questions 152.5 vs 130.7 (4.85), a decode step of 16 83.2 vs 77.2 (2.30);
+# - H200, 4 kv heads (a TP=2 rank, 6ea295c, the same with `--kv-heads 4`): decode steps of 4 28.3 vs
+#   37.4 (0.61), 8 32.1 vs 44.2 (0.79), 16 41.3 vs 51.3 (1.15); 32 65.4 vs 61.7 (1.64), 64 76.7 vs
+#   72.5 (2.61);
+# - H200, an engine's own decode step at batch 16 on a rank's shape (2,070-token documents, a 22-token
+#   tail piece each; 1.11; `experiments/step_replay.py --model RANK_CONFIG`, 2026-11-28): 41.8 vs
+#   61.1 (256-token pieces 44.3). The rule before counted work items, the own runs and tails too,
+#   against one wave of 2 an SM: this step's 280 programs took the full size.
 SHARED_PIECE_TOKENS = 1024
 SHARED_MAX_Q_LEN = 64
 SHARED_MIN_SAVING = 1.25
@@ -445,21 +451,21 @@ class SharedGrouping:
 def shared_arrays(
     plan: StepPlan, s: StepInputs, page_size: int, block_pairs: int, cache: SharedGrouping,
     intern: dict | None = None, layout: DecodeLayout | None = None, force: bool = False,
-    wave_items: int = 0,
+    half_items: int = 0,
 ) -> dict[str, np.ndarray] | None:  # fmt: skip
     """build_arrays for the step's shared-chunk segments when sharing pays (as shared_segments), the
     segments ordered: the other runs' (grouped, cached in `cache`), then the items' own runs.
     layout: the DecodeLayout s was built with (from_plan), if any. force: whether it pays or not
-    (a step replayed from a shared CUDA graph: one sequence alone included). wave_items: work items
-    that fill one resident wave of the kernel (waves.one_wave_items); a step with no more at
-    SHARED_PIECE_TOKENS takes half-size pieces (0: always the full size). A batch keeps the size
-    picked when its documents were grouped while it decodes."""
+    (a step replayed from a shared CUDA graph: one sequence alone included). half_items: a step whose
+    documents' (the runs other than the items' own) work items read no more than this many full
+    pieces' worth of keys takes half-size pieces (waves.half_piece_items; 0: always the full size). A
+    batch keeps the size picked when its documents were grouped while it decodes."""
     if s.entry_logit_scale is not None or s.max_q_len > SHARED_MAX_Q_LEN or (s.num_seqs < 2 and not force):
         return None
     ps, qo, full = page_size, s.qo_indptr, SHARED_PIECE_TOKENS
     if len(plan.items) == 1:  # a lone question step (forced): nothing to group
         item, rows1 = plan.items[0], range(int(qo[0]), int(qo[1]))
-        pt = piece_tokens_for(_unshared_items(item, rows1, ps, full, block_pairs), wave_items)
+        pt = piece_tokens_for(_unshared_keys(item, rows1, block_pairs), half_items)
         lone = lone_arrays(item, rows1, ps, pt, len(s.input_ids), block_pairs)
         if lone is not None:
             return lone
@@ -472,15 +478,15 @@ def shared_arrays(
             for r, it in zip(rows, plan.items)
         )  # fmt: skip
         if cache.key is None or cache.key[1] != body:
-            # its work items at full size were nothing shared: when even these fit one wave, so do
-            # the grouped ones (a segment of several users has no more items than theirs alone)
+            # the keys the documents' work items read were nothing shared: when even these are few
+            # enough, so are the grouped ones' (a segment of several users has no more items than
+            # theirs alone)
             items, bp = plan.items, block_pairs
-            unshared = sum(_unshared_items(it, r, ps, full, bp) for r, it in zip(rows, items))
-            pt = piece_tokens_for(unshared, wave_items)
+            unshared = sum(_unshared_keys(it, r, bp) for r, it in zip(rows, items))
+            pt = piece_tokens_for(unshared, half_items)
             if pt == full:  # group at full size and count
                 _group_documents(plan, rows, ps, full, intern, cache, body)
-                own = sum(_own_pieces(it, ps, full) * -(-len(r) // bp) for r, it in zip(rows, items))
-                pt = piece_tokens_for(_work_items(cache.flat, bp) + own, wave_items)
+                pt = piece_tokens_for(_work_keys(cache.flat, bp), half_items)
             if pt != full:
                 _group_documents(plan, rows, ps, pt, intern, cache, body)
         cache.version = layout.version if layout is not None else -1
@@ -502,33 +508,21 @@ def shared_arrays(
     return finish_arrays(concat_flat(cache.flat, own_flat), len(s.input_ids), block_pairs)
 
 
-def piece_tokens_for(items_at_full: int, wave_items: int) -> int:
-    """A step's piece size by its work items at SHARED_PIECE_TOKENS (see SHARED_PIECE_TOKENS)."""
-    return SHARED_PIECE_TOKENS // 2 if items_at_full <= wave_items else SHARED_PIECE_TOKENS
+def piece_tokens_for(doc_keys: int, half_items: int) -> int:
+    """A step's piece size by the keys its documents' work items read (a key once per item reading
+    it; the same at any piece size): at most half_items full pieces' worth take half-size pieces."""
+    return SHARED_PIECE_TOKENS // 2 if doc_keys <= half_items * SHARED_PIECE_TOKENS else SHARED_PIECE_TOKENS
 
 
-def _own_pieces(item: ForwardItem, ps: int, pt: int) -> int:
-    """Pieces of pt tokens an item's own run (its target) is cut into by shared_arrays."""
-    if not item.target.num_tokens or not _holds(item.segments, item.target):
-        return 0
-    return _pieces(item.target.num_tokens, ps, pt)
+def _unshared_keys(item: ForwardItem, rows: range, block_pairs: int) -> int:
+    """Keys the work items of an item's runs other than its own read, none shared with another."""
+    tokens = sum(g.num_tokens for g in item.segments if g is not item.target)
+    return tokens * -(-len(rows) // block_pairs)
 
 
-def _unshared_items(item: ForwardItem, rows: range, ps: int, pt: int, block_pairs: int) -> int:
-    """Work items of an item's runs cut into pieces of pt tokens with none shared with another."""
-    runs = sum(_pieces(g.num_tokens, ps, pt) for g in item.segments if g is not item.target and g.num_tokens)
-    return (runs + _own_pieces(item, ps, pt)) * -(-len(rows) // block_pairs)
-
-
-def _pieces(n: int, ps: int, pt: int) -> int:
-    """Pieces a run of n tokens is cut into (as run_pieces: pt rounded down to whole pages)."""
-    pages = -(-n // ps)
-    return -(-pages // max(1, pt // ps))
-
-
-def _work_items(flat: dict[str, np.ndarray], block_pairs: int) -> int:
-    """Work items of flattened segments (as finish_arrays: block_pairs pairs an item)."""
-    return int((-(-np.diff(flat["pair_indptr"]) // block_pairs)).sum())
+def _work_keys(flat: dict[str, np.ndarray], block_pairs: int) -> int:
+    """Keys the work items of flattened segments read (as finish_arrays: block_pairs pairs an item)."""
+    return int((flat["lens"] * -(-np.diff(flat["pair_indptr"]) // block_pairs)).sum())
 
 
 def _group_documents(
