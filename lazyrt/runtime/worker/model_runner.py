@@ -85,7 +85,7 @@ class ModelRunner:
         self.shared_chunk_attention = shared_chunk_attention and rotate_keys
         c = model.config
         self.shared_block_pairs = max(1, 64 // (c.num_heads // c.num_kv_heads))  # ~64 query rows per item
-        # work items filling one resident wave of the shared kernel: fewer take smaller pieces
+        # full pieces' worth of document keys under which a step takes half-size pieces
         self.shared_half_items = half_piece_items(pool.num_kv_heads, model.device)
         self.shared_steps = 0  # steps run through shared-chunk attention (tests, stats)
         self.graph_steps = 0  # steps replayed from a CUDA graph (the rest launch eagerly)
