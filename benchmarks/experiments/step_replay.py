@@ -12,7 +12,13 @@ each variant's merged output checked against the engine call's.
 Made to ask why a tensor-parallel rank's step (4 kv heads) takes 0.84x the 8-head step's kernel
 time, not ~0.5x: `--model DIR` with a config of a rank's shape runs it on one GPU.
 
-    python benchmarks/experiments/step_replay.py --batches 8 16 --model /path/rank4
+    python benchmarks/experiments/step_replay.py --batches 8 16 --model /path/rank4 --save DIR
+    python benchmarks/experiments/step_replay.py --model docs/data/steps/rank4_config.json's folder \
+        --load docs/data/steps/rank4_step_b16.npz   (no engine: the saved step on random KV)
+
+Saved steps (docs/data/steps/, H200, 2026-11-28, 530ce1a's grouping): decode steps of the Zipf 2.1
+workload at batch 8 and 16 on a TP=2 rank's shape (rank4_config.json: copy it to a folder as
+config.json) and at batch 16 and 64 on the Llama-3.1-8B shape (`--model llama-3.1-8b`).
 """
 
 from __future__ import annotations
