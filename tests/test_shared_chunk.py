@@ -310,6 +310,40 @@ def test_triton_whole_and_partial_key_tiles(head_dim, rotary_dim, dtype):
         torch.testing.assert_close(o, o_ref, **tol)
 
 
+def test_wave_items_counts_items_in_the_longest_ones_keys(monkeypatch):
+    """wave_items: ceil(keys all work items read / the longest item's) over random steps (chunks of
+    random lengths, several pairs a block); equal items count as their number; no items as 0. The
+    Triton launch picks its settings by it x kv heads (for the launch's own count when a meta has
+    none, as a CUDA graph's)."""
+    from lazyrt.kernels.shared_chunk import build_arrays, wave_items
+
+    rng = random.Random()
+    for _ in range(30):
+        segs = [(list(range(100 * c, 100 * c + -(-n // 8))), n, [(r, 0) for r in range(rng.randint(1, 7))])
+                for c, n in enumerate(rng.randint(1, 90) for _ in range(rng.randint(1, 8)))]  # fmt: skip
+        a = build_arrays(segs, 8, 8, block_pairs=rng.choice([1, 2, 3]))
+        keys = [int(a["chunk_len"][c]) for c in a["work_chunk"]]
+        assert wave_items(a) == -(-sum(keys) // max(keys)) <= len(keys)
+    same = build_arrays([([c], 8, [(0, 0)]) for c in range(5)], 8, 1, block_pairs=1)
+    assert wave_items(same) == 5
+    assert wave_items(build_arrays([], 8, 1, block_pairs=1)) == 0
+    if shared_chunk_attention_triton is None:
+        pytest.fail(f"triton is not importable: {TRITON_ERROR}")
+    from lazyrt.kernels import triton_shared_chunk as tsc
+
+    asked = []
+    real = tsc.launch_settings
+    monkeypatch.setattr(tsc, "launch_settings", lambda items, dev: asked.append(items) or real(items, dev))
+    kv, positions, _, _, segments = make_step(8, 2, 32, torch.float32, n_chunks=3, n_requests=4, q_len=(1, 2))
+    arrays = build_arrays(segments, 8, len(positions), 2)
+    meta = SharedChunkMeta.from_arrays(arrays, 2, "cpu")
+    q, rope = torch.randn(len(positions), 2 * 4, 32), make_rope(32, None)
+    shared_chunk_attention_triton(q, kv, positions, meta, rope, 32**-0.5, 16)
+    meta.wave_items_host = None
+    shared_chunk_attention_triton(q, kv, positions, meta, rope, 32**-0.5, 16)
+    assert asked == [wave_items(arrays) * 2, int(arrays["num_work"][0]) * 2]
+
+
 def test_triton_launch_settings_by_items():
     """A launch within one resident wave (2 programs an SM of 132 off CUDA) keeps 2 stages and no
     register cap; more items, or a count not known on the host (a CUDA graph's), get the cap and 1

@@ -30,8 +30,12 @@ class _EagerReplay:
         self.graphs, self.b, self.shared, self.few, self.out = graphs, b, shared, few, out
 
     def replay(self) -> None:
-        if self.shared:
-            EagerGraphs.shared_keys.append((self.b, self.few, int(self.graphs.sh["num_work"][0])))
+        if self.shared:  # the step's work items counted in the longest one's keys, from the buffers
+            sh = self.graphs.sh
+            n = int(sh["num_work"][0])
+            lens = [int(sh["chunk_len"][int(c)]) for c in sh["work_chunk"][:n]]
+            wave = -(-sum(lens) // max(lens)) if lens else 0
+            EagerGraphs.shared_keys.append((self.b, self.few, wave))
         self.out.copy_(self.graphs._forward(self.b, False, self.shared, self.few))
 
 
@@ -41,7 +45,7 @@ class EagerGraphs(cuda_graph.DecodeGraphs):
     live: dict[str, int] = {}
     small_replays = 0
     small_shapes: list = []
-    shared_keys: list = []  # (batch, few, the step's work items) of each shared replay
+    shared_keys: list = []  # (batch, few, the step's work items in its longest's keys) of each shared replay
 
     def _capture(self, b: int, doc_logits: bool, shared: bool = False, few: bool = False):
         self._uploads.forget()
@@ -121,8 +125,9 @@ def test_steps_too_large_for_a_graph_run_eagerly(tiny_model_dir):
 @pytest.mark.parametrize("wave_programs", [0, None])
 def test_shared_graph_by_the_steps_work_items(wave_programs, tiny_model_dir, monkeypatch):
     """Each batch has a shared graph for launches within one resident wave of work items and one
-    past it (the kernel's launch settings differ); a step replays the one its work items x kv heads
-    pick: past the wave when a wave holds nothing, within it at a tiny model's few items."""
+    past it (the kernel's launch settings differ); a step replays the one its work items (counted in
+    the longest item's keys) x kv heads pick: past the wave when a wave holds nothing, within it at a
+    tiny model's few items."""
     from lazyrt.kernels import waves
 
     if wave_programs is not None:

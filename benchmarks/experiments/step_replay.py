@@ -36,7 +36,7 @@ sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 
 from benchmarks.decode_roofline import add_workload_args, decode_step_seconds, make_workload  # noqa: E402
 from lazyrt.kernels import triton_shared_chunk as tsc  # noqa: E402
-from lazyrt.kernels.shared_chunk import SharedChunkMeta, finish_arrays  # noqa: E402
+from lazyrt.kernels.shared_chunk import SharedChunkMeta, finish_arrays, wave_items  # noqa: E402
 
 
 def host_flat(sh: SharedChunkMeta) -> dict[str, np.ndarray]:
@@ -133,7 +133,8 @@ def load_step(path: str, config_dir: str, device: torch.device) -> tuple:
     names = ("chunk_kv_indptr", "chunk_kv_indices", "chunk_len", "pair_indptr", "pair_row", "pair_start",
              "work_chunk", "work_pair", "num_work", "row_part_indptr", "row_parts")  # fmt: skip
     sh = SharedChunkMeta(**{k: torch.from_numpy(z[k]).to(device) for k in names},
-                         block_pairs=int(z["block_pairs"]), num_work_host=int(z["num_work"][0]))  # fmt: skip
+                         block_pairs=int(z["block_pairs"]), num_work_host=int(z["num_work"][0]),
+                         wave_items_host=wave_items(z))  # fmt: skip
     pos = torch.from_numpy(z["positions"]).to(device)
     q = torch.randn(*z["q_shape"].tolist(), dtype=torch.bfloat16, device=device)
     kv = torch.randn(*z["kv_shape"].tolist(), dtype=torch.bfloat16, device=device)

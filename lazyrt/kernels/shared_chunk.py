@@ -56,6 +56,8 @@ class SharedChunkMeta:
     block_pairs: int  # pairs per work item
     num_work_host: int  # = num_work[0], for sizing an eager launch without a sync
     programs: int | None = None  # persistent grid size to launch (None: the kernel picks; graphs fix it)
+    # what the kernel's launch settings go by (wave_items; None: num_work_host)
+    wave_items_host: int | None = None
 
     @property
     def num_chunks(self) -> int:
@@ -86,7 +88,20 @@ class SharedChunkMeta:
     def from_arrays(cls, arrays: dict[str, np.ndarray], block_pairs: int, device) -> SharedChunkMeta:
         """From `build_arrays`' host arrays (one H2D copy each)."""
         t = {k: to_device(v, device) for k, v in arrays.items()}
-        return cls(**t, block_pairs=block_pairs, num_work_host=int(arrays["num_work"][0]))
+        return cls(**t, block_pairs=block_pairs, num_work_host=int(arrays["num_work"][0]),
+                   wave_items_host=wave_items(arrays))  # fmt: skip
+
+
+def wave_items(arrays: dict[str, np.ndarray]) -> int:
+    """A step's work items counted in the longest item's keys (ceil(keys all items read / the
+    longest item's)): how many programs the launch keeps busy for the whole of its longest one, what
+    its launch settings go by (triton_shared_chunk.launch_settings; a short item, an own run or a
+    document's tail, hardly counts)."""
+    n = int(arrays["num_work"][0])
+    if n == 0:
+        return 0
+    lens = arrays["chunk_len"][arrays["work_chunk"][:n]].astype(np.int64)
+    return int(-(-lens.sum() // lens.max()))
 
 
 def build_arrays(

@@ -194,14 +194,20 @@ PROGRAMS_PER_SM = 8  # persistent grid: programs per SM
 # 4390f1d, 2026-11-27), decode at batch 16 83.0 -> 81.0 us, batch 64 153.8 -> 146.4, 4 questions
 # 79.4 -> 74.2; a lone question (168 items, one wave) 30.8 -> 33.7, so a launch within one wave keeps
 # 2 stages and 255 registers. 128 registers spill too much (b64 231.8 us); 168 at 2 stages 169.1.
+# The wave counts items in the longest one's keys (shared_chunk.wave_items: short items, own runs and
+# documents' tails, hardly count): engine decode steps replayed alone (H200, one layer, us uncapped /
+# capped, `experiments/step_replay.py`, 2026-11-28; wave items x kv heads an SM): 8 kv heads at batch
+# 16 61.4 / 70.7 (1.98, 512 items x heads counted by number); a TP=2 rank's 4 at batch 8 33.9 / 37.0
+# (1.6), at 16 52.9 / 61.1 (1,024-token pieces, 1.1) but 53.2 / 41.8 at 512 (2.2); 8 at batch 64
+# 201.4 / 192.2 (5.0).
 MANY_ITEMS_MAXNREG = 168
 MANY_ITEMS_STAGES = 1
 FEW_ITEMS_STAGES = 2
 
 
 def launch_settings(items: int, device: torch.device) -> tuple[int, int]:
-    """(num_stages, maxnreg; 0 = no cap) for a launch of `items` (as within_one_wave; a CUDA graph
-    captures each setting and the step's count picks the replay)."""
+    """(num_stages, maxnreg; 0 = no cap) for a launch of `items` (shared_chunk.wave_items x kv heads,
+    as within_one_wave; a CUDA graph captures each setting and the step's count picks the replay)."""
     if within_one_wave(items, device):
         return FEW_ITEMS_STAGES, 0
     return MANY_ITEMS_STAGES, MANY_ITEMS_MAXNREG
@@ -252,7 +258,8 @@ def shared_chunk_attention_triton(
     if programs is None:
         programs = min(persistent_programs(q.device), meta.num_work_host * kv_heads)
     if num_stages is None or maxnreg is None:
-        auto_stages, auto_nreg = launch_settings(meta.num_work_host * kv_heads, q.device)
+        wave = meta.num_work_host if meta.wave_items_host is None else meta.wave_items_host
+        auto_stages, auto_nreg = launch_settings(wave * kv_heads, q.device)
         num_stages = auto_stages if num_stages is None else num_stages
         maxnreg = auto_nreg if maxnreg is None else maxnreg
     if P == 0 or programs == 0:

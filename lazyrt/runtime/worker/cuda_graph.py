@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from lazyrt.kernels.metadata import AttentionMetadata
-from lazyrt.kernels.shared_chunk import SharedChunkMeta
+from lazyrt.kernels.shared_chunk import SharedChunkMeta, wave_items
 from lazyrt.kernels.waves import within_one_wave
 from lazyrt.runtime.worker.step_inputs import StepInputs
 
@@ -71,7 +71,7 @@ class DecodeGraphs:
         self.doc_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # on first use
         # (batch, few): the shared kernel's launch settings differ within one resident wave of work
         # items and past it (triton_shared_chunk.launch_settings); a graph fixes them, so each batch
-        # has both and the step's item count picks one
+        # has both and the step's items (shared_chunk.wave_items) pick one
         self.shared_graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.shared_block_pairs = 0
         if shared is not None:
@@ -108,11 +108,11 @@ class DecodeGraphs:
             meta.entry_logit_scale, meta.entry_log_mass = self.entry_logit_scale, self.entry_log_mass
         if shared:
             sh = dict(self.sh, row_part_indptr=self.sh["row_part_indptr"][: b + 1])
-            # num_work_host only picks the launch settings here (the grid is fixed): 1 = within a
+            # wave_items_host only picks the launch settings here (the grid is fixed): 1 = within a
             # wave, 0 = not known, taken as past it
             meta.shared = SharedChunkMeta(
                 **sh, block_pairs=self.shared_block_pairs, num_work_host=int(few),
-                programs=self.shared_programs,
+                programs=self.shared_programs, wave_items_host=int(few),
             )  # fmt: skip
         return meta
 
@@ -185,7 +185,7 @@ class DecodeGraphs:
         graphs = self.shared_graphs if shared is not None else self.doc_graphs if doc_logits else self.graphs
         key = b
         if shared is not None:
-            items = int(shared["num_work"][0]) * self.runner.pool.num_kv_heads
+            items = wave_items(shared) * self.runner.pool.num_kv_heads
             key = (b, within_one_wave(items, self.runner.device))
         if key not in graphs:  # before the buffers are filled: the capture's forwards clobber them
             assert shared is None, "shared graphs are captured up front"
