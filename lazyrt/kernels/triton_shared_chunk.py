@@ -197,9 +197,9 @@ PROGRAMS_PER_SM = 8  # persistent grid: programs per SM
 # The wave counts items in the longest one's keys (shared_chunk.wave_items: short items, own runs and
 # documents' tails, hardly count): engine decode steps replayed alone (H200, one layer, us uncapped /
 # capped, `experiments/step_replay.py`, 2026-11-28; wave items x kv heads an SM): 8 kv heads at batch
-# 16 61.4 / 70.7 (1.98, 512 items x heads counted by number); a TP=2 rank's 4 at batch 8 33.9 / 37.0
+# 16 61.4 / 70.7 (2.0; 3.9 counted by number); a TP=2 rank's 4 at batch 8 33.9 / 37.0
 # (1.6), at 16 52.9 / 61.1 (1,024-token pieces, 1.1) but 53.2 / 41.8 at 512 (2.2); 8 at batch 64
-# 201.4 / 192.2 (5.0).
+# 201.4 / 192.2 (6.4).
 MANY_ITEMS_MAXNREG = 168
 MANY_ITEMS_STAGES = 1
 FEW_ITEMS_STAGES = 2

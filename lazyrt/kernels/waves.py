@@ -33,13 +33,14 @@ def within_one_wave(items: int, device: torch.device) -> bool:
 
 
 # A step whose documents, cut at the full piece size (step_inputs.SHARED_PIECE_TOKENS), give at most
-# this many programs an SM (work items x kv heads) takes half-size pieces: fewer long programs leave
-# SMs idle while the last ones run. The measured crossover (step_inputs has the figures): 1.1-1.2 an
-# SM went faster at half size, 1.6 and more at full size.
+# this many programs an SM (a program per full piece's worth of the keys their work items read, per
+# kv head) takes half-size pieces: fewer long programs leave SMs idle while the last ones run. The
+# measured crossover (step_inputs has the figures): up to 1.33 an SM went faster at half size, from
+# 1.64 at full size.
 HALF_PIECE_PROGRAMS_PER_SM = 1.5
 
 
 def half_piece_items(num_kv_heads: int, device: torch.device) -> int:
-    """Work items of a step's documents at the full piece size (each runs once per kv head) up to
-    which it takes half-size pieces: a tensor-parallel rank holds fewer kv heads, so more."""
+    """Full pieces' worth of keys read by a step's documents' work items (each runs once per kv head)
+    up to which it takes half-size pieces: a tensor-parallel rank holds fewer kv heads, so more."""
     return int(device_sms(device) * HALF_PIECE_PROGRAMS_PER_SM) // max(1, num_kv_heads)
