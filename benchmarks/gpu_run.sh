@@ -4,6 +4,7 @@
 #         | serving [rag_serving.py ARGS...] | roofline [ARGS...] | profile [decode_profile.py ARGS...]
 #         | offline-hf [ARGS...]
 #         | shared-chunk [shared_chunk_bench.py ARGS...] | tp [tp_decode.py ARGS...] | tp-test [PYTEST ARGS]
+#         | replay [SAVED_STEP.npz...]  (experiments/step_replay.py --load: no engine, no FlashInfer)
 #         | router [rag_serving.py ARGS...]  (2 GPUs: router over 2 replicas vs one, -> $OUT/router.jsonl)
 #         | peer-test [PYTEST ARGS] | peer [router_affinity.py ARGS...]  (2 GPUs: peer KV, below)
 #         | ragged [doc_prefill.py ARGS...]  (lazy mode's prefill through FlashInfer: tests, doc_prefill.py,
@@ -56,6 +57,12 @@ run_stage() {
                 --out "$OUT/decode_roofline.jsonl" "${batches[@]}" 2>&1 | tail -15 ;;
     profile) LAZYRT_TOKENIZER_DIR="$PWD/.gpu_carry_tok" python3 -m benchmarks.decode_profile \
                --out "$OUT/decode_profile.jsonl" "${batches[@]}" 2>&1 | grep -v -i warn | tail -40 ;;
+    replay)  # the saved engine steps (docs/data/steps/*.npz, or ARGS) replayed through the shared-chunk
+             # kernel with its variants, no engine (experiments/step_replay.py --load)
+      local steps=("${batches[@]}")
+      [ ${#steps[@]} -eq 0 ] && steps=(docs/data/steps/*.npz)
+      python3 benchmarks/experiments/step_replay.py --load "${steps[@]}" 2>&1 | tee "$OUT/replay.log" \
+        | grep -A60 "^batch heads" ;;
     shared-chunk) python3 -m pytest -q -p no:cacheprovider tests/test_triton_gpu.py -k shared_chunk 2>&1 | tail -4
                   python3 benchmarks/shared_chunk_bench.py --out "$OUT/shared_chunk.json" "${batches[@]}" 2>&1 | tail -12 ;;
     offline-hf) LAZYRT_TOKENIZER_DIR="$PWD/.gpu_carry_tok" python3 benchmarks/offline_vs_hf.py \
@@ -122,7 +129,7 @@ run_stage() {
 }
 for a in "$@"; do
   case "$a" in
-    kernels-test|bench|sweep|engine-test|fi-test|jit|serving|roofline|profile|offline-hf|shared-chunk|tp|tp-test|router|peer-test|peer|ragged) [ -n "$stage" ] && run_stage "$stage"; stage="$a"; batches=() ;;
+    kernels-test|bench|sweep|engine-test|fi-test|jit|serving|roofline|profile|offline-hf|shared-chunk|replay|tp|tp-test|router|peer-test|peer|ragged) [ -n "$stage" ] && run_stage "$stage"; stage="$a"; batches=() ;;
     *) batches+=("$a") ;;
   esac
 done

@@ -2,8 +2,9 @@
 
 Runs decode_profile's workload (decode_roofline.make_workload: B RAG prompts by Zipf popularity)
 eagerly, captures layer 0's shared-chunk call of the first timed decode step (q, the KV layer, the
-step's SharedChunkMeta), then times the kernel on exactly those inputs, L2 flushed before each
-launch (triton.testing.do_bench), as the engine called it and with:
+step's SharedChunkMeta), then times the kernel on exactly those inputs (device_us: the profiler's
+kernel records, L2 flushed before each launch), as the engine called it (with --load: as the
+engine would launch that grouping now) and with:
 - launch settings: pipeline stages / register cap, warps, key tile, persistent grid size;
 - the same segments regrouped: pairs per work item (block_pairs), pieces re-cut smaller (each
   segment's pages split, its pairs' starts shifted), items ordered by their pair count;
@@ -13,12 +14,12 @@ Made to ask why a tensor-parallel rank's step (4 kv heads) takes 0.84x the 8-hea
 time, not ~0.5x: `--model DIR` with a config of a rank's shape runs it on one GPU.
 
     python benchmarks/experiments/step_replay.py --batches 8 16 --model /path/rank4 --save DIR
-    python benchmarks/experiments/step_replay.py --model docs/data/steps/rank4_config.json's folder \
-        --load docs/data/steps/rank4_step_b16.npz   (no engine: the saved step on random KV)
+    python benchmarks/experiments/step_replay.py --load docs/data/steps/*.npz   (no engine: the
+        saved steps on random KV; `bash benchmarks/gpu_run.sh replay` on the GPU machine)
 
 Saved steps (docs/data/steps/, H200, 2026-11-28, 530ce1a's grouping): decode steps of the Zipf 2.1
-workload at batch 8 and 16 on a TP=2 rank's shape (rank4_config.json: copy it to a folder as
-config.json) and at batch 16 and 64 on the Llama-3.1-8B shape (`--model llama-3.1-8b`).
+workload at batch 8 and 16 on a TP=2 rank's shape (rank4_config.json beside them) and at batch 16
+and 64 on the Llama-3.1-8B shape (the default `--model llama-3.1-8b`).
 """
 
 from __future__ import annotations
@@ -123,8 +124,16 @@ def save_step(path: str, cap: tuple) -> None:
              kv_shape=np.asarray(kv.shape), block_pairs=np.asarray(sh.block_pairs), scale=np.asarray(scale))
 
 
-def load_step(path: str, config_dir: str, device: torch.device) -> tuple:
-    """save_step's file as a call on random q and KV (bf16) in the saved shapes, the model's RoPE."""
+def step_config(path: str, model: str) -> str:
+    """The model a saved step belongs to: a config beside it (NAME_step_bB.npz -> NAME_config.json),
+    else `model` (a folder with a config.json, a config.json file or a dummy preset's name)."""
+    beside = path.rsplit("_step_b", 1)[0] + "_config.json"
+    return beside if "_step_b" in path and os.path.isfile(beside) else model
+
+
+def load_step(path: str, config: str, device: torch.device) -> tuple:
+    """save_step's file as a call on random q and KV (bf16) in the saved shapes, the model's RoPE
+    (config: as step_config's answer)."""
     from lazyrt.kernels.rope import RopeCache
     from lazyrt.models.config import ModelConfig
     from lazyrt.models.dummy import PRESETS
@@ -138,11 +147,13 @@ def load_step(path: str, config_dir: str, device: torch.device) -> tuple:
     pos = torch.from_numpy(z["positions"]).to(device)
     q = torch.randn(*z["q_shape"].tolist(), dtype=torch.bfloat16, device=device)
     kv = torch.randn(*z["kv_shape"].tolist(), dtype=torch.bfloat16, device=device)
-    if os.path.isdir(config_dir):
-        with open(os.path.join(config_dir, "config.json")) as f:
+    if os.path.isdir(config):
+        config = os.path.join(config, "config.json")
+    if os.path.isfile(config):
+        with open(config) as f:
             cfg = ModelConfig.from_hf(json.load(f))
     else:  # a dummy preset's name
-        cfg = ModelConfig.from_hf(dict(PRESETS[config_dir]))
+        cfg = ModelConfig.from_hf(dict(PRESETS[config]))
     rope = RopeCache.build(cfg, int(pos.max()) + 1024, device)
     return q, kv, pos, sh, rope, float(z["scale"]), {"programs": None}
 
@@ -196,7 +207,7 @@ def main() -> None:
     if args.load:
         rows: list = []
         for path in args.load:
-            cap = load_step(path, args.model, torch.device("cuda"))
+            cap = load_step(path, step_config(path, args.model), torch.device("cuda"))
             b = int(path.rsplit("_b", 1)[1].split(".")[0])
             replay(b, cap, tsc.shared_chunk_attention_triton, cap[1].shape[2], rows)
         return
