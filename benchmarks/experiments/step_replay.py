@@ -8,6 +8,7 @@ engine would launch that grouping now) and with:
 - launch settings: pipeline stages / register cap, warps, key tile, persistent grid size;
 - the same segments regrouped: pairs per work item (block_pairs), pieces re-cut smaller (each
   segment's pages split, its pairs' starts shifted), items ordered by their pair count;
+- the pool's pages head-major (HND) instead of token-major (NHD, the pool's layout);
 each variant's merged output checked against the engine call's.
 
 Made to ask why a tensor-parallel rank's step (4 kv heads) takes 0.84x the 8-head step's kernel
@@ -166,11 +167,11 @@ def replay(b: int, cap: tuple, kernel, ps: int, rows: list) -> None:
     ref = tsc.merge_parts_triton(o0, lse0, sh, q.dtype).float()
     print(f"\n== batch {b}, {heads} kv heads, engine call {kw}: {describe(sh)}")
 
-    def run(name, meta=sh, **over):
+    def run(name, meta=sh, pool=kv, **over):
         args_kw = {**kw, **over}
-        o, lse = kernel(q, kv, pos, meta, rope, scale, **args_kw)
+        o, lse = kernel(q, pool, pos, meta, rope, scale, **args_kw)
         err = (tsc.merge_parts_triton(o, lse, meta, q.dtype).float() - ref).abs().max().item()
-        us = device_us(lambda: kernel(q, kv, pos, meta, rope, scale, **args_kw), q.device)
+        us = device_us(lambda: kernel(q, pool, pos, meta, rope, scale, **args_kw), q.device)
         keys = int(meta.chunk_len.sum())
         gbs = keys * heads * kv.shape[4] * 2 * kv.element_size() / us / 1e3
         rows.append((b, heads, name, us, err))
@@ -191,6 +192,15 @@ def replay(b: int, cap: tuple, kernel, ps: int, rows: list) -> None:
         m = regroup(sh, ps, block_pairs=bp)
         run(f"block_pairs {bp}: {describe(m)}", meta=m)
     run("items by pairs", meta=regroup(sh, ps, by_pairs=True))
+    # the pool's pages head-major (FlashInfer's HND: a head's page is one contiguous run of page_size
+    # x head_dim, where NHD, the pool's layout, interleaves the heads token by token); the kernel
+    # takes strides, so a permuted view runs it unchanged
+    P, _, page, H, D = kv.shape
+    hnd = torch.empty(P, 2, H, page, D, dtype=kv.dtype, device=kv.device).permute(0, 1, 3, 2, 4)
+    hnd.copy_(kv)
+    run("pool head-major (HND)", pool=hnd)
+    run("pool head-major (HND), stages 2, maxnreg 0", pool=hnd, num_stages=2, maxnreg=0)
+    del hnd
     for piece in (512, 256, 128):
         m = regroup(sh, ps, piece=piece)
         run(f"pieces of {piece}: {describe(m)}", meta=m)
