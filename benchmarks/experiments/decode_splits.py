@@ -7,7 +7,7 @@ kernel (plus its merge) per forced split count beside the engine's choice, on ke
 pages (5 x 2,048-token chunks + a 128-token question), one layer, CUDA-graph replay:
 
     python benchmarks/experiments/decode_splits.py [--batches 1 2 4] [--splits 16 24 32 40 48 64]
-        [--cold-layers 8]
+        [--cold-layers 8] [--hnd]
 
 Prints one row per (KV heads, batch): the engine's split count and time, then each forced count's
 time, and the largest relative difference of any output from the engine's choice's (must stay at
@@ -29,6 +29,14 @@ from lazyrt.models.config import ModelConfig  # noqa: E402
 from lazyrt.models.dummy import PRESETS  # noqa: E402
 
 
+def head_major(kv: torch.Tensor) -> torch.Tensor:
+    """kv [pages, 2, page_size, heads, dim] with each head's page contiguous (HND), viewed in that shape."""
+    P, two, page, H, D = kv.shape
+    out = torch.empty(P, two, H, page, D, dtype=kv.dtype, device=kv.device).permute(0, 1, 3, 2, 4)
+    out.copy_(kv)
+    return out
+
+
 def main() -> None:
     import triton
 
@@ -39,6 +47,9 @@ def main() -> None:
     ap.add_argument("--splits", type=int, nargs="+", default=[16, 24, 32, 40, 48, 64])
     ap.add_argument("--cold-layers", type=int, default=1,
                     help="time over this many layers' KV in turn, per launch (1: one layer, partly in L2)")
+    ap.add_argument("--hnd", action="store_true",
+                    help="the pool's pages head-major (FlashInfer's HND) instead of token-major (NHD, the "
+                    "pool's layout): a permuted view, the kernel takes strides")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("decode_splits.py needs CUDA")
@@ -59,6 +70,8 @@ def main() -> None:
 
             # --cold-layers: each timed call runs over that many layers' pools in turn (none in L2)
             layers = [lay.kv] + [torch.randn_like(lay.kv) for _ in range(max(1, args.cold_layers) - 1)]
+            if args.hnd:
+                layers = [head_major(kv) for kv in layers]
 
             def run(splits: int | None, q=q, layers=layers, meta=meta, ppr=ppr) -> torch.Tensor:
                 for kv in layers:
