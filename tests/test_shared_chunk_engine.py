@@ -236,14 +236,15 @@ def test_steps_with_few_document_items_take_half_size_pieces(ps, monkeypatch):
         keys = int(grouped["chunk_len"][grouped["work_chunk"]].sum())  # each work item reads its piece
         unshared = sum(sum(n for _, n, _ in r) * -(-len(rows) // bp) for rows, r in docs_only)
         assert unshared >= keys
-        for wave in (-(-keys // full), -(-keys // full) - 1, -(-unshared // full)):
+        at_unshared = -(-unshared // full)
+        for wave in (-(-keys // full), -(-keys // full) - 1, at_unshared):
             want_pt = full // 2 if keys <= wave * full else full
             want = build_arrays(real_group(seqs, ps, want_pt)[0], ps, T, bp)
             cache = SharedGrouping()
             grouped_at.clear()
             got = shared_arrays(plan, s, ps, bp, cache, force=True, half_items=wave)
             assert _canon_arrays(got) == _canon_arrays(want), (trial, wave)
-            if wave == unshared:  # decided without grouping at full size
+            if wave == at_unshared:  # decided without grouping at full size
                 assert full not in grouped_at, grouped_at
             picked[want_pt] += 1
             if len(items) > 1:  # the same documents next step: the size stays, the wave notwithstanding
