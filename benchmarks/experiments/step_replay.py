@@ -37,6 +37,7 @@ import torch
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 
 from benchmarks.decode_roofline import add_workload_args, decode_step_seconds, make_workload  # noqa: E402
+from benchmarks.experiments.decode_splits import head_major  # noqa: E402
 from lazyrt.kernels import triton_shared_chunk as tsc  # noqa: E402
 from lazyrt.kernels.shared_chunk import SharedChunkMeta, finish_arrays, wave_items  # noqa: E402
 
@@ -195,9 +196,7 @@ def replay(b: int, cap: tuple, kernel, ps: int, rows: list) -> None:
     # the pool's pages head-major (FlashInfer's HND: a head's page is one contiguous run of page_size
     # x head_dim, where NHD, the pool's layout, interleaves the heads token by token); the kernel
     # takes strides, so a permuted view runs it unchanged
-    P, _, page, H, D = kv.shape
-    hnd = torch.empty(P, 2, H, page, D, dtype=kv.dtype, device=kv.device).permute(0, 1, 3, 2, 4)
-    hnd.copy_(kv)
+    hnd = head_major(kv)
     run("pool head-major (HND)", pool=hnd)
     run("pool head-major (HND), stages 2, maxnreg 0", pool=hnd, num_stages=2, maxnreg=0)
     del hnd
