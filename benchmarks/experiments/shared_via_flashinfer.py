@@ -1,0 +1,107 @@
+"""How fast FlashInfer's paged prefill kernels would run a shared-chunk step's grouping (issue 14).
+
+The shared-chunk kernel reads each document once per step for all the queries that use it, but
+moves only ~1.8 TB/s on an H200 (shared_kernel_ablation.py: not the rotation, the exp or the
+layout; a 64-row MMA with its softmax in one warpgroup). FlashInfer's prefill kernels (FA3 on
+Hopper: warp-specialized, TMA) would take the same grouping as a batch of "requests", one a
+segment: its pairs' query rows over its pages, no RoPE, not causal (a decode query sees all of a
+document). They cannot turn keys by their slot, so the keys would have to be stored turned by
+their index inside their document (the query-rotation layout of docs/kernels.md) and each pair's
+query turned by its position minus the segment's start before the call. This times that call on
+the saved steps (docs/data/steps/, random q and KV; back-to-back calls, the profiler seeing none of
+FlashInfer's kernels here), beside the shared-chunk kernel on the same step timed both ways: an
+upper bound on what the storage change would buy.
+
+    python benchmarks/experiments/shared_via_flashinfer.py [--load STEP.npz ...]
+
+GPU only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import numpy as np
+import torch
+
+sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
+
+from benchmarks.experiments.step_replay import device_us, load_step, step_config  # noqa: E402
+from lazyrt.kernels import triton_shared_chunk as tsc  # noqa: E402
+
+
+def queue_us(fn, reps: int = 50) -> float:
+    """Mean wall time (us) of back-to-back calls with the device's queue kept full (no L2 flush: the
+    steps read 110-350 MB, several times an H200's 50 MB L2): the profiler records no kernel of
+    FlashInfer's launches here."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / reps
+
+
+def one_step(path: str, model: str, workspace: torch.Tensor) -> list[str]:
+    """A table row: the shared-chunk kernel and FlashInfer's prefill (fa3, fa2) on one saved step."""
+    import flashinfer
+
+    dev = workspace.device
+    q, kv, pos, sh, rope, scale, kw = load_step(path, step_config(path, model), dev)
+    b = int(path.rsplit("_b", 1)[1].split(".")[0])
+    _, _, page, kv_heads, head_dim = kv.shape
+    q_heads = q.shape[1]
+    c = lambda t: t.cpu().numpy().astype(np.int64)  # noqa: E731
+    kv_indptr, indices, lens = c(sh.chunk_kv_indptr), c(sh.chunk_kv_indices), c(sh.chunk_len)
+    pair_indptr = c(sh.pair_indptr)
+    keep = np.flatnonzero(pair_indptr[1:] > pair_indptr[:-1])  # segments some pair reads
+    qo = np.concatenate([[0], np.cumsum(pair_indptr[keep + 1] - pair_indptr[keep])])
+    npages = kv_indptr[keep + 1] - kv_indptr[keep]
+    kvp = np.concatenate([[0], np.cumsum(npages)])
+    idx = np.concatenate([indices[kv_indptr[s]:kv_indptr[s + 1]] for s in keep])
+    last = lens[keep] - (npages - 1) * page
+    t = lambda a: torch.as_tensor(a, dtype=torch.int32, device=dev)  # noqa: E731
+    qs = torch.randn(int(qo[-1]), q_heads, head_dim, dtype=q.dtype, device=dev)
+    gb = int(lens[keep].sum()) * kv_heads * head_dim * 2 * kv.element_size() / 1e9
+    ours_fn = lambda: tsc.shared_chunk_attention_triton(q, kv, pos, sh, rope, scale, **kw)  # noqa: E731
+    ours, ours_q = device_us(ours_fn, dev), queue_us(ours_fn)
+    row = [os.path.basename(path), str(kv_heads), str(b), str(len(keep)),
+           f"{ours:.1f} ({gb / ours * 1e3:.2f})", f"{ours_q:.1f}"]  # fmt: skip
+    for backend in ("fa3", "fa2"):
+        w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend=backend)
+        w.plan(t(qo), t(kvp), t(idx), t(last), q_heads, kv_heads, head_dim, page, causal=False,
+               pos_encoding_mode="NONE", q_data_type=q.dtype, kv_data_type=kv.dtype,
+               sm_scale=scale)  # fmt: skip
+        us = queue_us(lambda w=w: w.run(qs, kv, return_lse=True))
+        row.append(f"{us:.1f} ({gb / us * 1e3:.2f})")
+        print(f"{path} {backend}: {us:.1f} us vs ours {ours:.1f}", flush=True)
+    return row
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    here = __file__.rsplit("/benchmarks/", 1)[0]
+    saved = os.path.join(here, "docs/data/steps")
+    p.add_argument("--load", nargs="*", default=sorted(os.path.join(saved, f) for f in os.listdir(saved)
+                                                        if f.endswith(".npz")))  # fmt: skip
+    p.add_argument("--model", default="llama-3.1-8b", help="config of steps with none beside them")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("shared_via_flashinfer.py needs CUDA")
+    workspace = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    rows = [one_step(path, args.model, workspace) for path in args.load]
+    print(f"\n{torch.cuda.get_device_name()}; us a layer (TB/s of the distinct K+V the segments read)")
+    print("| step | kv heads | batch | segments | shared-chunk kernel, profiler | the same, queue "
+          "| FlashInfer fa3, queue | FlashInfer fa2, queue |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print("| " + " | ".join(r) + " |")
+
+
+if __name__ == "__main__":
+    main()
