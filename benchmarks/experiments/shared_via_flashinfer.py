@@ -8,9 +8,10 @@ segment: its pairs' query rows over its pages, no RoPE, not causal (a decode que
 document). They cannot turn keys by their slot, so the keys would have to be stored turned by
 their index inside their document (the query-rotation layout of docs/kernels.md) and each pair's
 query turned by its position minus the segment's start before the call. This times that call on
-the saved steps (docs/data/steps/, random q and KV; back-to-back calls, the profiler seeing none of
-FlashInfer's kernels here), beside the shared-chunk kernel on the same step timed both ways: an
-upper bound on what the storage change would buy.
+the saved steps (docs/data/steps/, random q and KV; CUDA-graph replays with L2 flushed, as the
+engine launches them; the profiler sees none of FlashInfer's kernels here), beside the shared-chunk
+kernel on the same step (also by its profiler kernel time): an upper bound on what the storage
+change would buy.
 
     python benchmarks/experiments/shared_via_flashinfer.py [--load STEP.npz ...]
 
@@ -32,19 +33,38 @@ from benchmarks.experiments.step_replay import device_us, load_step, step_config
 from lazyrt.kernels import triton_shared_chunk as tsc  # noqa: E402
 
 
-def queue_us(fn, reps: int = 50) -> float:
-    """Mean wall time (us) of back-to-back calls with the device's queue kept full (no L2 flush: the
-    steps read 110-350 MB, several times an H200's 50 MB L2): the profiler records no kernel of
-    FlashInfer's launches here."""
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / reps
+def graph_us(fn, device: torch.device, reps: int = 10) -> float:
+    """Mean device time (us) of fn's launches replayed from a CUDA graph, each after a 256 MB write
+    that flushes L2 (a graph of the writes alone is timed too and taken off)."""
+    flush = torch.empty(256 << 20, dtype=torch.int8, device=device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        fn()  # warm-up (and compile) outside the capture
+    torch.cuda.current_stream(device).wait_stream(side)
+    torch.cuda.synchronize(device)
+
+    def capture(with_fn: bool) -> torch.cuda.CUDAGraph:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(reps):
+                flush.zero_()
+                if with_fn:
+                    fn()
+        return g
+
+    times = []
+    for g in (capture(True), capture(False)):
+        g.replay()
+        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(5):
+            g.replay()
+        end.record()
+        torch.cuda.synchronize(device)
+        times.append(start.elapsed_time(end) * 1e3 / (5 * reps))
+    return times[0] - times[1]
 
 
 def one_step(path: str, model: str, workspace: torch.Tensor) -> list[str]:
@@ -68,16 +88,20 @@ def one_step(path: str, model: str, workspace: torch.Tensor) -> list[str]:
     t = lambda a: torch.as_tensor(a, dtype=torch.int32, device=dev)  # noqa: E731
     qs = torch.randn(int(qo[-1]), q_heads, head_dim, dtype=q.dtype, device=dev)
     gb = int(lens[keep].sum()) * kv_heads * head_dim * 2 * kv.element_size() / 1e9
-    ours_fn = lambda: tsc.shared_chunk_attention_triton(q, kv, pos, sh, rope, scale, **kw)  # noqa: E731
-    ours, ours_q = device_us(ours_fn, dev), queue_us(ours_fn)
+    programs = tsc.persistent_programs(dev)  # a graph's launch, as the engine captures it
+    ours_fn = lambda: tsc.shared_chunk_attention_triton(q, kv, pos, sh, rope, scale, programs=programs)  # noqa: E731
+    ours, ours_q = device_us(ours_fn, dev), graph_us(ours_fn, dev)
     row = [os.path.basename(path), str(kv_heads), str(b), str(len(keep)),
            f"{ours:.1f} ({gb / ours * 1e3:.2f})", f"{ours_q:.1f}"]  # fmt: skip
     for backend in ("fa3", "fa2"):
-        w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend=backend)
+        bufs = dict(qo_indptr_buf=t(qo), paged_kv_indptr_buf=t(kvp), paged_kv_indices_buf=t(idx),
+                    paged_kv_last_page_len_buf=t(last))  # fmt: skip
+        w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", use_cuda_graph=True,
+                                                           backend=backend, **bufs)  # fmt: skip
         w.plan(t(qo), t(kvp), t(idx), t(last), q_heads, kv_heads, head_dim, page, causal=False,
                pos_encoding_mode="NONE", q_data_type=q.dtype, kv_data_type=kv.dtype,
                sm_scale=scale)  # fmt: skip
-        us = queue_us(lambda w=w: w.run(qs, kv, return_lse=True))
+        us = graph_us(lambda w=w: w.run(qs, kv, return_lse=True), dev)
         row.append(f"{us:.1f} ({gb / us * 1e3:.2f})")
         print(f"{path} {backend}: {us:.1f} us vs ours {ours:.1f}", flush=True)
     return row
@@ -96,8 +120,8 @@ def main() -> None:
     workspace = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     rows = [one_step(path, args.model, workspace) for path in args.load]
     print(f"\n{torch.cuda.get_device_name()}; us a layer (TB/s of the distinct K+V the segments read)")
-    print("| step | kv heads | batch | segments | shared-chunk kernel, profiler | the same, queue "
-          "| FlashInfer fa3, queue | FlashInfer fa2, queue |")
+    print("| step | kv heads | batch | segments | shared-chunk kernel, profiler | the same, CUDA graph "
+          "| FlashInfer fa3, CUDA graph | FlashInfer fa2, CUDA graph |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print("| " + " | ".join(r) + " |")

@@ -20,7 +20,9 @@ time, not ~0.5x: `--model DIR` with a config of a rank's shape runs it on one GP
 
 Saved steps (docs/data/steps/, H200, 2026-11-28, 530ce1a's grouping): decode steps of the Zipf 2.1
 workload at batch 8 and 16 on a TP=2 rank's shape (rank4_config.json beside them) and at batch 16
-and 64 on the Llama-3.1-8B shape (the default `--model llama-3.1-8b`).
+and 64 on the Llama-3.1-8B shape (the default `--model llama-3.1-8b`); llama8b_question_b1.npz
+(2026-11-29) is constructed, not captured: a lone 16-token question over 5 cached 2,048-token
+documents in 512-token pieces, with the prefix's and the question's own runs.
 """
 
 from __future__ import annotations
