@@ -10,9 +10,11 @@ flushed). The ablated kernels give wrong outputs: only their time is read. What 
 - `no key rotation`: the key tile goes to the dots as loaded (no cos/sin loads, no rotation math);
 - `no exp`: the scores go into the values' dot without exp2 (the max / sum bookkeeping stays);
 - `rows R`: the item's query rows cut to R (the dots and the softmax R rows tall; keys unchanged);
-- `no PV dot`: the value tile added to the accumulator instead of multiplied by the weights;
+- `no PV dot`: the value tile added to the accumulator instead of multiplied by the weights (its
+  two reductions cost more than the dot they replace: slower everywhere, so no evidence either way);
 - `loads only`: each key tile's K and V loaded and summed into the accumulator, nothing else: the
-  time of the kernel's memory traffic in its access pattern (page gathers, a head's 256 B a token);
+  kernel's memory traffic in its access pattern (page gathers, a head's 256 B a token); on the
+  smaller saved steps slower than the whole kernel, so not a floor;
 
     python benchmarks/experiments/shared_kernel_ablation.py [--load docs/data/steps/*.npz]
 
