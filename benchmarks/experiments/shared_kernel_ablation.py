@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 
-from benchmarks.experiments.step_replay import device_us, load_step, step_config  # noqa: E402
+from benchmarks.experiments.step_replay import device_us, load_step, saved_steps, step_config  # noqa: E402
 from lazyrt.kernels import triton_shared_chunk as tsc  # noqa: E402
 
 _ROT = ("    k1r = (k1 * cj - k2 * sj).to(dt)\n    k2r = (k2 * cj + k1 * sj).to(dt)\n",
@@ -89,10 +89,7 @@ def variant(src: str, subs: list[tuple[str, str]], name: str, tmp: str):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    here = __file__.rsplit("/benchmarks/", 1)[0]
-    saved = os.path.join(here, "docs/data/steps")
-    steps = sorted(os.path.join(saved, f) for f in os.listdir(saved) if f.endswith(".npz"))
-    p.add_argument("--load", nargs="*", default=steps)
+    p.add_argument("--load", nargs="*", default=saved_steps())
     p.add_argument("--model", default="llama-3.1-8b", help="config of steps with none beside them")
     args = p.parse_args()
     if not torch.cuda.is_available():

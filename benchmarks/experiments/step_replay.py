@@ -128,6 +128,12 @@ def save_step(path: str, cap: tuple) -> None:
              kv_shape=np.asarray(kv.shape), block_pairs=np.asarray(sh.block_pairs), scale=np.asarray(scale))
 
 
+def saved_steps() -> list[str]:
+    """The steps saved in docs/data/steps/ (save_step files), sorted."""
+    saved = os.path.join(__file__.rsplit("/benchmarks/", 1)[0], "docs", "data", "steps")
+    return sorted(os.path.join(saved, f) for f in os.listdir(saved) if f.endswith(".npz"))
+
+
 def step_config(path: str, model: str) -> str:
     """The model a saved step belongs to: a config beside it (NAME_step_bB.npz -> NAME_config.json),
     else `model` (a folder with a config.json, a config.json file or a dummy preset's name)."""
