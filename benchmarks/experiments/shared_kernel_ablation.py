@@ -17,6 +17,7 @@ flushed). The ablated kernels give wrong outputs: only their time is read. What 
   smaller saved steps slower than the whole kernel, so not a floor;
 
     python benchmarks/experiments/shared_kernel_ablation.py [--load docs/data/steps/*.npz]
+        [--settings 2:0 1:128 ...] [--variants "as is" "no key rotation"]
 
 GPU only.
 """
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import inspect
+import itertools
 import os
 import sys
 import tempfile
@@ -91,6 +93,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--load", nargs="*", default=saved_steps())
     p.add_argument("--model", default="llama-3.1-8b", help="config of steps with none beside them")
+    p.add_argument("--settings", nargs="*", default=[], metavar="STAGES:MAXNREG",
+                   help="also time each variant at these launch settings (maxnreg 0: no cap), "
+                        "to see whether what a variant frees in registers buys more programs an SM")
+    p.add_argument("--variants", nargs="*", default=None, help="only these variants (names as in the table)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("shared_kernel_ablation.py needs CUDA")
@@ -101,6 +107,9 @@ def main() -> None:
                 ("no rotation, rows 32", [_ROT, _rows(32)])]  # fmt: skip
     mods = [(name, variant(src, subs, name, tmp)) for name, subs in variants]
     mods.append(("loads only", variant(loads_only(src), [], "loads only", tmp)))
+    if args.variants is not None:
+        mods = [(n, m) for n, m in mods if n in args.variants]
+    settings = [None] + [tuple(int(x) for x in st.split(":")) for st in args.settings]
     table = []
     for path in args.load:
         q, kv, pos, sh, rope, scale, kw = load_step(path, step_config(path, args.model), torch.device("cuda"))
@@ -108,17 +117,20 @@ def main() -> None:
         keys = int(sh.chunk_len.sum())
         gb = keys * kv.shape[3] * kv.shape[4] * 2 * kv.element_size() / 1e9
         row = [f"{os.path.basename(path)}", f"{kv.shape[3]}", f"{b}"]
-        for name, mod in mods:
+        for (name, mod), st in itertools.product(mods, settings):
             call = (q, kv, pos, sh, rope, scale)
-            fn = lambda m=mod, c=call, k=kw: m.shared_chunk_attention_triton(*c, **k)  # noqa: E731
+            over = dict(kw, **({"num_stages": st[0], "maxnreg": st[1]} if st else {}))
+            fn = lambda m=mod, c=call, k=over: m.shared_chunk_attention_triton(*c, **k)  # noqa: E731
             fn()
             us = device_us(fn, q.device)
             row.append(f"{us:.1f} ({gb / us * 1e3:.2f})")
-            print(f"{path} {name}: {us:.1f} us", flush=True)
+            at = f" at {st[0]}:{st[1]}" if st else ""
+            print(f"{path} {name}{at}: {us:.1f} us", flush=True)
         table.append(row)
     print(f"\n{torch.cuda.get_device_name()}; us a layer (TB/s of distinct K+V)")
-    print("| step | kv heads | batch | " + " | ".join(n for n, _ in mods) + " |")
-    print("|---|---|---|" + "---|" * len(mods))
+    cols = [n + (f" at {st[0]}:{st[1]}" if st else "") for (n, _), st in itertools.product(mods, settings)]
+    print("| step | kv heads | batch | " + " | ".join(cols) + " |")
+    print("|---|---|---|" + "---|" * len(cols))
     for row in table:
         print("| " + " | ".join(row) + " |")
 
