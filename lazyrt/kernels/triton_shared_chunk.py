@@ -184,9 +184,9 @@ def _shared_chunk_kernel(
 # Tiles and grid from `shared_chunk_bench.py --sweep` (H200, Llama-3.1-8B heads, Zipf 2.1 steps at
 # batch 16 and 64): 64-key blocks, 8 programs per SM, 16 pairs (64 rows) per item. Since whole tiles
 # load unmasked, 2 stages beat 3 (H100, one layer, `experiments/shared_kernel_variants.py
-# --kernel-stages 2`, 2026-11-27): a lone question 30.8 vs 31.2 us, decode at batch 16 82.9 vs 86.5, at
-# batch 64 153.7 vs 156.8, 4 questions 79.0 vs 80.8 (the masked loop at 3 stages: 32.8 / 85.8 / 162.2 /
-# 84.2).
+# --kernel-stages 2`, in git at b8311eb, 2026-11-27): a lone question 30.8 vs 31.2 us, decode at
+# batch 16 82.9 vs 86.5, at batch 64 153.7 vs 156.8, 4 questions 79.0 vs 80.8 (the masked loop at 3
+# stages: 32.8 / 85.8 / 162.2 / 84.2).
 PROGRAMS_PER_SM = 8  # persistent grid: programs per SM
 # At the compiler's 255 registers a thread two programs fit an SM (waves.WAVE_PROGRAMS_PER_SM). A
 # launch of more items than that wave runs at 168 registers and 1 stage (three programs an SM, a few
@@ -194,6 +194,9 @@ PROGRAMS_PER_SM = 8  # persistent grid: programs per SM
 # 4390f1d, 2026-11-27), decode at batch 16 83.0 -> 81.0 us, batch 64 153.8 -> 146.4, 4 questions
 # 79.4 -> 74.2; a lone question (168 items, one wave) 30.8 -> 33.7, so a launch within one wave keeps
 # 2 stages and 255 registers. 128 registers spill too much (b64 231.8 us); 168 at 2 stages 169.1.
+# Re-checked on an H200 (2026-11-29, `shared_kernel_ablation.py --variants "as is" --settings ...`,
+# saved steps): batch 64 192.4 us at 1:168 against 219.7 at 2:168, 202.5 uncapped at 2 stages, 215.7+
+# at 128; batch 16 (one wave, uncapped) 61.4 against 69.9 at 1:168.
 # The wave counts items in the longest one's keys (shared_chunk.wave_items: short items, own runs and
 # documents' tails, hardly count): engine decode steps replayed alone (H200, one layer, us uncapped /
 # capped, `experiments/step_replay.py`, 2026-11-28; wave items x kv heads an SM): 8 kv heads at batch
