@@ -201,6 +201,12 @@ def replay(b: int, cap: tuple, kernel, ps: int, rows: list) -> None:
         m = regroup(sh, ps, block_pairs=bp)
         run(f"block_pairs {bp}: {describe(m)}", meta=m)
     run("items by pairs", meta=regroup(sh, ps, by_pairs=True))
+    # 32 pairs (128 query rows) an item on two warpgroups: a key tile loaded and turned once for
+    # twice the rows (a segment used by more than 16 requests is read by half as many items)
+    m32 = regroup(sh, ps, block_pairs=32)
+    for st, nreg in ((2, 0), (1, 0), (1, 168)):
+        run(f"block_pairs 32, 8 warps, stages {st}, maxnreg {nreg}: {describe(m32)}", meta=m32, num_warps=8,
+            num_stages=st, maxnreg=nreg)
     # the pool's pages head-major (FlashInfer's HND: a head's page is one contiguous run of page_size
     # x head_dim, where NHD, the pool's layout, interleaves the heads token by token); the kernel
     # takes strides, so a permuted view runs it unchanged
