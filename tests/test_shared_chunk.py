@@ -242,6 +242,9 @@ except Exception as e:  # noqa: BLE001
     TRITON_ERROR = str(e)
 
 
+# No bf16 here: Triton's interpreter keeps bf16 as its bit pattern and computes on that (a bf16
+# tl.load + tl.dot gives values ~1e10; Triton's debugging guide lists bf16 as unsupported, issue
+# triton-lang/triton#11584). tests/test_triton_gpu.py runs the kernel in bf16 on the GPU.
 @pytest.mark.parametrize(
     "group,kv_heads,head_dim,rotary_dim,page_size,dtype,q_len,inside,block_pairs,block_n,programs",
     [
