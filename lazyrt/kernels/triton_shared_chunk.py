@@ -69,6 +69,10 @@ def _key_tile(
     whole_k = FULL and HALF == HALF_P
     k1 = _tile_load(k_ptr, j_ok, ch_ok, whole_k)
     k2 = _tile_load(k_ptr + HALF, j_ok, ch_ok, whole_k)
+    # the values' load issued with the keys', so that at 1 stage its latency overlaps the scores and
+    # the softmax (H200, saved steps: -4..-6% a layer; docs/kernels.md)
+    v_ptr = kv_ptr + (k_off + stride_kkv)[:, None] + dh[None, :]
+    v = _tile_load(v_ptr, j_ok, dh < HEAD, FULL and HEAD == HEAD_P)
     cj = _tile_load(kcos_ptr + j_off, j_ok, ch_ok, whole_k)
     sj = _tile_load(ksin_ptr + j_off, j_ok, ch_ok, whole_k)
     if not KEY_MATH_KV:  # else the table is in the KV dtype: packed 16-bit math
@@ -95,8 +99,6 @@ def _key_tile(
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    v_ptr = kv_ptr + (k_off + stride_kkv)[:, None] + dh[None, :]
-    v = _tile_load(v_ptr, j_ok, dh < HEAD, FULL and HEAD == HEAD_P)
     acc = tl.dot(p.to(dt), v, acc * alpha[:, None], input_precision=DOT_PREC)
     return m_new, l_i, acc
 
@@ -203,9 +205,14 @@ PROGRAMS_PER_SM = 8  # persistent grid: programs per SM
 # 16 61.4 / 70.7 (2.0; 3.9 counted by number); a TP=2 rank's 4 at batch 8 33.9 / 37.0
 # (1.6), at 16 52.9 / 61.1 (1,024-token pieces, 1.1) but 53.2 / 41.8 at 512 (2.2); 8 at batch 64
 # 201.4 / 192.2 (6.4).
+# Since the value tile loads beside the key tile, 1 stage is fastest for every launch (H200,
+# 2026-11-29, `shared_kernel_ablation.py --variants "as is" "early V load" --settings 1:168 2:0 1:0
+# 2:168`, saved steps, us a layer, as is at its settings -> the early load at 1 stage): batch 64
+# 191.4 -> 179.3 (at 168 registers; 194.0 at 2 stages uncapped), batch 16 61.2 -> 58.3 (uncapped; 60.0
+# at 2 stages), a lone question 32.4 -> 30.9, a TP=2 rank's batch 16 52.7 -> 50.5.
 MANY_ITEMS_MAXNREG = 168
 MANY_ITEMS_STAGES = 1
-FEW_ITEMS_STAGES = 2
+FEW_ITEMS_STAGES = 1
 
 
 def launch_settings(items: int, device: torch.device) -> tuple[int, int]:
