@@ -195,7 +195,8 @@ PROGRAMS_PER_SM = 8  # persistent grid: programs per SM
 # spills): H100, one layer (`shared_kernel_variants.py --kernel-maxnreg 168 --kernel-stages 1`,
 # 4390f1d, 2026-11-27), decode at batch 16 83.0 -> 81.0 us, batch 64 153.8 -> 146.4, 4 questions
 # 79.4 -> 74.2; a lone question (168 items, one wave) 30.8 -> 33.7, so a launch within one wave keeps
-# 2 stages and 255 registers. 128 registers spill too much (b64 231.8 us); 168 at 2 stages 169.1.
+# 255 registers (and kept 2 stages until the values' early load, below). 128 registers spill too
+# much (b64 231.8 us); 168 at 2 stages 169.1.
 # Re-checked on an H200 (2026-11-29, `shared_kernel_ablation.py --variants "as is" --settings ...`,
 # saved steps): batch 64 192.4 us at 1:168 against 219.7 at 2:168, 202.5 uncapped at 2 stages, 215.7+
 # at 128; batch 16 (one wave, uncapped) 61.4 against 69.9 at 1:168.
