@@ -101,6 +101,7 @@ def step_walls(eng, prompts: list[list[int]], sp) -> dict:
 
     core.step = timed_step
     try:
+        eng.flush_cache()  # lazy / block / prefix cached the prompts in the timed run
         eng.generate(prompts, sp)
     finally:
         core.step, core.scheduler.schedule = step, schedule
@@ -134,6 +135,7 @@ def engine_profile(eng, prompts: list[list[int]], sp, device: str) -> dict:
 
     out: dict = {"steps": step_walls(eng, prompts, sp)}
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    eng.flush_cache()
     with profile(activities=acts) as prof:
         eng.generate(prompts, sp)
         sync(device)
@@ -185,6 +187,9 @@ def main(argv=None) -> dict:
     p.add_argument("--prompt-tokens", type=int, default=2048)
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--cache-mode", default="none", choices=("none", "prefix", "lazy", "block"),
+                   help="the engine's cache mode (the prompts share nothing; the cache is flushed before "
+                   "each timed run)")
     p.add_argument("--max-step-tokens", type=int, default=None, help="the engine's prefill tokens a step")
     p.add_argument("--profile", action="store_true", help="print where the engine's time goes (see above)")
     p.add_argument("--out", default=None, help="JSON lines, appended")
@@ -200,7 +205,7 @@ def main(argv=None) -> dict:
         device=args.device,
         dtype=args.dtype,
         load_format=args.load_format,
-        cache_mode="none",
+        cache_mode=args.cache_mode,
         max_running_requests=args.batch,
         kv_cache_tokens=args.batch * (args.prompt_tokens + args.output_tokens + 16) + 64,
         **({} if args.max_step_tokens is None else {"max_step_tokens": args.max_step_tokens}),
@@ -212,6 +217,7 @@ def main(argv=None) -> dict:
     ]
     sp = SamplingParams(max_tokens=args.output_tokens, temperature=0.0, ignore_eos=True)
     eng.generate(prompts[:1], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
+    eng.flush_cache()
     sync(args.device)
     t = time.perf_counter()
     outs = eng.generate(prompts, sp)
@@ -228,6 +234,7 @@ def main(argv=None) -> dict:
         "lazyrt_s": t_eng,
         "lazyrt_out_tok_s": n_out / t_eng,
         "max_step_tokens": eng.config.max_step_tokens,
+        "cache_mode": args.cache_mode,
     }
     row.update(physical_floor(eng, args, dtype))
     row["floor_fraction"] = row["floor_s"] / t_eng

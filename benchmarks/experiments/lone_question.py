@@ -43,7 +43,8 @@ MERGES = ("loop_h4", "blocked_p8", "blocked_p16", "blocked_p32")
 DEFAULT = (512, 16, 64, "auto")  # the engine's lone question: pieces, pairs an item, key block, settings
 # (key block, stages, register cap; None: launch_settings' choice) timed per piece
 TILES = ((64, 2, 0), (64, 3, 0), (32, 3, 0), (32, 4, 0), (128, 2, 0))
-ENGINE_TILES = ((64, None, None), (64, 2, 0), (64, 1, 168))  # the engine's, and each choice it makes
+# the engine's, and each (stages, register cap) it could take
+ENGINE_TILES = ((64, None, None), (64, 1, 0), (64, 2, 0), (64, 1, 168), (64, 2, 168))
 
 
 def one_step(B: int, a, bp: int, rope: RopeCache, scale: float, bench, ref: dict, tiles=TILES) -> list[dict]:
