@@ -57,7 +57,7 @@ def one_step(B: int, a, bp: int, rope: RopeCache, scale: float, bench, ref: dict
         shared_chunk_attention_triton,
     )
 
-    kv, full, shared, _ = build_step(B, a, random.Random(0), "cuda", bp)
+    kv, full, shared, _ = build_step(B, a, random.Random(a.seed), "cuda", bp)
     q = torch.randn(B * a.q_len, 4 * a.kv_heads, 128, device="cuda", dtype=torch.bfloat16)  # groups of 4
     # --cold-layers: the step over that many layers' pools, one launch each, timed per launch (a
     # model's step reads each layer's KV once: a lone layer replayed keeps part of it in L2)
@@ -123,6 +123,9 @@ def main() -> None:
                     help="no FlashInfer reference (its JIT build for a new head count takes minutes)")
     ap.add_argument("--cold-layers", type=int, default=1,
                     help="time the kernels over this many layers' KV (1: one layer replayed, partly in L2)")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0],
+                    help="the documents' Zipf draw (a table each): how many work items a draw gives moves "
+                    "where a launch's last round of programs falls")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     tiles = ENGINE_TILES if args.engine_tile else TILES
@@ -140,21 +143,25 @@ def main() -> None:
         return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median") * 1000.0
 
     rows = []
-    for B in args.batches:
+    for seed, B in itertools.product(args.seeds, args.batches):
         ref: dict = {}
         for piece, bp in itertools.product(args.pieces, args.block_pairs):
-            a = argparse.Namespace(**{**vars(base), "piece_tokens": piece})
-            rows += one_step(B, a, bp, rope, scale, bench, ref, tiles)
+            a = argparse.Namespace(**{**vars(base), "piece_tokens": piece, "seed": seed})
+            rows += [dict(r, seed=seed) for r in one_step(B, a, bp, rope, scale, bench, ref, tiles)]
+            for r in rows[-len(tiles):]:
+                print(f"seed {seed} batch {B} piece {piece} {r['stages']}: {r['items']} items, shared "
+                      f"{r['shared_us']} us, total {r['total_us']} us", flush=True)
             torch.cuda.empty_cache()
-    print("| batch | piece | pairs an item | key block | stages, registers | items | parts a row | shared us "
-          "| merge loop h4 / blocked p8 / p16 / p32 us | total us | per-request us | FlashInfer us |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for B in args.batches:
-        mine = sorted([r for r in rows if r["batch"] == B], key=lambda r: r["total_us"])
+    print("| seed | batch | piece | pairs an item | key block | stages, registers | items | parts a row "
+          "| shared us | merge loop h4 / blocked p8 / p16 / p32 us | total us | per-request us "
+          "| FlashInfer us |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for seed, B in itertools.product(args.seeds, args.batches):
+        mine = sorted([r for r in rows if (r["seed"], r["batch"]) == (seed, B)], key=lambda r: r["total_us"])
         default = [r for r in mine if (r["piece"], r["block_pairs"], r["block_n"], r["stages"]) == DEFAULT]
         for r in mine[:6] + default:
             merges = " / ".join(str(r[f"merge_{k}_us"]) for k in MERGES)
-            print(f"| {B} | {r['piece']} | {r['block_pairs']} | {r['block_n']} | {r['stages']} "
+            print(f"| {seed} | {B} | {r['piece']} | {r['block_pairs']} | {r['block_n']} | {r['stages']} "
                   f"| {r['items']} | {r['parts_per_row']} | {r['shared_us']} | {merges} | {r['total_us']} | "
                   f"{r['per_request_us']} | {r.get('flashinfer_us', '-')} |")
     if args.out:
