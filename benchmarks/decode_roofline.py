@@ -126,6 +126,9 @@ def add_workload_args(p: argparse.ArgumentParser, batches: list[int]) -> None:
                    help="TP > 1: each layer's all-reduce, residual add and RMSNorm in one kernel "
                    "(default: the engine's, on with the peer all-reduce)")
     p.add_argument("--cuda-graph-max-batch", type=int, default=64, help="0: every step launches eagerly")
+    p.add_argument("--split-last-round", action=argparse.BooleanOptionalAction, default=True,
+                   help="lazy: cut the longest document pieces that spill into a last round of the shared "
+                   "kernel's programs (shared_chunk.split_last_round, the engine's default; TP=1 only)")
 
 
 def make_workload(args):
@@ -155,6 +158,10 @@ def make_workload(args):
         tp_fused_all_reduce_norm=getattr(args, "tp_fused_all_reduce_norm", None),
         cuda_graph_max_batch=args.cuda_graph_max_batch,
     )
+    if not getattr(args, "split_last_round", True):  # callers building their own args
+        if args.tensor_parallel_size > 1:
+            raise SystemExit("--no-split-last-round: TP=1 only (the ranks' runners are in other processes)")
+        eng.runner.shared_round_items = 0
     gen = torch.Generator().manual_seed(0)
     vocab = min(eng.model_config.vocab_size, 32000)
 

@@ -37,8 +37,8 @@ sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 
 from lazyrt.kernels.metadata import AttentionMetadata  # noqa: E402
 from lazyrt.kernels.rope import RopeCache  # noqa: E402
-from lazyrt.kernels.shared_chunk import SharedChunkMeta, group_segments  # noqa: E402
-from lazyrt.kernels.waves import half_piece_items  # noqa: E402
+from lazyrt.kernels.shared_chunk import SharedChunkMeta, group_segments, split_last_round  # noqa: E402
+from lazyrt.kernels.waves import half_piece_items, round_items  # noqa: E402
 from lazyrt.models.config import ModelConfig  # noqa: E402
 from lazyrt.models.dummy import PRESETS  # noqa: E402
 from lazyrt.runtime.worker.step_inputs import SHARED_PIECE_TOKENS, piece_tokens_for  # noqa: E402
@@ -91,8 +91,11 @@ def build_step(
         full = group_segments(docs, PAGE, SHARED_PIECE_TOKENS)[0]
         keys = sum(n * -(-len(pairs) // bp) for _, n, pairs in full)
         piece = piece_tokens_for(keys, half_piece_items(kv_heads, torch.device(dev)))
+    segments = group_segments(seqs, PAGE, piece)[0]
+    if getattr(args, "split_last_round", True):  # as the engine groups its documents (its own runs too)
+        segments = split_last_round(segments, PAGE, bp, kv_heads, round_items(torch.device(dev)))
     if segments_only:
-        return group_segments(seqs, PAGE, piece)[0]
+        return segments
     kv = torch.randn(next_page, 2, PAGE, kv_heads, HEAD_DIM, device=dev, dtype=torch.bfloat16)
     i32 = dict(dtype=torch.int32, device=dev)
     meta = AttentionMetadata(
@@ -103,7 +106,6 @@ def build_step(
         store_slots=torch.zeros(0, dtype=torch.long, device=dev), rotate_keys=True,
         max_q_len=args.q_len, max_kv_entries=max(b - a for a, b in zip(kvp, kvp[1:])),
     )  # fmt: skip
-    segments, _, _ = group_segments(seqs, PAGE, piece)
     shared = SharedChunkMeta.build(segments, PAGE, len(positions), bp, dev)
     return kv, meta, shared, len(distinct)
 

@@ -28,6 +28,7 @@ from lazyrt.kernels.shared_chunk import (  # noqa: E402
     merge_parts_ref,
     shared_chunk_attention_ref,
     shared_chunk_attention_torch,
+    split_last_round,
 )
 from lazyrt.models.config import ModelConfig  # noqa: E402
 
@@ -163,6 +164,38 @@ def test_reference_and_merge_equal_per_request_attention(q_len, inside):
     # the merged lse is the lse over all keys
     _, lse_all = private_partial(q, kv, full, rope, scale)
     torch.testing.assert_close(lse, lse_all, rtol=1e-5, atol=1e-5)
+
+
+def test_split_last_round_cuts_the_spill_and_keeps_the_output():
+    """A step whose longest segments' work items spill a few past a round of resident programs:
+    split_last_round cuts the fewest-item ones in parts until the rest fit whole rounds; the merged
+    output is still lazy_attention_ref's over all keys. Past half a round it changes nothing."""
+    page_size, kv_heads, group, head_dim, block_pairs = 4, 2, 2, 16, 1
+    lengths = [4 * page_size] * 5 + [random.randint(1, 3 * page_size)]  # 5 long chunks, a shorter one
+    kv, positions, full, priv, segments = make_step(page_size, kv_heads, head_dim, torch.float32, n_chunks=6,
+                                                    n_requests=6, lengths=lengths)  # fmt: skip
+    longest = max(n for _, n, _ in segments)
+    long_items = sum(len(p) for _, n, p in segments if n == longest) * kv_heads  # block_pairs 1
+    fewest = min(len(p) for _, n, p in segments if n == longest) * kv_heads
+    round_items = long_items - fewest  # the fewest-item long segment spills into a last round
+    assert fewest <= round_items / 2
+    cut = split_last_round(segments, page_size, block_pairs, kv_heads, round_items, parts=4)
+    assert len(cut) == len(segments) + 3
+    assert sum(len(p) for _, n, p in cut if n == longest) * kv_heads <= round_items
+    assert sorted(n for _, n, _ in cut).count(page_size) >= 4  # the cut one in 4 one-page parts
+    # one round holds them all, or the last round is over half full: unchanged
+    assert split_last_round(segments, page_size, block_pairs, kv_heads, long_items) is segments
+    r = -(-long_items * 3 // 5)
+    assert long_items - r > r / 2
+    assert split_last_round(segments, page_size, block_pairs, kv_heads, r) is segments
+    rope = make_rope(head_dim)
+    q = torch.randn(len(positions), kv_heads * group, head_dim)
+    scale = head_dim**-0.5
+    shared = SharedChunkMeta.build(cut, page_size)
+    o_s, lse_s = shared_chunk_attention_ref(q, kv, positions, shared, rope, scale)
+    o_p, lse_p = private_partial(q, kv, priv, rope, scale)
+    out, _ = merge_partials(o_p, lse_p, o_s, lse_s, shared.pair_row)
+    torch.testing.assert_close(out, lazy_attention_ref(q, kv, full, rope, scale), rtol=1e-4, atol=1e-5)
 
 
 def test_merge_ignores_empty_parts():

@@ -17,6 +17,7 @@ from lazyrt import RagPrompt, SamplingParams
 from lazyrt.kernels.shared_chunk import group_segments
 from lazyrt.runtime.scheduler.plan import ForwardItem, StepPlan
 from lazyrt.runtime.scheduler.request import Segment
+from lazyrt.runtime.worker import step_inputs
 from lazyrt.runtime.worker.step_inputs import StepInputs, shared_segments
 
 
@@ -60,6 +61,30 @@ def test_greedy_tokens_same_with_sharing_on_and_off(family, kw, tiny_model_dir):
     off, steps_off = run(path, False, prompts, sps, **kw)
     assert on == off
     assert steps_on > 0 and steps_off == 0  # the shared path really ran (decode steps share docs)
+
+
+def test_greedy_tokens_same_with_the_last_round_cut(tiny_model_dir, monkeypatch):
+    """Steps whose documents' longest pieces split_last_round cuts (forced here: each step's round
+    sized so that its fewest-item longest segment spills into a last round; a real round is 3 programs
+    an SM, far more than a tiny batch has) give the sharing-off engine's greedy tokens."""
+    path = tiny_model_dir("llama")
+    real, cuts = step_inputs.split_last_round, []
+
+    def forced(segments, page_size, block_pairs, kv_heads, round_items, parts=4):
+        longest = max(n for _, n, _ in segments)
+        works = [-(-len(pairs) // block_pairs) for _, n, pairs in segments if n == longest]
+        out = real(segments, page_size, block_pairs, kv_heads, (sum(works) - min(works)) * kv_heads, parts)
+        cuts.append(len(out) - len(segments))
+        return out
+
+    monkeypatch.setattr(step_inputs, "split_last_round", forced)
+    rng = random.Random()
+    prompts = pool_prompts(rng, 49152, 6, doc_lens=(64, 64))  # equal documents: each is a longest run
+    sps = [SamplingParams(max_tokens=rng.randint(4, 10), ignore_eos=True) for _ in prompts]
+    on, steps_on = run(path, True, prompts, sps, page_size=4)
+    off, _ = run(path, False, prompts, sps, page_size=4)
+    assert steps_on > 0 and any(c > 0 for c in cuts)
+    assert on == off
 
 
 def test_logprobs_same_with_sharing_on_and_off(tiny_model_dir):

@@ -117,6 +117,8 @@ def main() -> None:
     ap.add_argument("--block-pairs", type=int, nargs="+", default=[4, 8, 16])
     ap.add_argument("--engine-tile", action="store_true",
                     help="time only the engine's key block, with its settings and each one it picks from")
+    ap.add_argument("--engine-choice", action="store_true",
+                    help="time only the engine's key block and settings")
     ap.add_argument("--kv-heads", type=int, default=8,
                     help="KV heads (query heads: 4x): 4 is a rank's share of Llama-3.1-8B at TP=2")
     ap.add_argument("--skip-flashinfer", action="store_true",
@@ -126,9 +128,12 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0],
                     help="the documents' Zipf draw (a table each): how many work items a draw gives moves "
                     "where a launch's last round of programs falls")
+    ap.add_argument("--split-last-round", choices=("on", "off", "both"), default="on",
+                    help="cut the longest pieces that spill into a last round "
+                    "(shared_chunk.split_last_round, as the engine groups) or not")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    tiles = ENGINE_TILES if args.engine_tile else TILES
+    tiles = ENGINE_TILES[:1] if args.engine_choice else ENGINE_TILES if args.engine_tile else TILES
     if not torch.cuda.is_available():
         ap.error("needs a CUDA device")
     base = argparse.Namespace(docs=5, doc_tokens=2048, private=args.q_len, pool=100, alpha=2.1,
@@ -145,12 +150,14 @@ def main() -> None:
     rows = []
     for seed, B in itertools.product(args.seeds, args.batches):
         ref: dict = {}
-        for piece, bp in itertools.product(args.pieces, args.block_pairs):
-            a = argparse.Namespace(**{**vars(base), "piece_tokens": piece, "seed": seed})
-            rows += [dict(r, seed=seed) for r in one_step(B, a, bp, rope, scale, bench, ref, tiles)]
+        splits = {"on": (True,), "off": (False,), "both": (True, False)}[args.split_last_round]
+        for piece, bp, split in itertools.product(args.pieces, args.block_pairs, splits):
+            opts = {"piece_tokens": piece, "seed": seed, "split_last_round": split}
+            a = argparse.Namespace(**{**vars(base), **opts})
+            rows += [dict(r, **opts) for r in one_step(B, a, bp, rope, scale, bench, ref, tiles)]
             for r in rows[-len(tiles):]:
-                print(f"seed {seed} batch {B} piece {piece} {r['stages']}: {r['items']} items, shared "
-                      f"{r['shared_us']} us, total {r['total_us']} us", flush=True)
+                print(f"seed {seed} batch {B} piece {piece} split {split} {r['stages']}: {r['items']} items, "
+                      f"shared {r['shared_us']} us, total {r['total_us']} us", flush=True)
             torch.cuda.empty_cache()
     print("| seed | batch | piece | pairs an item | key block | stages, registers | items | parts a row "
           "| shared us | merge loop h4 / blocked p8 / p16 / p32 us | total us | per-request us "

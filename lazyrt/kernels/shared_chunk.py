@@ -269,6 +269,60 @@ def group_segments(
     return segments, per_request, shared
 
 
+# A launch's last round may hold at most this share of a round's items before
+# split_last_round cuts them (a mostly empty round costs about half a full one: below).
+LAST_ROUND_SPLIT_SHARE = 0.5
+LAST_ROUND_PARTS = 4
+
+
+def split_last_round(
+    segments: list[tuple[list[int], int, list[tuple[int, int]]]],
+    page_size: int,
+    block_pairs: int,
+    kv_heads: int,
+    round_items: int,
+    parts: int = LAST_ROUND_PARTS,
+) -> list[tuple[list[int], int, list[tuple[int, int]]]]:
+    """group_segments' segments with a few of the longest cut in `parts` when the longest ones' work
+    items (ceil(pairs / block_pairs) x kv_heads each, run longest first) spill a few past a multiple
+    of round_items (waves.round_items: the programs resident at once): those would run a last round
+    of long items nearly alone. Cut, the spill runs as short items beside the other runs' tails. The
+    segments cut are those with the fewest items (each cut adds parts - 1 parts to its rows' merge).
+    H200, Llama-3.1-8B heads, one layer of a batch-64 decode step (`experiments/lone_question.py
+    --q-len 1 --batches 64 --seeds 6 8 0 --pieces 1024`): 848 long items against rounds of 396 took
+    172.8 us, 784 took 137.5, 688 130.7; in the engine a draw with 800 ran its step 11% slower than
+    draws with 736-768 (`decode_roofline.py`, 2026-11-29). The outputs do not change: a cut segment's
+    pairs read the same keys at the same positions, in parts merged by log-sum-exp."""
+    if round_items <= 0 or not segments:
+        return segments
+    longest = max(n for _, n, _ in segments)
+    long_pages = -(-longest // page_size)
+    piece_pages = -(-long_pages // parts)
+    works = [-(-len(pairs) // block_pairs) for _, _, pairs in segments]
+    long = [i for i, (_, n, _) in enumerate(segments) if n == longest]
+    items = sum(works[i] for i in long) * kv_heads
+    spill = items - (items - 1) // round_items * round_items  # items in the last round: 1..round_items
+    if items <= round_items or spill > LAST_ROUND_SPLIT_SHARE * round_items or piece_pages >= long_pages:
+        return segments
+    cut: set[int] = set()
+    for i in sorted(long, key=lambda i: works[i]):
+        if spill <= 0:
+            break
+        cut.add(i)
+        spill -= works[i] * kv_heads
+    out = []
+    for i, seg in enumerate(segments):
+        if i not in cut:
+            out.append(seg)
+            continue
+        pages, n, pairs = seg
+        for k in range(0, len(pages), piece_pages):
+            off = k * page_size
+            out.append((pages[k : k + piece_pages], min(n - off, piece_pages * page_size),
+                        [(row, start + off) for row, start in pairs]))  # fmt: skip
+    return out
+
+
 def shared_chunk_attention_ref(
     q: torch.Tensor,
     kv: torch.Tensor,

@@ -12,6 +12,10 @@ import torch
 # At the compiler's 255 registers a thread, two of the shared-chunk kernel's programs fit an SM
 # (triton_shared_chunk has the measurements).
 WAVE_PROGRAMS_PER_SM = 2
+# Past one wave the kernel runs at 168 registers a thread (triton_shared_chunk.MANY_ITEMS_MAXNREG, 4
+# warps): three programs fit an SM's 64K registers. A launch's work items then run in rounds of this
+# many an SM.
+CAPPED_PROGRAMS_PER_SM = 3
 
 
 @functools.cache  # asked on every eager launch
@@ -44,3 +48,9 @@ def half_piece_items(num_kv_heads: int, device: torch.device) -> int:
     """Full pieces' worth of keys read by a step's documents' work items (each runs once per kv head)
     up to which it takes half-size pieces: a tensor-parallel rank holds fewer kv heads, so more."""
     return int(device_sms(device) * HALF_PIECE_PROGRAMS_PER_SM) // max(1, num_kv_heads)
+
+
+def round_items(device: torch.device) -> int:
+    """Work items (x kv heads) that run at once past one wave: a round of resident programs
+    (shared_chunk.split_last_round)."""
+    return device_sms(device) * CAPPED_PROGRAMS_PER_SM

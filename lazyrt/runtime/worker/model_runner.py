@@ -24,7 +24,7 @@ from lazyrt.kernels.ragged_prefill import (
 )
 from lazyrt.kernels.rope import RopeCache
 from lazyrt.kernels.shared_chunk import SharedChunkMeta, build_arrays, group_segments
-from lazyrt.kernels.waves import half_piece_items
+from lazyrt.kernels.waves import half_piece_items, round_items
 from lazyrt.models.llama import LlamaModel
 from lazyrt.retrieval.host_attention import (
     HostAttention,
@@ -87,6 +87,7 @@ class ModelRunner:
         self.shared_block_pairs = max(1, 64 // (c.num_heads // c.num_kv_heads))  # ~64 query rows per item
         # full pieces' worth of document keys under which a step takes half-size pieces
         self.shared_half_items = half_piece_items(pool.num_kv_heads, model.device)
+        self.shared_round_items = round_items(model.device)
         self.shared_steps = 0  # steps run through shared-chunk attention (tests, stats)
         self.graph_steps = 0  # steps replayed from a CUDA graph (the rest launch eagerly)
         self.shared_work_items = 0  # summed over the steps grouped for shared-chunk attention (stats)
@@ -246,7 +247,8 @@ class ModelRunner:
             self._piece_keys.clear()
         return shared_arrays(
             plan, s, self.pool.page_size, self.shared_block_pairs, self._grouping, self._piece_keys,
-            self._layout, force=force, half_items=self.shared_half_items,
+            self._layout, force=force, half_items=self.shared_half_items, kv_heads=self.pool.num_kv_heads,
+            round_items=self.shared_round_items,
         )
 
     def _part_meta(self, plan: StepPlan, tables: dict) -> AttentionMetadata:
@@ -261,7 +263,8 @@ class ModelRunner:
             sub = StepInputs(qo_indptr=tables["qo_indptr"], input_ids=np.empty(len(tables["rows"]), np.int64))
             arrays = shared_arrays(
                 part, sub, self.pool.page_size, self.shared_block_pairs, self._rest_grouping,
-                self._piece_keys, half_items=self.shared_half_items,
+                self._piece_keys, half_items=self.shared_half_items, kv_heads=self.pool.num_kv_heads,
+                round_items=self.shared_round_items,
             )  # fmt: skip
             if arrays is not None:
                 self.shared_steps += 1

@@ -19,6 +19,7 @@ from lazyrt.kernels.shared_chunk import (
     group_segments,
     row_index,
     run_pieces,
+    split_last_round,
     work_items,
 )
 from lazyrt.runtime.scheduler.plan import ForwardItem, StepPlan
@@ -451,7 +452,7 @@ class SharedGrouping:
 def shared_arrays(
     plan: StepPlan, s: StepInputs, page_size: int, block_pairs: int, cache: SharedGrouping,
     intern: dict | None = None, layout: DecodeLayout | None = None, force: bool = False,
-    half_items: int = 0,
+    half_items: int = 0, kv_heads: int = 1, round_items: int = 0,
 ) -> dict[str, np.ndarray] | None:  # fmt: skip
     """build_arrays for the step's shared-chunk segments when sharing pays (as shared_segments), the
     segments ordered: the other runs' (grouped, cached in `cache`), then the items' own runs.
@@ -484,11 +485,12 @@ def shared_arrays(
             items, bp = plan.items, block_pairs
             unshared = sum(_unshared_keys(it, r, bp) for r, it in zip(rows, items))
             pt = piece_tokens_for(unshared, half_items)
+            rounds = (bp, kv_heads, round_items)
             if pt == full:  # group at full size and count
-                _group_documents(plan, rows, ps, full, intern, cache, body)
+                _group_documents(plan, rows, ps, full, intern, cache, body, rounds)
                 pt = piece_tokens_for(_work_keys(cache.flat, bp), half_items)
             if pt != full:
-                _group_documents(plan, rows, ps, pt, intern, cache, body)
+                _group_documents(plan, rows, ps, pt, intern, cache, body, rounds)
         cache.version = layout.version if layout is not None else -1
     pt = cache.key[0]
     if patched:
@@ -527,14 +529,16 @@ def _work_keys(flat: dict[str, np.ndarray], block_pairs: int) -> int:
 
 def _group_documents(
     plan: StepPlan, rows: list[range], ps: int, pt: int, intern: dict | None, cache: SharedGrouping,
-    body: tuple,
+    body: tuple, rounds: tuple[int, int, int] = (1, 1, 0),
 ) -> None:  # fmt: skip
-    """Groups the step's runs other than the items' own in pieces of pt tokens into `cache`."""
+    """Groups the step's runs other than the items' own in pieces of pt tokens into `cache`, the
+    longest fitted to rounds = (block_pairs, kv_heads, round_items) by split_last_round."""
     seqs = [
         (r, [segment_run(g, ps, pt, intern) for g in it.segments if g is not it.target and g.num_tokens])
         for r, it in zip(rows, plan.items)
     ]
     segments, cache.per_request, cache.shared = group_segments(seqs, ps, pt)
+    segments = split_last_round(segments, ps, *rounds)
     cache.flat, cache.key = flatten_segments(segments, ps), (pt, body)
 
 
