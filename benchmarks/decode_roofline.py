@@ -186,6 +186,19 @@ def make_workload(args):
     return eng, prompts, doc_tokens
 
 
+def doc_work_items(eng) -> dict:
+    """The batch's document grouping as the shared-chunk kernel runs it (TP=1): its longest pieces'
+    work items x kv heads against a round of resident programs (shared_chunk.split_last_round)."""
+    runner = getattr(eng, "runner", None)
+    flat = getattr(getattr(runner, "_grouping", None), "flat", None)
+    if flat is None or not len(flat["lens"]):
+        return {}
+    lens, pairs = flat["lens"], flat["pair_indptr"][1:] - flat["pair_indptr"][:-1]
+    items = -(-pairs // runner.shared_block_pairs) * runner.pool.num_kv_heads
+    return {"doc_segments": int(len(lens)), "piece_tokens": runner.shared_piece_tokens,
+            "long_work_items": int(items[lens == lens.max()].sum()), "round_items": runner.shared_round_items}
+
+
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_args(p, [1, 2, 4, 8, 16, 32, 64])
@@ -233,6 +246,7 @@ def main(argv=None) -> list[dict]:
             "shared_chunk_attention": args.shared_chunk_attention,
             "overlap_schedule": args.overlap_schedule,
             "shared_steps": eng.runner.shared_steps - steps0,
+            **doc_work_items(eng),
             "model": args.model,
             "device": dev,
             "copy_bw_tbs": bw / 1e12,
