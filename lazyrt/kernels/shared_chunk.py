@@ -291,7 +291,7 @@ def split_last_round(
     H200, Llama-3.1-8B heads, one layer of a batch-64 decode step (`experiments/lone_question.py
     --q-len 1 --batches 64 --seeds 6 8 0 --pieces 1024`): 848 long items against rounds of 396 took
     172.8 us, 784 took 137.5, 688 130.7; in the engine a draw with 800 ran its step 11% slower than
-    draws with 736-768 (`decode_roofline.py`, 2026-11-29). The outputs do not change: a cut segment's
+    draws with 720-768 (`decode_roofline.py`, 2026-11-29). The outputs do not change: a cut segment's
     pairs read the same keys at the same positions, in parts merged by log-sum-exp."""
     if round_items <= 0 or not segments:
         return segments
