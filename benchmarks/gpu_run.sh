@@ -9,6 +9,7 @@
 #         | peer-test [PYTEST ARGS] | peer [router_affinity.py ARGS...]  (2 GPUs: peer KV, below)
 #         | ragged [doc_prefill.py ARGS...]  (lazy mode's prefill through FlashInfer: tests, doc_prefill.py,
 #                                           ragged_vs_lazy.py)
+#         | rounds [decode_roofline.py ARGS...]  (split_last_round on vs off: one layer, then the engine)
 # (serving/roofline/offline-hf: dummy llama-3.1-8b, tokenizer from .gpu_carry_tok; results in $OUT)
 # (fi-test needs .gpu_carry_tok: a config.json + tokenizer dir of the default model, for dummy weights)
 # Needs .whl/ (bash ../shared/gpu/make-wheels.sh pyzmq gguf msgpack); restores .jit.tgz if carried.
@@ -123,13 +124,23 @@ run_stage() {
         --decodes 4 16 64 2>&1 | grep "^|"
       python3 benchmarks/experiments/ragged_vs_lazy.py --docs 1 8 --doc-tokens 16 64 256 1024 \
         --prior-tokens 8192 2>&1 | grep "^|" ;;
+    rounds)  # a batch-64 decode step's long work items against rounds of resident programs: the cut of
+             # a last round's spill (shared_chunk.split_last_round) on and off, one layer (Zipf draws
+             # 6, 18, 35 spill; 8 does not), then the engine on four draws (ARGS go to decode_roofline)
+      python3 benchmarks/experiments/lone_question.py --q-len 1 --batches 64 --seeds 6 18 35 8 --pieces 1024 \
+        --block-pairs 16 --engine-choice --split-last-round both --skip-flashinfer --cold-layers 8 \
+        --out "$OUT/rounds_layer.json" 2>&1 | grep "^|"
+      for split in --split-last-round --no-split-last-round; do
+        LAZYRT_TOKENIZER_DIR="$PWD/.gpu_carry_tok" python3 benchmarks/decode_roofline.py --batches 64 64 64 \
+          --steps 16 $split --out "$OUT/rounds_engine.jsonl" "${batches[@]}" 2>&1 | grep "^|" | tail -4
+      done ;;
     # in parts under the 16 MB a returned file may have: cat jit.tgz.part.* > .jit.tgz locally
     jit) tar czf - -C .jit . | split -b 15000000 - "$OUT/jit.tgz.part." && ls -la "$OUT"/jit.tgz.part.* ;;
   esac
 }
 for a in "$@"; do
   case "$a" in
-    kernels-test|bench|sweep|engine-test|fi-test|jit|serving|roofline|profile|offline-hf|shared-chunk|replay|tp|tp-test|router|peer-test|peer|ragged) [ -n "$stage" ] && run_stage "$stage"; stage="$a"; batches=() ;;
+    kernels-test|bench|sweep|engine-test|fi-test|jit|serving|roofline|profile|offline-hf|shared-chunk|replay|tp|tp-test|router|peer-test|peer|ragged|rounds) [ -n "$stage" ] && run_stage "$stage"; stage="$a"; batches=() ;;
     *) batches+=("$a") ;;
   esac
 done
