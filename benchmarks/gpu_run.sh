@@ -128,7 +128,7 @@ run_stage() {
              # a last round's spill (shared_chunk.split_last_round) on and off, one layer (Zipf draws
              # 6, 18, 35 spill; 8 does not), then the engine on four draws (ARGS go to decode_roofline)
       python3 benchmarks/experiments/lone_question.py --q-len 1 --batches 64 --seeds 6 18 35 8 --pieces 1024 \
-        --block-pairs 16 --engine-choice --split-last-round both --skip-flashinfer --cold-layers 8 \
+        --block-pairs 16 --engine-choice --split-last-round both --split-parts 2 4 8 --skip-flashinfer --cold-layers 8 \
         --out "$OUT/rounds_layer.json" 2>&1 | grep "^|"
       for split in --split-last-round --no-split-last-round; do
         LAZYRT_TOKENIZER_DIR="$PWD/.gpu_carry_tok" python3 benchmarks/decode_roofline.py --batches 64 64 64 \

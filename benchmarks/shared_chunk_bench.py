@@ -93,7 +93,8 @@ def build_step(
         piece = piece_tokens_for(keys, half_piece_items(kv_heads, torch.device(dev)))
     segments = group_segments(seqs, PAGE, piece)[0]
     if getattr(args, "split_last_round", True):  # as the engine groups its documents (its own runs too)
-        segments = split_last_round(segments, PAGE, bp, kv_heads, round_items(torch.device(dev)))
+        cut = {k: getattr(args, f"split_{k}") for k in ("parts", "share") if hasattr(args, f"split_{k}")}
+        segments = split_last_round(segments, PAGE, bp, kv_heads, round_items(torch.device(dev)), **cut)
     if segments_only:
         return segments
     kv = torch.randn(next_page, 2, PAGE, kv_heads, HEAD_DIM, device=dev, dtype=torch.bfloat16)

@@ -131,6 +131,10 @@ def main() -> None:
     ap.add_argument("--split-last-round", choices=("on", "off", "both"), default="on",
                     help="cut the longest pieces that spill into a last round "
                     "(shared_chunk.split_last_round, as the engine groups) or not")
+    ap.add_argument("--split-parts", type=int, nargs="+", default=[4],
+                    help="with the cut on: the parts a cut piece becomes (a row each)")
+    ap.add_argument("--split-share", type=float, default=0.5,
+                    help="with the cut on: the largest last round, as a share of a round, that is cut")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     tiles = ENGINE_TILES[:1] if args.engine_choice else ENGINE_TILES if args.engine_tile else TILES
@@ -150,14 +154,16 @@ def main() -> None:
     rows = []
     for seed, B in itertools.product(args.seeds, args.batches):
         ref: dict = {}
-        splits = {"on": (True,), "off": (False,), "both": (True, False)}[args.split_last_round]
-        for piece, bp, split in itertools.product(args.pieces, args.block_pairs, splits):
-            opts = {"piece_tokens": piece, "seed": seed, "split_last_round": split}
+        on = [(True, n) for n in args.split_parts]
+        splits = {"on": on, "off": [(False, 0)], "both": on + [(False, 0)]}[args.split_last_round]
+        for piece, bp, (split, parts) in itertools.product(args.pieces, args.block_pairs, splits):
+            opts = {"piece_tokens": piece, "seed": seed, "split_last_round": split, "split_parts": parts,
+                    "split_share": args.split_share}
             a = argparse.Namespace(**{**vars(base), **opts})
             rows += [dict(r, **opts) for r in one_step(B, a, bp, rope, scale, bench, ref, tiles)]
             for r in rows[-len(tiles):]:
-                print(f"seed {seed} batch {B} piece {piece} split {split} {r['stages']}: {r['items']} items, "
-                      f"shared {r['shared_us']} us, total {r['total_us']} us", flush=True)
+                print(f"seed {seed} batch {B} piece {piece} split {split} parts {parts} {r['stages']}: "
+                      f"{r['items']} items, shared {r['shared_us']} us, total {r['total_us']} us", flush=True)
             torch.cuda.empty_cache()
     print("| seed | batch | piece | pairs an item | key block | stages, registers | items | parts a row "
           "| shared us | merge loop h4 / blocked p8 / p16 / p32 us | total us | per-request us "

@@ -282,12 +282,14 @@ def split_last_round(
     kv_heads: int,
     round_items: int,
     parts: int = LAST_ROUND_PARTS,
+    share: float = LAST_ROUND_SPLIT_SHARE,
 ) -> list[tuple[list[int], int, list[tuple[int, int]]]]:
     """group_segments' segments with a few of the longest cut in `parts` when the longest ones' work
     items (ceil(pairs / block_pairs) x kv_heads each, run longest first) spill a few past a multiple
-    of round_items (waves.round_items: the programs resident at once): those would run a last round
-    of long items nearly alone. Cut, the spill runs as short items beside the other runs' tails. The
-    segments cut are those with the fewest items (each cut adds parts - 1 parts to its rows' merge).
+    of round_items (waves.round_items: the programs resident at once) by at most share x round_items:
+    those would run a last round of long items nearly alone. Cut, the spill runs as short items
+    beside the other runs' tails. The segments cut are those with the fewest items (each cut adds
+    parts - 1 parts to its rows' merge).
     H200, Llama-3.1-8B heads, one layer of a batch-64 decode step (`experiments/lone_question.py
     --q-len 1 --batches 64 --seeds 6 8 0 --pieces 1024`): 848 long items against rounds of 396 took
     172.8 us, 784 took 137.5, 688 130.7; in the engine a draw with 800 ran its step 11% slower than
@@ -302,7 +304,7 @@ def split_last_round(
     long = [i for i, (_, n, _) in enumerate(segments) if n == longest]
     items = sum(works[i] for i in long) * kv_heads
     spill = items - (items - 1) // round_items * round_items  # items in the last round: 1..round_items
-    if items <= round_items or spill > LAST_ROUND_SPLIT_SHARE * round_items or piece_pages >= long_pages:
+    if items <= round_items or spill > share * round_items or piece_pages >= long_pages:
         return segments
     cut: set[int] = set()
     for i in sorted(long, key=lambda i: works[i]):
