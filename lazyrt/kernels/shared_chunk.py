@@ -318,10 +318,8 @@ def split_last_round(
             out.append(seg)
             continue
         pages, n, pairs = seg
-        for k in range(0, len(pages), piece_pages):
-            off = k * page_size
-            out.append((pages[k : k + piece_pages], min(n - off, piece_pages * page_size),
-                        [(row, start + off) for row, start in pairs]))  # fmt: skip
+        for key, off in run_pieces(pages, n, page_size, piece_pages * page_size):
+            out.append((list(key.pages), key.num_tokens, [(row, start + off) for row, start in pairs]))
     return out
 
 
