@@ -63,12 +63,15 @@ def decode_headroom(prompts: list) -> int:
     return sum(prompt_len(p) for p in prompts) // 256 + 8
 
 
-def decode_step_seconds(eng, prompts: list, steps: int, around_steps=None, warmup_steps: int = 4) -> float:
+def decode_step_seconds(eng, prompts: list, steps: int, around_steps=None, warmup_steps: int = 4,
+                        after_steps=None) -> float:
     """Wall seconds per pure decode step: prefill every prompt first (stepping the engine core until
     each request has its first token), run `warmup_steps` untimed decode steps (without them, the first
     timed window of a new batch took 17.6 ms a step at batch 64 on the H100, the next one ~13 ms),
     then time `steps` more steps, in which every request decodes.
-    around_steps: optional context-manager factory wrapped around the timed steps (a profiler)."""
+    around_steps: optional context-manager factory wrapped around the timed steps (a profiler).
+    after_steps: optional callable run right after the timed steps, before the batch drains (to read
+    the runner's state as the timed steps left it)."""
     from lazyrt import SamplingParams
     from lazyrt.runtime.scheduler.request import RequestState
 
@@ -92,6 +95,8 @@ def decode_step_seconds(eng, prompts: list, steps: int, around_steps=None, warmu
                 core.step()
             sync(dev)
             elapsed = time.perf_counter() - t
+        if after_steps is not None:
+            after_steps()
         if any(r.state is RequestState.FINISHED for r in reqs):
             raise RuntimeError("a request finished inside the timed window: not a pure decode batch")
         while any(r.state is not RequestState.FINISHED for r in reqs):
@@ -226,7 +231,9 @@ def main(argv=None) -> list[dict]:
     for b in args.batches:
         batch, distinct_doc_tokens = prompts(b)
         steps0 = eng.runner.shared_steps
-        step = decode_step_seconds(eng, batch, args.steps)
+        grouping: dict = {}  # the timed steps' document grouping, read before the batch drains
+        step = decode_step_seconds(eng, batch, args.steps,
+                                   after_steps=lambda g=grouping: g.update(doc_work_items(eng)))
         own = args.context - args.docs_per_request * doc_tokens if rag else args.context
         bytes_ = wbytes + b * (args.context + args.steps // 2) * kv_per_token
         floor_bytes = wbytes + (distinct_doc_tokens + b * (own + args.steps // 2)) * kv_per_token
@@ -246,7 +253,7 @@ def main(argv=None) -> list[dict]:
             "shared_chunk_attention": args.shared_chunk_attention,
             "overlap_schedule": args.overlap_schedule,
             "shared_steps": eng.runner.shared_steps - steps0,
-            **doc_work_items(eng),
+            **grouping,
             "model": args.model,
             "device": dev,
             "copy_bw_tbs": bw / 1e12,

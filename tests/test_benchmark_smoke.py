@@ -33,6 +33,8 @@ def test_decode_roofline_rows(mode, no_denormals, tmp_path):
     for r in rows:
         assert r["step_ms"] > 0 and r["roofline_ms"] > 0 and r["weight_gb"] > 0
         assert r["cache_mode"] == mode and r["tokens_per_s"] == pytest.approx(r["batch"] / r["step_ms"] * 1e3)
+    if mode == "lazy":  # batch 3 shares documents: its row carries the timed steps' document grouping
+        assert rows[1]["shared_steps"] > 0 and rows[1]["doc_segments"] >= 1 and rows[1]["long_work_items"] > 0
 
 
 def test_shared_chunk_bench_step_is_the_per_request_step():
