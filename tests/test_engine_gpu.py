@@ -253,6 +253,35 @@ def test_shared_chunk_attention_matches_reference_in_engine(graphs):
     assert any(small) == bool(graphs)  # question steps (prefill rows) replayed from shared graphs
 
 
+@pytest.mark.parametrize("graphs", [64, 0])
+def test_shared_chunk_last_round_cut_matches_reference_in_engine(graphs, monkeypatch):
+    """split_last_round on CUDA: with each step's round forced so that its longest documents spill,
+    the cut pieces (each read from its own offset inside its document) through the Triton shared
+    kernel + merge give the per-request torch reference's greedy tokens (graphs and eager)."""
+    from lazyrt.runtime.worker import step_inputs
+
+    real, cuts = step_inputs.split_last_round, []
+
+    def forced(segments, page_size, block_pairs, kv_heads, round_items, *args, **kwargs):
+        longest = max(n for _, n, _ in segments)
+        works = [-(-len(pairs) // block_pairs) for _, n, pairs in segments if n == longest]
+        rounds = (sum(works) - min(works)) * kv_heads  # the longest segments spill one of theirs
+        out = real(segments, page_size, block_pairs, kv_heads, rounds, *args, **kwargs)
+        cuts.append(len(out) - len(segments))
+        return out
+
+    rng = random.Random()
+    docs = [[rng.randrange(1000, 40000) for _ in range(64)] for _ in range(6)]  # equal: all longest
+    prompts = [RagPrompt(list(range(1000, 1010)), rng.sample(docs, 3), question(rng)) for _ in range(12)]
+    sps = [SamplingParams(max_tokens=12, ignore_eos=True) for _ in prompts]
+    ref = engine_tokens("lazy", True, prompts, sps)
+    monkeypatch.setattr(step_inputs, "split_last_round", forced)
+    got = engine_tokens("lazy", False, prompts, sps, cuda_graph_max_batch=graphs,
+                        check=lambda engine: engine.runner.shared_steps > 0 or pytest.fail("no shared step"))
+    assert any(c > 0 for c in cuts)
+    assert got == ref
+
+
 def test_overlap_schedule_matches_synchronous_loop_with_graphs():
     """Overlapped scheduling on CUDA (fp32, decode in CUDA graphs with shared-chunk attention): each
     decode step takes its input tokens from the step still running, on the device; greedy and
