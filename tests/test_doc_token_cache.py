@@ -196,3 +196,39 @@ def test_max_tokens_past_the_context_named_or_capped(tokenizer):
                 assert e.value.param == given
             else:
                 assert rt.tokenize(req).max_new_tokens == min(m, room)
+
+
+def test_tokenizer_loop_takes_queued_requests_together(tokenizer):
+    """TokenizerLoop.on_http_many (the tokenizer process's inbox, drained): the new documents of all
+    the requests go to the tokenizer in one batch, at most PREFETCH_TEXTS texts, each distinct one
+    once; every request is answered in order, a bad one with its error, the others with the ids a
+    request tokenized alone gets."""
+    from lazyrt.runtime.ipc.messages import ErrorOut, TokenizedReq, WorkerReady
+    from lazyrt.runtime.tokenizer.process import TokenizerLoop
+
+    rng = random.Random()
+    docs = [_text(rng, rng.randrange(5, 60)) for _ in range(8)]
+    sched, http = [], []
+    loop = TokenizerLoop(tokenizer, WorkerReady("m", "", 8, 16, 1 << 20, len(tokenizer), [0], "cpu"),
+                         sched.append, http.append)  # fmt: skip
+    rt = loop.req_tokenizer
+    batches: list[int] = []
+    batch = rt.doc_cache._tokenize_batch
+    rt.doc_cache._tokenize_batch = lambda texts: batches.append(len(texts)) or batch(texts)
+    sp = SamplingParams(max_tokens=4)
+    picks = [rng.sample(docs, 4) for _ in range(5)]
+    msgs = [GenerateReq(i, sp, text="Which river?", docs=p, text_mode="rag") for i, p in enumerate(picks)]
+    msgs.insert(2, GenerateReq(99, sp, text="Which river?", docs=[docs[0], 7], text_mode="rag"))  # bad
+    loop.on_http_many(msgs)
+    assert batches == [len({d for p in picks for d in p})]  # one batch, before any request's own
+    assert [type(m).__name__ for m in sched] == ["TokenizedReq"] * 5 and [m.rid for m in sched] == [0, 1, 2, 3, 4]
+    assert len(http) == 1 and isinstance(http[0], ErrorOut) and http[0].rid == 99
+    alone = RequestTokenizer(tokenizer, 1 << 20, len(tokenizer))
+    for m, req in zip(sched, [x for x in msgs if x.rid != 99]):
+        want = alone.tokenize(req)
+        assert isinstance(m, TokenizedReq) and [list(d) for d in m.docs] == [list(d) for d in want.docs]
+    # the cap: a backlog with more new texts than PREFETCH_TEXTS takes that many in its batch
+    many = [GenerateReq(i, sp, text="Which river?", docs=[_text(rng, 6) + f" {i}.{j}" for j in range(3)],
+                        text_mode="rag") for i in range(10)]  # fmt: skip
+    batches.clear()
+    assert rt.prefetch_docs(many, max_texts=7) == 7 and batches == [7]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import shutil
 import threading
 from collections.abc import AsyncIterator
@@ -23,6 +24,7 @@ from lazyrt.runtime.ipc.messages import (
 )
 from lazyrt.runtime.ipc.sockets import IpcPaths, recv, send, socket
 from lazyrt.runtime.server.pipeline_client import PipelineClient
+from lazyrt.runtime.tokenizer.request_tokenizer import RequestTokenizer
 from lazyrt.sampling_params import SamplingParams
 
 
@@ -182,5 +184,59 @@ def test_quick_requests_tokenize_on_the_event_loop_in_order(tiny_model_dir, toke
                 ("TokenizedReq", c), ("TokenizedReq", d), ("AbortReq", d)
             ]
             assert threads[d] == threads[c] != threading.get_ident()
+
+    asyncio.run(run())
+
+
+def test_requests_queued_together_have_their_new_documents_tokenized_in_one_batch(
+    tiny_model_dir, tokenizer, monkeypatch
+):
+    """Requests that queue behind a slow one are taken at once: the new documents of them all go to
+    the tokenizer in one batch (each distinct text once), they reach the scheduler in arrival order,
+    and each gets the ids a request tokenized alone gets."""
+    rng = random.Random()
+    words = ["river", "Quenta", "1822", "lumen", "tides", "north", "sea"]
+    docs = [" ".join(rng.choice(words) for _ in range(rng.randrange(5, 80))) for _ in range(6)]
+
+    async def run() -> None:
+        async with stand_in_scheduler(tiny_model_dir("llama"), len(tokenizer)) as s:
+            client, sp = s.client, SamplingParams(max_tokens=4)
+            rt = client._tokenizer.req_tokenizer
+            release = threading.Event()
+            real = rt.tokenize
+            batches: list[list[str]] = []
+            batch = rt.doc_cache._tokenize_batch
+
+            entered = threading.Event()
+
+            def spy(req):
+                if req.rid == slow:
+                    entered.set()
+                    release.wait(20)
+                return real(req)
+
+            monkeypatch.setattr(rt, "tokenize", spy)
+            monkeypatch.setattr(rt.doc_cache, "_tokenize_batch", lambda t: batches.append(list(t)) or batch(t))
+
+            def ask(ds: list[str]) -> int:
+                rid = client.new_rid()
+                client.submit(GenerateReq(rid, sp, text="Where?", docs=ds, text_mode="rag"))
+                return rid
+
+            slow = ask(["a slow document of its own"])  # one new document: tokenized alone, held
+            assert await asyncio.to_thread(entered.wait, 20)
+            picks = [rng.sample(docs, 3) for _ in range(4)]
+            rids = [ask(p) for p in picks]
+            release.set()
+            got = await s.upstream(1 + len(picks))
+            assert [m.rid for m in got] == [slow, *rids]
+            new = list(dict.fromkeys(d + "\n\n" for p in picks for d in p))
+            assert batches == [new]  # one batch: every new document of the four, once
+            alone = RequestTokenizer(tokenizer, 1 << 20, len(tokenizer))
+            for m, p, rid in zip(got[1:], picks, rids):
+                want = alone.tokenize(GenerateReq(rid, sp, text="Where?", docs=p, text_mode="rag"))
+                assert [list(d) for d in m.docs] == [list(d) for d in want.docs]
+                assert (list(m.prefix), list(m.suffix)) == (list(want.prefix), list(want.suffix))
+            assert rt.doc_cache.misses == len(new) + 1 and rt.doc_cache.hits == 3 * len(picks) - len(new)
 
     asyncio.run(run())

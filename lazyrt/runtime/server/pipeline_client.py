@@ -3,7 +3,8 @@ what comes back from the detokenizer to one asyncio queue per request.
 
 The tokenizer runs in a process of its own, or (--tokenizer-in-http) in this process: requests are
 then tokenized here, on a thread of their own in arrival order (a request whose documents are not
-yet tokenized must not hold the event loop that streams every other request), and go straight to
+yet tokenized must not hold the event loop that streams every other request; what queued meanwhile
+is taken at once, its new documents tokenized in one batch), and go straight to
 the scheduler, whose outputs come back here and are detokenized on the event loop (one process hop
 less each way).
 """
@@ -14,6 +15,7 @@ import asyncio
 import itertools
 import logging
 import threading
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any
@@ -60,6 +62,7 @@ class PipelineClient:
         # one on_http at a time). submitted / handled: written by one thread each.
         self._tokenize_lock = threading.Lock()
         self._submitted = self._handled = 0
+        self._backlog: deque[Any] = deque()  # submitted, not yet taken by the tokenize thread
         self._push_lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: int | None = None
@@ -99,18 +102,28 @@ class PipelineClient:
 
     def _submit(self, msg: Any) -> None:
         self._submitted += 1
+        self._backlog.append(msg)
         try:
-            self._tokenize_thread.submit(self._on_http, msg)
+            self._tokenize_thread.submit(self._drain)
         except RuntimeError:  # shut down: the server is closing (a stream's cleanup sending an abort)
+            self._backlog.pop()
             self._submitted -= 1
 
-    def _on_http(self, msg: Any) -> None:
-        """On the tokenize thread."""
-        try:
-            with self._tokenize_lock:
-                self._tokenize(msg)
-        finally:
-            self._handled += 1
+    def _drain(self) -> None:
+        """On the tokenize thread, once per submit: takes everything queued (a later call may find
+        nothing left), the new documents of all of it tokenized in one batch, then each in order."""
+        msgs = []
+        while self._backlog:
+            msgs.append(self._backlog.popleft())
+        if not msgs:
+            return
+        with self._tokenize_lock:
+            self._tokenizer.prefetch(msgs)
+            for msg in msgs:
+                try:
+                    self._tokenize(msg)
+                finally:
+                    self._handled += 1
 
     def _tokenize(self, msg: Any) -> None:
         """TokenizerLoop.on_http, holding the tokenize lock (on the thread or the event loop)."""

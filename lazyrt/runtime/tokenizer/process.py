@@ -41,6 +41,7 @@ from lazyrt.runtime.tokenizer.token_text import TokenTexts
 from lazyrt.runtime.tokenizer.tool_calls import tool_format
 
 logger = logging.getLogger("lazyrt.tokenizer")
+MAX_DRAIN = 256  # messages the tokenizer takes off its inbox at once
 
 
 def tokenizing_failed(rid: int, e: Exception) -> ErrorOut:
@@ -88,6 +89,22 @@ class TokenizerLoop:
             return isinstance(msg, GenerateReq) and self.req_tokenizer.quick(msg)
         except Exception:  # noqa: BLE001 (an odd request: on_http, on the thread, answers it)
             return False
+
+    def on_http_many(self, msgs: list[object]) -> None:
+        """on_http of each, in order, after the new documents of them all are tokenized in one batch."""
+        self.prefetch(msgs)
+        for msg in msgs:
+            self.on_http(msg)
+
+    def prefetch(self, msgs: list[object]) -> None:
+        """Tokenize the new documents of the requests among msgs in one batch (on_http then finds
+        them cached). A request this cannot read is left to on_http, which answers it."""
+        reqs = [m for m in msgs if isinstance(m, GenerateReq)]
+        if len(reqs) > 1:
+            try:
+                self.req_tokenizer.prefetch_docs(reqs)
+            except Exception:  # noqa: BLE001 (an odd request: its own on_http answers it)
+                logger.debug("prefetch failed", exc_info=True)
 
     def on_http(self, msg: object) -> None:
         if isinstance(msg, GenerateReq):
@@ -213,5 +230,8 @@ def run_tokenizer_process(ipc: IpcPaths, log_level: str, document_store: str | N
         # Outputs first: they free memory and unblock clients.
         if from_sched in ready_socks:
             loop.on_scheduler(recv(from_sched))
-        if from_http in ready_socks:
-            loop.on_http(recv(from_http))
+        if from_http in ready_socks:  # everything queued: their new documents tokenized together
+            msgs = [recv(from_http)]
+            while len(msgs) < MAX_DRAIN and poll([from_http], 0):
+                msgs.append(recv(from_http))
+            loop.on_http_many(msgs)
