@@ -12,7 +12,7 @@
 #         | rounds [decode_roofline.py ARGS...]  (split_last_round on vs off: one layer, then the engine)
 # (serving/roofline/offline-hf: dummy llama-3.1-8b, tokenizer from .gpu_carry_tok; results in $OUT)
 # (fi-test needs .gpu_carry_tok: a config.json + tokenizer dir of the default model, for dummy weights)
-# Needs .whl/ (bash ../shared/gpu/make-wheels.sh pyzmq gguf msgpack); restores .jit.tgz if carried.
+# Needs .whl/ (bash ../shared/gpu/make-wheels.sh pyzmq gguf msgpack); restores .gpu_cache.tar.xz / .jit.tgz if carried.
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 # (re)install when the carried wheel set differs from the one installed on this (warm) machine
@@ -28,6 +28,8 @@ export PYTHONPATH=${GPU_RUN_TREE:+$GPU_RUN_TREE:}/tmp/site:$PWD:$PWD/python_fron
 [ -n "${GPU_RUN_TREE:-}" ] && export PYTHONSAFEPATH=1
 export FLASHINFER_CUDA_ARCH_LIST=9.0 FLASHINFER_WORKSPACE_BASE=$PWD/.jit
 if [ -f .jit.tgz ] && [ ! -d .jit ]; then mkdir -p .jit && tar xzf .jit.tgz -C .jit; fi
+# the tokenizer dir may come xz'd (3.5 -> 0.5 MB of the 64 MiB a call carries): tar cJf .gpu_carry_tok.tar.xz .gpu_carry_tok
+if [ -f .gpu_carry_tok.tar.xz ] && [ ! -d .gpu_carry_tok ]; then tar xJf .gpu_carry_tok.tar.xz; fi
 # .gpu_cache.tar.xz (the `cache` stage's parts, joined): FlashInfer's modules placed where it looks for
 # ahead-of-time builds (loaded as they are, nothing compiled) and Triton's kernel cache.
 if [ -f .gpu_cache.tar.xz ]; then
