@@ -221,7 +221,8 @@ def test_tokenizer_loop_takes_queued_requests_together(tokenizer):
     msgs.insert(2, GenerateReq(99, sp, text="Which river?", docs=[docs[0], 7], text_mode="rag"))  # bad
     loop.on_http_many(msgs)
     assert batches == [len({d for p in picks for d in p})]  # one batch, before any request's own
-    assert [type(m).__name__ for m in sched] == ["TokenizedReq"] * 5 and [m.rid for m in sched] == [0, 1, 2, 3, 4]
+    assert [type(m).__name__ for m in sched] == ["TokenizedReq"] * 5
+    assert [m.rid for m in sched] == [0, 1, 2, 3, 4]
     assert len(http) == 1 and isinstance(http[0], ErrorOut) and http[0].rid == 99
     alone = RequestTokenizer(tokenizer, 1 << 20, len(tokenizer))
     for m, req in zip(sched, [x for x in msgs if x.rid != 99]):

@@ -216,7 +216,8 @@ def test_requests_queued_together_have_their_new_documents_tokenized_in_one_batc
                 return real(req)
 
             monkeypatch.setattr(rt, "tokenize", spy)
-            monkeypatch.setattr(rt.doc_cache, "_tokenize_batch", lambda t: batches.append(list(t)) or batch(t))
+            spy_batch = lambda t: batches.append(list(t)) or batch(t)  # noqa: E731
+            monkeypatch.setattr(rt.doc_cache, "_tokenize_batch", spy_batch)
 
             def ask(ds: list[str]) -> int:
                 rid = client.new_rid()
