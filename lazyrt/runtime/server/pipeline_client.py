@@ -111,16 +111,16 @@ class PipelineClient:
 
     def _drain(self) -> None:
         """On the tokenize thread, once per submit: takes everything queued (a later call may find
-        nothing left), the new documents of all of it tokenized in one batch, then each in order."""
+        nothing left) and tokenizes it in order, the first as it is (it waited longest), then the
+        new documents of all the others in one batch (TokenizerLoop.on_http_many)."""
         msgs = []
         while self._backlog:
             msgs.append(self._backlog.popleft())
-        if not msgs:
-            return
         with self._tokenize_lock:
-            self._tokenizer.prefetch(msgs)
-            for msg in msgs:
+            for i, msg in enumerate(msgs):
                 try:
+                    if i == 1:
+                        self._tokenizer.prefetch(msgs[1:])
                     self._tokenize(msg)
                 finally:
                     self._handled += 1

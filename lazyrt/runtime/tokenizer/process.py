@@ -91,9 +91,11 @@ class TokenizerLoop:
             return False
 
     def on_http_many(self, msgs: list[object]) -> None:
-        """on_http of each, in order, after the new documents of them all are tokenized in one batch."""
-        self.prefetch(msgs)
-        for msg in msgs:
+        """on_http of each, in order: the first as it is (it waited longest), then the new documents
+        of all the others in one batch, then those."""
+        for i, msg in enumerate(msgs):
+            if i == 1:
+                self.prefetch(msgs[1:])
             self.on_http(msg)
 
     def prefetch(self, msgs: list[object]) -> None:
