@@ -26,7 +26,7 @@ from lazyrt.sampling_params import out_of_vocab
 # millisecond: the HTTP process does it on its event loop instead of handing it to its thread.
 QUICK_TEXT_CHARS = 4096
 PREFIX_CACHE_TOKENS = 1 << 18
-PREFETCH_TEXTS = 64  # documents a prefetch batch takes (the first request waits for all of them)
+PREFETCH_TEXTS = 64  # new documents a prefetch batch takes (the request it serves first waits for all)
 
 
 class InvalidRequest(ValueError):
