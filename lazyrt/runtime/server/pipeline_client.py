@@ -111,19 +111,18 @@ class PipelineClient:
 
     def _drain(self) -> None:
         """On the tokenize thread, once per submit: takes everything queued (a later call may find
-        nothing left) and tokenizes it in order, the first as it is (it waited longest), then the
-        new documents of all the others in one batch (TokenizerLoop.on_http_many)."""
+        nothing left) through TokenizerLoop.on_http_many (the others' new documents in one batch)."""
         msgs = []
         while self._backlog:
             msgs.append(self._backlog.popleft())
         with self._tokenize_lock:
-            for i, msg in enumerate(msgs):
-                try:
-                    if i == 1:
-                        self._tokenizer.prefetch(msgs[1:])
-                    self._tokenize(msg)
-                finally:
-                    self._handled += 1
+            self._tokenizer.on_http_many(msgs, handle=self._tokenize_counted)
+
+    def _tokenize_counted(self, msg: Any) -> None:
+        try:
+            self._tokenize(msg)
+        finally:
+            self._handled += 1
 
     def _tokenize(self, msg: Any) -> None:
         """TokenizerLoop.on_http, holding the tokenize lock (on the thread or the event loop)."""

@@ -90,26 +90,31 @@ class TokenizerLoop:
         except Exception:  # noqa: BLE001 (an odd request: on_http, on the thread, answers it)
             return False
 
-    def on_http_many(self, msgs: list[object], between: Callable[[], None] | None = None) -> None:
+    def on_http_many(
+        self,
+        msgs: list[object],
+        between: Callable[[], None] | None = None,
+        handle: Callable[[object], None] | None = None,
+    ) -> None:
         """on_http of each, in order: the first as it is (it waited longest), then the new documents
-        of all the others in one batch, then those. between: called after each (the tokenizer
-        process passes on the outputs that came meanwhile, so a burst does not hold up streams)."""
+        of all the others in one batch, then those. between: called after each (the tokenizer process
+        passes on the outputs that came meanwhile, so a burst does not hold up streams); handle: what
+        runs on_http for one (the HTTP process's, which answers a tokenizer bug)."""
+        handle = handle or self.on_http
         for i, msg in enumerate(msgs):
             if i == 1:
                 self.prefetch(msgs[1:])
-            self.on_http(msg)
+            handle(msg)
             if between is not None:
                 between()
 
     def prefetch(self, msgs: list[object]) -> None:
         """Tokenize the new documents of the requests among msgs in one batch (on_http then finds
         them cached). A request this cannot read is left to on_http, which answers it."""
-        reqs = [m for m in msgs if isinstance(m, GenerateReq)]
-        if len(reqs) > 1:
-            try:
-                self.req_tokenizer.prefetch_docs(reqs)
-            except Exception:  # noqa: BLE001 (an odd request: its own on_http answers it)
-                logger.debug("prefetch failed", exc_info=True)
+        try:  # (fewer than two new documents: nothing here, the request's own tokenize takes them)
+            self.req_tokenizer.prefetch_docs([m for m in msgs if isinstance(m, GenerateReq)])
+        except Exception:  # noqa: BLE001 (an odd request: its own on_http answers it)
+            logger.debug("prefetch failed", exc_info=True)
 
     def on_http(self, msg: object) -> None:
         if isinstance(msg, GenerateReq):
@@ -245,4 +250,4 @@ def run_tokenizer_process(ipc: IpcPaths, log_level: str, document_store: str | N
             msgs = [recv(from_http)]
             while len(msgs) < MAX_DRAIN and poll([from_http], 0):
                 msgs.append(recv(from_http))
-            loop.on_http_many(msgs, partial(_pass_outputs, loop, from_sched))
+            loop.on_http_many(msgs, between=partial(_pass_outputs, loop, from_sched))
