@@ -153,11 +153,13 @@ run_stage() {
     # cache, xz'd in parts: cat gpu_cache.tar.xz.part.* > .gpu_cache.tar.xz and carry it
     cache)
       rm -rf /tmp/gpu_cache_out && mkdir -p /tmp/gpu_cache_out/aot /tmp/gpu_cache_out/triton
+      # what a carried cache brought (loaded as it is, so never compiled into .jit), then what was compiled
+      [ -d /tmp/gpu_cache/aot ] && cp -r /tmp/gpu_cache/aot/. /tmp/gpu_cache_out/aot/
       find .jit -path '*cached_ops/*' -name '*.so' | while read -r so; do
         n="$(basename "$so" .so)"; mkdir -p "/tmp/gpu_cache_out/aot/$n" && cp "$so" "/tmp/gpu_cache_out/aot/$n/"
       done
       cp -r "$HOME/.triton/cache/." /tmp/gpu_cache_out/triton/ 2>/dev/null
-      du -sh /tmp/gpu_cache_out/aot /tmp/gpu_cache_out/triton
+      du -sh /tmp/gpu_cache_out/aot /tmp/gpu_cache_out/triton; ls /tmp/gpu_cache_out/aot
       tar cf - -C /tmp/gpu_cache_out . | xz -9 -T0 | split -b 15000000 - "$OUT/gpu_cache.tar.xz.part." \
         && ls -la "$OUT"/gpu_cache.tar.xz.part.* ;;
   esac
