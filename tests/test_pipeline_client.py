@@ -161,8 +161,11 @@ def test_quick_requests_tokenize_on_the_event_loop_in_order(tiny_model_dir, toke
             monkeypatch.setattr(client._tokenizer.req_tokenizer, "tokenize", spy)
             slow_rid = -1
 
-            def ask(docs: list[str]) -> int:
+            def ask(docs: list[str], hold: bool = False) -> int:
+                nonlocal slow_rid
                 rid = client.new_rid()
+                if hold:  # set before submit: the thread may reach it at once
+                    slow_rid = rid
                 client.submit(GenerateReq(rid, sp, text="Where does it rise?", docs=docs, text_mode="rag"))
                 return rid
 
@@ -174,7 +177,7 @@ def test_quick_requests_tokenize_on_the_event_loop_in_order(tiny_model_dir, toke
             assert (got_a.rid, got_b.rid) == (a, b)
             assert (got_a.prefix, got_a.docs, got_a.suffix) == (got_b.prefix, got_b.docs, got_b.suffix)
 
-            slow_rid = c = ask([doc + " More."])  # the thread, held
+            c = ask([doc + " More."], hold=True)  # the thread, held
             d = ask([doc])  # quick, but queued behind c
             client.abort(d)
             assert d not in threads  # not tokenized on the event loop
@@ -191,9 +194,9 @@ def test_quick_requests_tokenize_on_the_event_loop_in_order(tiny_model_dir, toke
 def test_requests_queued_together_have_their_new_documents_tokenized_in_one_batch(
     tiny_model_dir, tokenizer, monkeypatch
 ):
-    """Requests that queue behind a slow one are taken at once: the first is tokenized as it is, then
-    the new documents of all the others go to the tokenizer in one batch (each distinct text once);
-    they reach the scheduler in arrival order, each with the ids a request tokenized alone gets."""
+    """Requests that queue behind a slow one are taken at once: the new documents of them all go to
+    the tokenizer in one batch (each distinct text once), they reach the scheduler in arrival order,
+    and each gets the ids a request tokenized alone gets."""
     rng = random.Random()
     words = ["river", "Quenta", "1822", "lumen", "tides", "north", "sea"]
     docs = [" ".join(rng.choice(words) for _ in range(rng.randrange(5, 80))) for _ in range(6)]
@@ -231,16 +234,13 @@ def test_requests_queued_together_have_their_new_documents_tokenized_in_one_batc
             release.set()
             got = await s.upstream(1 + len(picks))
             assert [m.rid for m in got] == [slow, *rids]
-            first = [d + "\n\n" for d in picks[0]]
-            new = [t for t in dict.fromkeys(d + "\n\n" for p in picks[1:] for d in p) if t not in first]
-            # the first as it is (it waited longest), then one batch: every new document of the others
-            assert batches == [first, new]
+            new = list(dict.fromkeys(d + "\n\n" for p in picks for d in p))
+            assert batches == [new]  # one batch: every new document of the four, once
             alone = RequestTokenizer(tokenizer, 1 << 20, len(tokenizer))
             for m, p, rid in zip(got[1:], picks, rids):
                 want = alone.tokenize(GenerateReq(rid, sp, text="Where?", docs=p, text_mode="rag"))
                 assert [list(d) for d in m.docs] == [list(d) for d in want.docs]
                 assert (list(m.prefix), list(m.suffix)) == (list(want.prefix), list(want.suffix))
-            n_new = len(first) + len(new)
-            assert rt.doc_cache.misses == n_new + 1 and rt.doc_cache.hits == 3 * len(picks) - n_new
+            assert rt.doc_cache.misses == len(new) + 1 and rt.doc_cache.hits == 3 * len(picks) - len(new)
 
     asyncio.run(run())

@@ -1,8 +1,8 @@
 """What the tokenizer spends on a burst of RAG requests that arrive at once (issue 14's saturation
 point: 60 or 120 requests, Zipf 2.1 over 100 documents x 2,048 tokens, 5 a request), one request at
 a time (each tokenizes its own new documents, as before 4bbff84) against the way a queue is taken
-now (TokenizerLoop.on_http_many: the first request as it is, then the new documents of all the others
-in one batch, which a fast tokenizer encodes on all cores). Fresh tokenizer caches for each; the
+now (TokenizerLoop.on_http_many: the new documents of them all in one batch, which a fast tokenizer
+encodes on all cores, then each request). Fresh tokenizer caches for each; the
 same request bodies rag_serving.py sends.
 
 Run: python benchmarks/experiments/tokenize_backlog.py [--tokenizer-dir DIR] [--num-requests 60]
@@ -56,9 +56,8 @@ def main(argv=None) -> None:
     def as_a_queue() -> tuple[float, int]:
         rt = RequestTokenizer(tok, 1 << 20, len(tok))
         t = time.perf_counter()
-        rt.tokenize(reqs[0])
-        rt.prefetch_docs(reqs[1:])  # TokenizerLoop.prefetch (up to PREFETCH_TEXTS new documents)
-        for r in reqs[1:]:
+        rt.prefetch_docs(reqs)  # TokenizerLoop.prefetch (up to PREFETCH_TEXTS new documents)
+        for r in reqs:
             rt.tokenize(r)
         return time.perf_counter() - t, rt.doc_cache.misses
 

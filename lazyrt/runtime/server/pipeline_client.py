@@ -111,7 +111,7 @@ class PipelineClient:
 
     def _drain(self) -> None:
         """On the tokenize thread, once per submit: takes everything queued (a later call may find
-        nothing left) through TokenizerLoop.on_http_many (the others' new documents in one batch)."""
+        nothing left) through TokenizerLoop.on_http_many (their new documents in one batch)."""
         msgs = []
         while self._backlog:
             msgs.append(self._backlog.popleft())

@@ -90,23 +90,14 @@ class TokenizerLoop:
         except Exception:  # noqa: BLE001 (an odd request: on_http, on the thread, answers it)
             return False
 
-    def on_http_many(
-        self,
-        msgs: list[object],
-        between: Callable[[], None] | None = None,
-        handle: Callable[[object], None] | None = None,
-    ) -> None:
-        """on_http of each, in order: the first as it is (it waited longest), then the new documents
-        of all the others in one batch, then those. between: called after each (the tokenizer process
-        passes on the outputs that came meanwhile, so a burst does not hold up streams); handle: what
-        runs on_http for one (the HTTP process's, which answers a tokenizer bug)."""
+    def on_http_many(self, msgs: list[object], handle: Callable[[object], None] | None = None) -> None:
+        """on_http of each, in order, after the new documents of them all are tokenized in one batch
+        (a fast tokenizer encodes a batch on several cores). handle: what runs on_http for one (the
+        HTTP process's, which answers a tokenizer bug)."""
         handle = handle or self.on_http
-        for i, msg in enumerate(msgs):
-            if i == 1:
-                self.prefetch(msgs[1:])
+        self.prefetch(msgs)
+        for msg in msgs:
             handle(msg)
-            if between is not None:
-                between()
 
     def prefetch(self, msgs: list[object]) -> None:
         """Tokenize the new documents of the requests among msgs in one batch (on_http then finds
@@ -220,12 +211,6 @@ def open_tokenizer_loop(
     return TokenizerLoop(tokenizer, ready, to_sched, to_http, store, encoder)
 
 
-def _pass_outputs(loop: TokenizerLoop, from_sched: zmq.Socket) -> None:
-    """The scheduler's outputs waiting now, detokenized and sent on."""
-    while poll([from_sched], 0):
-        loop.on_scheduler(recv(from_sched))
-
-
 def run_tokenizer_process(ipc: IpcPaths, log_level: str, document_store: str | None = None) -> None:
     """document_store: EngineConfig.document_store (None = the model's default file, "none" = off)."""
     watch = child_setup("tokenizer", log_level)
@@ -250,4 +235,4 @@ def run_tokenizer_process(ipc: IpcPaths, log_level: str, document_store: str | N
             msgs = [recv(from_http)]
             while len(msgs) < MAX_DRAIN and poll([from_http], 0):
                 msgs.append(recv(from_http))
-            loop.on_http_many(msgs, between=partial(_pass_outputs, loop, from_sched))
+            loop.on_http_many(msgs)
