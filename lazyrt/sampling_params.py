@@ -40,7 +40,8 @@ def _number(v: object) -> bool:
 
 
 def _token_key(k: object) -> object:
-    if isinstance(k, str) and k.strip().lstrip("-").isdigit():
+    digits = k.strip().lstrip("-") if isinstance(k, str) else ""
+    if digits.isascii() and digits.isdecimal():  # ("²".isdigit() holds, but int() refuses it)
         return int(k)
     return k
 
@@ -94,8 +95,11 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        for name in ("stop", "stop_token_ids"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, (list, tuple)):  # (a dict or a set would pass list())
+                raise SamplingParamError(name, v, "must be a list")
+            setattr(self, name, list(v or []))
         if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
             raise ValueError(
                 f"SamplingParams.logit_bias={self.logit_bias!r}: must be a dict of token id -> bias"
@@ -130,10 +134,12 @@ class SamplingParams:
 
         if not _int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_COUNT:
             raise bad("max_tokens", f"must be an integer in [1, {MAX_COUNT}]")
-        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
-            raise bad("temperature", "must be a number >= 0")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            raise bad("top_p", "must be in (0, 1]")
+        if not _number(self.temperature) or not self.temperature >= 0:
+            raise bad("temperature", "must be a finite number >= 0")
+        if not _number(self.top_p) or not 0 < self.top_p <= 1:
+            raise bad("top_p", "must be a number in (0, 1]")
+        if not isinstance(self.ignore_eos, bool):
+            raise bad("ignore_eos", "must be a boolean")
         if not _number(self.min_p) or not 0 <= self.min_p <= 1:
             raise bad("min_p", "must be a number in [0, 1] (0 = off)")
         if not _int(self.top_k) or not -1 <= self.top_k <= MAX_COUNT:
