@@ -23,6 +23,9 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 
 # The SamplingParams fields that hold a constraint, in the order errors name them.
 FIELDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+# llguidance's parser holds at most 2,000 items in a row (LLParserLimits.max_items_in_row) and a choice
+# list puts one per choice plus one in its first row; past that the matcher fails while decoding
+MAX_CHOICES = 1000
 
 
 def grammar_text(kind: str, value: object) -> str:
@@ -49,6 +52,8 @@ def grammar_text(kind: str, value: object) -> str:
     elif kind == "choice":
         if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
             raise ValueError("must be a non-empty list of non-empty strings")
+        if len(value) > MAX_CHOICES:
+            raise ValueError(f"has {len(value)} choices; at most {MAX_CHOICES}")
         grammar = grammar_from("choice", list(value))
     elif kind == "grammar":
         if not isinstance(value, str) or not value.strip():

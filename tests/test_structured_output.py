@@ -16,7 +16,7 @@ from conftest import DEVICES, cpu_engine
 from test_overlap_schedule import record_steps, spy_link
 
 from lazyrt import Engine, SamplingParams
-from lazyrt.constraint import grammar_text
+from lazyrt.constraint import MAX_CHOICES, grammar_text
 from lazyrt.runtime.worker.grammar import GrammarConstraints
 
 VOCAB = 49152
@@ -83,6 +83,7 @@ def tiny_engine(tiny_model_dir, request):
         ({"json_schema": {"type": "object"}, "regex": "a"}, "regex"),
         ({"regex": "a+", "ignore_eos": True}, "ignore_eos"),
         ({"choice": ["a"], "min_tokens": 2}, "min_tokens"),
+        ({"choice": [f"option-{i}" for i in range(MAX_CHOICES + 1)]}, "choice"),  # past the parser's row
     ],
 )
 def test_bad_constraints_raise_naming_the_field(kw, field):
@@ -164,6 +165,18 @@ def test_20_prompts_json_schema_regex_choice_valid(tiny_engine):
     for o, check in zip(outs, checks):
         assert o["meta"]["finish_reason"] == "stop", o["text"]
         check(o["text"])
+
+
+def test_the_longest_choice_list_decodes_to_one_of_its_choices(tiny_engine):
+    """MAX_CHOICES choices stay within llguidance's parser limits all the way to the end (past them
+    the matcher failed mid-output and the request ended as if complete)."""
+    rng = random.Random()
+    choices = [f"option-{rng.randrange(10**6)}-{i}" for i in range(MAX_CHOICES)]
+    outs = tiny_engine.generate(random_prompts(rng, 3), [
+        SamplingParams(max_tokens=30, choice=choices, temperature=1.0, seed=rng.randrange(1 << 30)),
+        SamplingParams(max_tokens=30, choice=choices[::-1]), SamplingParams(max_tokens=30, choice=choices)])
+    for o in outs:
+        assert o["meta"]["finish_reason"] == "stop" and o["text"] in choices, o["text"]
 
 
 @pytest.mark.parametrize("device", DEVICES)

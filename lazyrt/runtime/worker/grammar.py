@@ -21,6 +21,7 @@ applied to the request's logits before sampling.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections import OrderedDict
@@ -37,6 +38,7 @@ from lazyrt.kernels.host_copy import to_device
 from lazyrt.sampling_params import SamplingParams
 
 COMPILED_CACHE_SIZE = 256
+logger = logging.getLogger("lazyrt.worker")
 
 
 class GrammarConstraints:
@@ -49,6 +51,7 @@ class GrammarConstraints:
         self._executor: llguidance.LLExecutor | None = None
         self._compiled: OrderedDict[str, LLMatcher] = OrderedDict()
         self._matchers: dict[int, LLMatcher] = {}
+        self._failed: set[int] = set()  # requests whose matcher failed (logged once each)
         # step t's sampled tokens not yet fed to the matchers: (rid -> row, tokens on the device)
         self._pending: tuple[dict[int, int], torch.Tensor] | None = None
         self._bitmask: torch.Tensor | None = None  # host [rows, words] int32, grown on demand
@@ -67,6 +70,7 @@ class GrammarConstraints:
     def release(self, rid: int) -> None:
         self._wait_job()
         self._matchers.pop(rid, None)
+        self._failed.discard(rid)
 
     def drop_pending(self) -> None:
         """Forget sampled tokens not fed yet and a prepared step's masks (their step failed; its
@@ -177,6 +181,11 @@ class GrammarConstraints:
             self._executor.unsafe_compute_mask_ptr(live, mask.data_ptr(), words * 4, len(rows))
         for j, m in enumerate(matchers):
             if m.is_error():  # nothing valid can follow: end the request
+                rid = rids[rows[j]]
+                if rid not in self._failed:  # (a parser limit: the output so far may not match)
+                    self._failed.add(rid)
+                    logger.warning("request %d: its structured-output matcher failed, ending it: %s",
+                                   rid, m.get_error())  # fmt: skip
                 mask[j].zero_()
                 for e in self.eos_ids:
                     mask[j, e // 32] |= 1 << (e % 32)
