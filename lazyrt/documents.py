@@ -121,9 +121,10 @@ def check_metadata(metadata: object, param: str = "metadata") -> dict:
         raise DocumentError(f"{param}: must be a JSON object, got {type(metadata).__name__}", param)
     try:
         raw = json.dumps(metadata, ensure_ascii=False, allow_nan=False)
-    except (TypeError, ValueError) as e:
+        size = len(raw.encode("utf-8"))  # UnicodeEncodeError (a ValueError): a lone surrogate
+    except (TypeError, ValueError, RecursionError) as e:
         raise DocumentError(f"{param}: is not JSON: {e}", param) from e
-    if len(raw.encode("utf-8")) > MAX_METADATA_BYTES:
+    if size > MAX_METADATA_BYTES:
         raise DocumentError(f"{param}: is over the {MAX_METADATA_BYTES} byte limit", param)
     return json.loads(raw)  # a plain copy: string keys, JSON values
 

@@ -19,16 +19,19 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from lazyrt.api_key import ApiKeyGuard
-from lazyrt.runtime.ipc.messages import ErrorOut, TextOut
+from lazyrt.runtime.ipc.messages import ErrorOut, GenerateReq, TextOut
 from lazyrt.runtime.server.doc_owners import DOC_OWNERS_HEADER, doc_owners_header
 from lazyrt.runtime.server.document_routes import add_document_routes
+from lazyrt.runtime.server.errors import check_json
 from lazyrt.runtime.server.metrics import ServerMetrics
 from lazyrt.runtime.server.pipeline_client import PipelineClient
 from lazyrt.runtime.server.protocol import (
     ApiError,
     Parsed,
+    bad,
     parse_chat,
     parse_completion,
     parse_generate,
@@ -59,8 +62,9 @@ def error_response(e: ApiError) -> JSONResponse:
 class _Tracker:
     """Per-request timing for the TTFT / inter-token histograms."""
 
-    def __init__(self, metrics: ServerMetrics, received_at: float = 0.0):
+    def __init__(self, metrics: ServerMetrics, received_at: float = 0.0, echo_only: bool = False):
         self.metrics = metrics
+        self.echo_only = echo_only  # the one token generated is dropped: usage counts none
         self.start = time.perf_counter()
         self.last: float | None = None
         self.received_at = received_at  # wall clock, for meta["timings_ms"]
@@ -79,6 +83,8 @@ class _Tracker:
 
     def finish(self, endpoint: str, out: TextOut) -> dict:
         meta = dict(out.meta or {})
+        if self.echo_only:
+            meta["completion_tokens"] = 0
         m = self.metrics
         m.requests.labels(endpoint, out.finish_reason).inc()
         m.prompt_tokens.inc(meta.get("prompt_tokens", 0))
@@ -153,7 +159,9 @@ def completion_logprobs(entries: list[dict] | None, offset: int) -> dict | None:
     for e in entries:
         out["tokens"].append(e["token"])
         out["token_logprobs"].append(e["logprob"])
-        out["top_logprobs"].append({t["token"]: t["logprob"] for t in e["top_logprobs"]})
+        # the prompt's first token (echo) has no logprob, and OpenAI gives null alternatives too
+        top = None if e["logprob"] is None else {t["token"]: t["logprob"] for t in e["top_logprobs"]}
+        out["top_logprobs"].append(top)
         out["text_offset"].append(offset)
         offset += len(e["token"])
     return out
@@ -188,13 +196,36 @@ def create_app(state: ServerState) -> FastAPI:
                 raise ApiError(413, f"request body is over the {MAX_BODY_BYTES} byte limit", "body")
         try:
             body = json.loads(data)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except ValueError as e:  # not JSON, not UTF-8, or an integer of over 4300 digits
             raise ApiError(400, f"request body is not valid JSON: {e}", "body") from e
+        except RecursionError as e:
+            raise ApiError(400, "request body is nested too deeply", "body") from e
         if not isinstance(body, dict):
             raise ApiError(400, "request body must be a JSON object", "body")
+        check_json(body)  # lone surrogates, integers msgpack cannot carry: a 400 here, not a 500 later
         return body
 
     add_document_routes(app, client, read_json)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException) -> Response:
+        """Starlette's own errors (no such route: 404, a route without this method: 405) in the
+        OpenAI error shape the routes answer with."""
+        kind = "server_error" if e.status_code >= 500 else "invalid_request_error"
+        msg = f"{e.detail}: {request.method} {request.url.path}"
+        return JSONResponse(ApiError(e.status_code, msg, None, kind).body(), e.status_code, e.headers)
+
+    def submit_all(reqs: list[GenerateReq]) -> list[asyncio.Queue]:
+        """Submit each request (rids set); if one cannot be sent, abort those sent before it."""
+        queues: list[asyncio.Queue] = []
+        try:
+            for req in reqs:
+                queues.append(client.submit(req))
+        except Exception:
+            for req in reqs[: len(queues)]:
+                client.abort(req.rid)
+            raise
+        return queues
 
     async def next_out(q: asyncio.Queue, request: Request) -> TextOut | ErrorOut | None:
         """The next output, or None if the client went away (non-streaming waits)."""
@@ -234,12 +265,11 @@ def create_app(state: ServerState) -> FastAPI:
         except ApiError as e:
             state.metrics.errors.labels(endpoint, str(e.status)).inc()
             return error_response(e)
-        queues, rids, trackers = [], [], []
-        for req in reqs:  # all at once: they batch together (and share their documents' KV)
+        for req in reqs:
             req.rid, req.received_at = client.new_rid(), received_at
-            rids.append(req.rid)
-            queues.append(client.submit(req))
-            trackers.append(_Tracker(state.metrics, received_at))
+        rids = [req.rid for req in reqs]
+        queues = submit_all(reqs)  # all at once: they batch together (and share their documents' KV)
+        trackers = [_Tracker(state.metrics, received_at, parsed.echo_only) for _ in reqs]
         pending = set(range(len(reqs)))  # choices not finished: aborted if we stop early
         per_prompt = len(reqs) // (1 + len(parsed.more))  # n
 
@@ -369,11 +399,10 @@ def create_app(state: ServerState) -> FastAPI:
             if client.failed:
                 raise ApiError(503, client.failed, None, "server_error")
             reqs = parse_score(await read_json(request))
-            queues = []
-            for req in reqs:  # all at once: they batch together in the scheduler
+            for req in reqs:
                 req.rid = client.new_rid()
-                rids.append(req.rid)
-                queues.append(client.submit(req))
+            queues = submit_all(reqs)  # all at once: they batch together in the scheduler
+            rids = [req.rid for req in reqs]
             per_token: list[list[float]] = []
             for q in queues:
                 while True:
@@ -413,8 +442,7 @@ def create_app(state: ServerState) -> FastAPI:
             m = c.meta or {}
             if "echo_text" not in m:
                 return c.text, c.logprobs
-            if asked[0].echo_only:
-                m["completion_tokens"] = 0
+            if asked[0].echo_only:  # (usage: the tracker counted no completion tokens)
                 return m["echo_text"], m.get("prompt_logprobs")
             lps = None if c.logprobs is None else (m.get("prompt_logprobs") or []) + c.logprobs
             return m["echo_text"] + c.text, lps
@@ -434,8 +462,6 @@ def create_app(state: ServerState) -> FastAPI:
             text = "" if p.echo_only else c.text
             if c.index not in offsets and p.req.echo:  # streaming echo: the prompt text comes first
                 text = [p.req, *p.more][c.prompt_index].text + text
-            if meta is not None and p.echo_only:
-                meta["completion_tokens"] = 0
             at = offsets.get(c.index, 0)
             offsets[c.index] = at + len(text)
             choice = {"index": c.index, "text": text, "logprobs": completion_logprobs(c.logprobs, at),
@@ -456,6 +482,9 @@ def create_app(state: ServerState) -> FastAPI:
             p = parse_chat(body, state.served_model)
             if p.req.tools and fmt is None:
                 raise ApiError(400, "tools: this model's chat template has no tool support", "tools")
+            for i, m in enumerate(p.req.messages if fmt is None else []):  # the template would drop them
+                if m.get("tool_calls"):
+                    raise bad(f"messages[{i}].tool_calls", "this model's chat template has no tool support")
             if p.forced_tool is not None:
                 grammar = tool_call_grammar(p.req.tools, p.forced_tool, fmt, p.parallel_tool_calls)
                 try:

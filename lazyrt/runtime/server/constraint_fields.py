@@ -12,7 +12,7 @@ import json
 from typing import Any
 
 from lazyrt.constraint import FIELDS, grammar_text
-from lazyrt.runtime.server.errors import bad
+from lazyrt.runtime.server.errors import bad, check_json
 
 # vLLM's extra field -> SamplingParams field
 GUIDED = (("guided_json", "json_schema"), ("guided_regex", "regex"), ("guided_choice", "choice"),
@@ -51,8 +51,10 @@ def _one(found: list[tuple[str, str, object]], src: dict, prefix: str) -> dict:
     if field == "json_schema" and isinstance(value, str):  # guided_json may come as a JSON string
         try:
             value = json.loads(value)
-        except json.JSONDecodeError as e:
+        except (ValueError, RecursionError) as e:  # (ValueError: also a 4301-digit integer)
             raise bad(param, f"is not valid JSON: {e}") from e
+        if isinstance(value, (dict, list)):
+            check_json(value, param)  # parsed here: read_json saw a string
     try:
         grammar_text(field, value)
     except ValueError as e:

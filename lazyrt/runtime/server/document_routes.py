@@ -151,7 +151,7 @@ def add_document_routes(
         try:
             q = _query(request, ("limit", "after", "include_text"))
             limit = q.get("limit", str(DEFAULT_LIST_LIMIT))
-            if not limit.isdigit():
+            if not (limit.isascii() and limit.isdigit()) or len(limit) > 9:  # int() takes other digits
                 raise bad("limit", f"must be an integer in [1, {MAX_LIST_LIMIT}], got {limit!r}")
             after = q.get("after")
             if after is not None:

@@ -151,7 +151,11 @@ class PipelineClient:
     def submit(self, req: GenerateReq) -> asyncio.Queue:
         q: asyncio.Queue = asyncio.Queue()
         self._queues[req.rid] = q
-        self._upstream(req)
+        try:
+            self._upstream(req)
+        except Exception:  # not sent (msgpack cannot carry it): nothing will answer on q
+            del self._queues[req.rid]
+            raise
         return q
 
     def abort(self, rid: int) -> None:

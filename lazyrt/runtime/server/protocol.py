@@ -15,7 +15,7 @@ from typing import Any
 from lazyrt.documents import DocumentError, check_doc_item
 from lazyrt.runtime.ipc.messages import GenerateReq
 from lazyrt.runtime.server.constraint_fields import generate_constraint, openai_constraint
-from lazyrt.runtime.server.errors import ApiError, bad
+from lazyrt.runtime.server.errors import ApiError, bad, check_json
 from lazyrt.sampling_params import (
     MAX_COUNT,
     MAX_LOGPROBS,
@@ -26,6 +26,15 @@ from lazyrt.sampling_params import (
 )
 
 ROLES = ("system", "user", "assistant")
+# the keys a chat message may have, by role (the template gets them all; any other is a 400, a null
+# value counting as absent); "developer" is OpenAI's newer name for the system role
+_MESSAGE_KEYS = {
+    "system": ("role", "content", "name"),
+    "developer": ("role", "content", "name"),
+    "user": ("role", "content", "name"),
+    "assistant": ("role", "content", "name", "tool_calls"),
+    "tool": ("role", "content", "tool_call_id"),
+}
 # OpenAI fields taken only at these values: the ones we cannot honour (best_of ... prompt_logprobs)
 # at their no-op value, and storage / routing hints at the values that ask nothing of this server; any
 # other value is a 400 rather than silently ignored (a null value counts as absent)
@@ -99,8 +108,9 @@ def _bool(body: dict, key: str, default: bool = False) -> bool:
 
 
 def _max_tokens_param(src: dict, prefix: str = "") -> str | None:
-    """The request field that sets max_tokens, if the request names one."""
-    for name in ("max_tokens", "max_completion_tokens"):
+    """The request field that sets max_tokens, if the request names one (max_completion_tokens when
+    both are given: see _sampling)."""
+    for name in ("max_completion_tokens", "max_tokens"):
         if src.get(name) is not None:
             return prefix + name
     return None
@@ -112,14 +122,15 @@ def _sampling(
     """Validate each sampling field by name (prefix names where it sits in the body); constraint:
     the structured-output field, checked already (constraint_fields.py)."""
     p = lambda k: prefix + k  # noqa: E731
-    mt_name = _max_tokens_param(src) or "max_tokens"
-    max_tokens = src.get("max_tokens")
-    if max_tokens is None:
-        max_tokens = src.get("max_completion_tokens", default_max_tokens)
-    if max_tokens is None:
-        max_tokens = default_max_tokens
-    if not _is_int(max_tokens) or not 1 <= max_tokens <= MAX_COUNT:
-        raise bad(p(mt_name), f"must be an integer in [1, {MAX_COUNT}], got {max_tokens!r}")
+    # each is checked; with both, max_completion_tokens (OpenAI's newer name) wins, as in vLLM
+    max_tokens = default_max_tokens
+    for name in ("max_tokens", "max_completion_tokens"):
+        v = src.get(name)
+        if v is None:
+            continue
+        if not _is_int(v) or not 1 <= v <= MAX_COUNT:
+            raise bad(p(name), f"must be an integer in [1, {MAX_COUNT}], got {v!r}")
+        max_tokens = v
     temperature = src.get("temperature", default_temperature)
     temperature = default_temperature if temperature is None else temperature
     if not _is_num(temperature) or not 0 <= temperature <= 2:
@@ -199,7 +210,7 @@ def _parity(src: dict, prefix: str) -> dict:
             raise bad(p("logit_bias"), "must be an object mapping token ids to biases")
         out["logit_bias"] = {}
         for k, b in bias.items():
-            key = k if _is_int(k) else int(k) if isinstance(k, str) and k.isdigit() else None
+            key = _token_id(k)
             if key is None:
                 raise bad(p("logit_bias"), f"key {k!r} is not a token id")
             if not _is_num(b) or not -100 <= b <= 100:
@@ -226,6 +237,14 @@ def _parity(src: dict, prefix: str) -> dict:
             raise bad(p("n"), f"must be an integer in [1, {MAX_N}], got {n!r}")
         out["n"] = n
     return out
+
+
+def _token_id(k: object) -> int | None:
+    """A logit_bias key as a token id: an int, or a string of ASCII digits (int() also takes other
+    scripts' digits, and isdigit() superscripts int() refuses); None if it cannot be one."""
+    if isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 10:
+        k = int(k)
+    return k if _is_int(k) and 0 <= k <= MAX_COUNT else None
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:
@@ -293,9 +312,17 @@ def _stream(body: dict) -> tuple[bool, bool]:
     opts = body.get("stream_options")
     if opts is None:
         return stream, False
+    if not stream:  # as OpenAI and vLLM answer: the options would be ignored
+        raise bad("stream_options", "is only allowed with stream: true")
     if not isinstance(opts, dict):
         raise bad("stream_options", "must be an object")
-    return stream, _bool(opts, "include_usage")
+    for key in opts:
+        if key != "include_usage":
+            raise bad(f"stream_options.{key}", "unknown option (stream_options takes include_usage)")
+    usage = opts.get("include_usage")
+    if usage is not None and not isinstance(usage, bool):
+        raise bad("stream_options.include_usage", f"must be a boolean, got {type(usage).__name__}")
+    return stream, bool(usage)
 
 
 def parse_completion(body: dict, served: str) -> Parsed:
@@ -311,9 +338,10 @@ def parse_completion(body: dict, served: str) -> Parsed:
         raise bad("prompt", f"a batch holds at most {MAX_N} prompts, got {len(prompts)}")
     docs = _doc_list(body, "documents")
     echo = _bool(body, "echo")
-    echo_only = echo and body.get("max_tokens") == 0
+    mt_name = _max_tokens_param(body)
+    echo_only = echo and mt_name is not None and _is_int(body[mt_name]) and body[mt_name] == 0
     if echo_only:  # a 1-token request whose token is dropped: the prompt's logprobs are the point
-        body = {**body, "max_tokens": 1}
+        body = {**body, mt_name: 1}
     sp = _sampling(body, "", 16, 1.0, openai_constraint(body))
     sp.logprobs = _logprobs(body, chat=False)
     if sp.n * len(prompts) > MAX_N:
@@ -373,10 +401,19 @@ def parse_chat(body: dict, served: str) -> Parsed:
         if not isinstance(m, dict):
             raise bad(f"messages[{i}]", "must be an object with role and content")
         role = m.get("role")
-        if role not in (*ROLES, "tool"):
-            raise bad(f"messages[{i}].role", f"must be one of {', '.join(ROLES)}, tool, got {role!r}")
-        messages.append(_tool_message(m, i) if role == "tool" or m.get("tool_calls") else
-                        {"role": role, "content": _content(m, i)})  # fmt: skip
+        if role not in _MESSAGE_KEYS:
+            raise bad(f"messages[{i}].role", f"must be one of {', '.join(_MESSAGE_KEYS)}, got {role!r}")
+        _message_keys(m, i, _MESSAGE_KEYS[role])
+        if role == "tool" or m.get("tool_calls"):
+            out = _tool_message(m, i)
+        else:
+            out = {"role": "system" if role == "developer" else role, "content": _content(m, i)}
+        name = m.get("name")
+        if name is not None:
+            if not isinstance(name, str):
+                raise bad(f"messages[{i}].name", f"must be a string, got {type(name).__name__}")
+            out["name"] = name  # for templates that render it (most ignore it, as with HF)
+        messages.append(out)
     docs = _doc_list(body, "documents")
     if docs and not any(m["role"] == "user" for m in messages):
         raise bad("messages", "documents need a user message to attach to")
@@ -393,6 +430,13 @@ def parse_chat(body: dict, served: str) -> Parsed:
     req = GenerateReq(-1, sp, messages=messages, docs=docs, param="messages", tools=tools,
                       max_tokens_param=_max_tokens_param(body))  # fmt: skip
     return Parsed(req, stream, usage, parallel_tool_calls=parallel, forced_tool=forced)
+
+
+def _message_keys(m: dict, i: int, allowed: tuple[str, ...]) -> None:
+    for key, v in m.items():
+        if key not in allowed and v is not None:
+            raise bad(f"messages[{i}].{key}", f"is not a key of a {m['role']} message (it takes "
+                                              f"{', '.join(allowed)})")  # fmt: skip
 
 
 def _tool_message(m: dict, i: int) -> dict:
@@ -419,10 +463,11 @@ def _tool_message(m: dict, i: int) -> dict:
         if isinstance(args, str):
             try:
                 args = json.loads(args or "{}")
-            except json.JSONDecodeError as e:
+            except (ValueError, RecursionError) as e:  # (ValueError: also a 4301-digit integer)
                 raise bad(f"{where}.function.arguments", f"is not valid JSON: {e}") from e
         if not isinstance(args, dict):
             raise bad(f"{where}.function.arguments", "must be a JSON object")
+        check_json(args, f"{where}.function.arguments")  # parsed here: read_json saw a string
         call = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
         out_calls.append({**call, "id": c["id"]} if isinstance(c.get("id"), str) else call)
     content = m.get("content")
@@ -478,6 +523,7 @@ def _messages(body: dict) -> list[dict]:
             raise bad(f"messages[{i}]", "must be an object with role and content")
         if m.get("role") not in ROLES:
             raise bad(f"messages[{i}].role", f"must be one of {', '.join(ROLES)}, got {m.get('role')!r}")
+        _message_keys(m, i, ("role", "content"))
         out.append({"role": m["role"], "content": _content(m, i)})
     return out
 
@@ -513,9 +559,10 @@ def _parse_program(body: dict, sp: SamplingParams) -> GenerateReq:
 
 
 def _generate_sampling(body: dict) -> SamplingParams:
-    sp_in = body.get("sampling_params") or {}
+    sp_in = body.get("sampling_params")
+    sp_in = {} if sp_in is None else sp_in
     if not isinstance(sp_in, dict):
-        raise bad("sampling_params", "must be an object")
+        raise bad("sampling_params", f"must be an object, got {type(sp_in).__name__}")
     unknown = sorted(set(sp_in) - set(SamplingParams.__dataclass_fields__))
     if unknown:
         raise bad(f"sampling_params.{unknown[0]}", "unknown sampling parameter")
@@ -547,6 +594,9 @@ def parse_generate(body: dict) -> Parsed:
         return Parsed(req, _bool(body, "stream"))
     if (text is None) == (ids is None):
         raise bad("text", "give exactly one of text, input_ids or messages")
+    for key in ("doc_turn", "continue_final"):
+        if body.get(key) is not None:
+            raise bad(key, "is only for a prompt given as messages")
     if text is not None and (not isinstance(text, str) or not text.strip()):
         raise bad("text", "must be a non-empty string")
     if ids is not None and (not isinstance(ids, list) or not ids or not all(_is_int(t) for t in ids)):
