@@ -227,8 +227,9 @@ def test_message_keys_are_checked_name_reaches_the_template_and_developer_is_sys
         with pytest.raises(ApiError) as e:
             parse(m)
         assert e.value.param == param
+    echoed = {"refusal": None, "annotations": []}  # an OpenAI reply's empty keys: absent
     got = parse({"role": "developer", "content": "be brief", "name": "ops"},
-                {"role": "user", "content": "q", "name": "ann", "refusal": None})  # fmt: skip
+                {"role": "user", "content": "q", "name": "ann", **echoed})  # fmt: skip
     assert got == [{"role": "system", "content": "be brief", "name": "ops"},
                    {"role": "user", "content": "q", "name": "ann"}]  # fmt: skip
     with pytest.raises(ApiError) as e:

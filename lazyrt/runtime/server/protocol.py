@@ -26,8 +26,8 @@ from lazyrt.sampling_params import (
 )
 
 ROLES = ("system", "user", "assistant")
-# the keys a chat message may have, by role (the template gets them all; any other is a 400, a null
-# value counting as absent); "developer" is OpenAI's newer name for the system role
+# the keys a chat message may have, by role (the template gets them all; any other is a 400, a null or
+# empty value counting as absent); "developer" is OpenAI's newer name for the system role
 _MESSAGE_KEYS = {
     "system": ("role", "content", "name"),
     "developer": ("role", "content", "name"),
@@ -434,7 +434,7 @@ def parse_chat(body: dict, served: str) -> Parsed:
 
 def _message_keys(m: dict, i: int, allowed: tuple[str, ...]) -> None:
     for key, v in m.items():
-        if key not in allowed and v is not None:
+        if key not in allowed and v not in (None, [], {}, ""):  # (an echoed reply's `annotations: []`)
             raise bad(f"messages[{i}].{key}", f"is not a key of a {m['role']} message (it takes "
                                               f"{', '.join(allowed)})")  # fmt: skip
 
