@@ -28,8 +28,10 @@ example:
 Each input line is {"id", "docs", "question", "system"?, "sampling_params"?} (a doc is a text or
 {"id": ...} of a document registered with POST /v1/documents / Engine.add_document) or {"id", "prompt",
 "sampling_params"?}. One output line per input line, in input order: {"id", "line", "text", "meta"}, or
-{"id", "line", "error": {"message"}} for a bad line (the job goes on). Re-running with the same
---output skips ids already there and appends the rest. --endpoint URL uses a running
+{"id", "line", "error": {"message"}} for a bad line (the job goes on); blank lines are skipped.
+Re-running with the same --output skips ids already there and appends the rest (lines that failed
+on the way to the server, a connection error or a 5xx, are retried: their error records are replaced
+by new ones at the end). --endpoint URL uses a running
 `python -m lazyrt.launch` instead of loading a model here."""
 
 
@@ -106,23 +108,47 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# Error records a re-run retries: the request never got a final answer (batch_runners.EndpointRunner).
+RETRIED_ERRORS = ("transport_error", "server_error")
+
+
+def _record(raw: bytes) -> dict | None:
+    try:
+        rec = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return rec if isinstance(rec, dict) and isinstance(rec.get("line"), int) else None
+
+
+def _retried(rec: dict) -> bool:
+    err = rec.get("error")
+    return isinstance(err, dict) and err.get("type") in RETRIED_ERRORS
+
+
 def read_done(path: str) -> set[tuple]:
-    """(key, line) of each input already answered. A torn last line (killed mid-write) is cut first."""
+    """(key, line) of each input already answered. The file is rewritten first without a torn last
+    line (killed mid-write; a complete record missing only its newline stays) and without the
+    records of lines a re-run retries (RETRIED_ERRORS)."""
     if not os.path.exists(path):
         return set()
-    with open(path, "rb+") as f:
+    with open(path, "rb") as f:
         data = f.read()
-        if data and not data.endswith(b"\n"):
-            f.truncate(data.rfind(b"\n") + 1)
-            data = data[: data.rfind(b"\n") + 1]
-    done = set()
-    for raw in data.splitlines():
-        try:
-            rec = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError):
+    *lines, tail = data.split(b"\n")  # tail: what follows the last newline (b"" when none)
+    if _record(tail) is not None:
+        lines.append(tail)
+    keep, done = [], set()
+    for raw in lines:
+        rec = _record(raw)
+        if rec is not None and _retried(rec):
             continue
-        if isinstance(rec, dict) and isinstance(rec.get("line"), int):
+        keep.append(raw + b"\n")
+        if rec is not None:
             done.add((key(rec.get("id"), rec["line"]), rec["line"]))
+    kept = b"".join(keep)
+    if kept != data:  # (a new file moved into place: a kill meanwhile loses nothing)
+        with open(path + ".tmp", "wb") as f:
+            f.write(kept)
+        os.replace(path + ".tmp", path)
     return done
 
 
@@ -130,11 +156,12 @@ def read_jobs(path: str, done: set[tuple], defaults: dict) -> tuple[list[Job], i
     """Jobs still to do (bad lines included, as error jobs) and how many lines were already done."""
     done_keys = {k for k, _ in done}
     jobs, seen, skipped = [], set(), 0
-    with open(path, encoding="utf-8", errors="replace") as f:
+    # (undecodable bytes kept as surrogates, so a bad line fails alone and the rest still run)
+    with open(path, encoding="utf-8", errors="surrogateescape") as f:
         for n, text in enumerate(f, 1):
             if not text.strip():
                 continue
-            job = parse_line(text, n, defaults)
+            job = _not_utf8(text, n) or parse_line(text, n, defaults)
             k = key(job.id, n)
             dup = job.id is not None and k in seen
             seen.add(k)
@@ -146,6 +173,15 @@ def read_jobs(path: str, done: set[tuple], defaults: dict) -> tuple[list[Job], i
                 job.error = f"line {n}: duplicate id {job.id!r} (an earlier line has it)"
             jobs.append(job)
     return jobs, skipped
+
+
+def _not_utf8(text: str, n: int) -> Job | None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:  # a surrogate: the byte read_jobs could not decode
+        byte = ord(text[e.start]) - 0xDC00
+        return Job(n, None, error=f"line {n}: not valid UTF-8 (byte 0x{byte:02x} at column {e.start + 1})")
+    return None
 
 
 def make_runner(args: argparse.Namespace):
@@ -167,12 +203,15 @@ def make_runner(args: argparse.Namespace):
 
 def results(runner, jobs: list[Job]) -> Iterator[tuple[Job, dict]]:
     """Bad lines get their error record in place; the rest go to the runner, order kept."""
-    good = iter(runner.run(j for j in jobs if j.error is None))
-    for job in jobs:
-        if job.error is not None:
-            yield job, {"error": {"message": job.error, "type": "invalid_line"}}
-        else:
-            yield next(good)
+    good = runner.run(j for j in jobs if j.error is None)
+    try:
+        for job in jobs:
+            if job.error is not None:
+                yield job, {"error": {"message": job.error, "type": "invalid_line"}}
+            else:
+                yield next(good)
+    finally:
+        good.close()  # stopped early: the runner drops what it has queued now
 
 
 # Options of the local engine: a running server (--endpoint) has its own, set on lazyrt.launch.
@@ -189,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
         if given:
             parser.error(f"{', '.join(given)} configure the local engine; with --endpoint the server's own "
                          "settings apply (pass them to python -m lazyrt.launch)")
+    if args.concurrency is not None and args.concurrency < 1:
+        parser.error(f"--concurrency must be at least 1, got {args.concurrency}")
     if args.host_kv_cache_tokens is not None:  # fail before reading the input or loading a model
         try:
             mode, page_size = args.cache_mode or "lazy", EngineConfig.page_size
@@ -206,45 +247,38 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("doc_attention_temperature", "doc_attention_scale", "doc_positions"):
         if getattr(args, name) is not None:
             defaults[name] = getattr(args, name)
-    try:
-        from lazyrt.sampling_params import SamplingParams
+    from lazyrt.sampling_params import SamplingParamError, SamplingParams
 
+    try:
         SamplingParams.from_dict(defaults)
+    except SamplingParamError as e:  # each default is a flag of its own name
+        parser.error(f"--{e.param.replace('_', '-')} {e.value!r}: {e.why}")
+    try:
         done = read_done(args.output)
         jobs, skipped = read_jobs(args.input, done, defaults)
     except (OSError, ValueError) as e:
         print(f"lazyrt.batch: {e}", file=sys.stderr)
         return 2
+    try:  # opened before a model loads: a path that cannot be written fails now, not after it
+        out = open(args.output, "a", encoding="utf-8") if jobs else None
+    except OSError as e:
+        print(f"lazyrt.batch: --output {args.output}: cannot write it: {e.strerror or e}", file=sys.stderr)
+        return 2
     totals = Totals()
     start = time.perf_counter()
+    gen_start = start  # after the model load (or the server check): tok/s counts generation only
     stopped = False
-    if jobs:
-        try:
-            runner = make_runner(args)
-        except Exception as e:  # no model / no server: the job itself cannot run
-            print(f"lazyrt.batch: cannot start: {e}", file=sys.stderr)
-            return 1
-        bar = tqdm(total=len(jobs), disable=args.no_progress, unit="req", file=sys.stderr)
-        try:
-            with open(args.output, "a", encoding="utf-8") as out:
-                for job, res in results(runner, jobs):
-                    rec = {"id": job.id, "line": job.line, **res}
-                    out.write(json.dumps(rec, ensure_ascii=False) + "\n")
-                    out.flush()  # written as it completes: an interrupt loses little
-                    totals.add(rec)
-                    bar.update(1)
-                    elapsed = time.perf_counter() - start
-                    bar.set_postfix(
-                        tok_s=f"{totals.completion_tokens / max(elapsed, 1e-9):.1f}", err=totals.errors
-                    )
-                    if args.stop_after is not None and totals.requests >= args.stop_after:
-                        stopped = True
-                        break
-        except KeyboardInterrupt:
-            stopped = True
-        finally:
-            bar.close()
-    elapsed = time.perf_counter() - start
+    if out is not None:
+        with out:
+            try:
+                runner = make_runner(args)
+            except Exception as e:  # no model / no server: the job itself cannot run
+                print(f"lazyrt.batch: cannot start: {e}", file=sys.stderr)
+                return 1
+            gen_start = time.perf_counter()
+            stopped = _run(args, runner, jobs, out, totals, gen_start)
+    end = time.perf_counter()
+    generation = end - gen_start
     chunks = totals.chunk_hits + totals.chunk_misses
     summary = {
         "requests": totals.requests,
@@ -254,13 +288,45 @@ def main(argv: list[str] | None = None) -> int:
         "prompt_tokens": totals.prompt_tokens,
         "completion_tokens": totals.completion_tokens,
         "cached_tokens": totals.cached_tokens,
-        "elapsed_s": round(elapsed, 3),
-        "tok_per_s": round(totals.completion_tokens / elapsed, 2) if elapsed > 0 else 0.0,
+        "elapsed_s": round(end - start, 3),
+        "load_s": round(gen_start - start, 3),  # the model load, or the server's health check
+        "generation_s": round(generation, 3),
+        "tok_per_s": round(totals.completion_tokens / generation, 2) if generation > 0 else 0.0,
         "chunk_hit_ratio": round(totals.chunk_hits / chunks, 4) if chunks else None,
         "stopped_early": stopped,
     }
     print("lazyrt.batch summary: " + json.dumps(summary), file=sys.stderr)
     return 130 if stopped and args.stop_after is None else 0
+
+
+def _run(args: argparse.Namespace, runner, jobs: list[Job], out, totals: Totals, start: float) -> bool:
+    """Writes each job's record as it completes; returns whether the run stopped early."""
+    bar = tqdm(total=len(jobs), disable=args.no_progress, unit="req", file=sys.stderr)
+
+    def write(job: Job, res: dict) -> None:
+        rec = {"id": job.id, "line": job.line, **res}
+        out.write(json.dumps(rec, ensure_ascii=False) + "\n")
+        out.flush()  # written as it completes: an interrupt loses little
+        totals.add(rec)
+        bar.update(1)
+
+    it = results(runner, jobs)
+    try:
+        for job, res in it:
+            write(job, res)
+            elapsed = time.perf_counter() - start
+            bar.set_postfix(tok_s=f"{totals.completion_tokens / max(elapsed, 1e-9):.1f}", err=totals.errors)
+            if args.stop_after is not None and totals.requests >= args.stop_after:
+                return True
+        return False
+    except KeyboardInterrupt:
+        it.close()  # the runner cancels what is queued; the answers it already has are kept
+        for job, res in getattr(runner, "received", []):
+            write(job, res)
+        return True
+    finally:
+        it.close()
+        bar.close()
 
 
 if __name__ == "__main__":

@@ -10,8 +10,19 @@ from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 from lazyrt.batch_input import Job
+from lazyrt.runtime.tokenizer.rag_template import build_program_prompt
 
 Result = dict  # {"text", "meta"} or {"error": {"message"}}
+
+
+def chat_only(job: Job) -> bool:
+    """A question without docs or system. /generate would take its `text` as a raw completion, so
+    both runners send it as one chat turn (the program form, tokenized alike by Engine and server)."""
+    return job.prompt is None and not job.docs and job.system is None
+
+
+def chat_turn(question: str) -> list[dict]:
+    return [{"role": "user", "content": question}, {"role": "assistant", "content": ""}]
 
 
 def _result(out: dict) -> Result:
@@ -33,6 +44,8 @@ class LocalRunner:
     def _prompt(self, job: Job):
         if job.prompt is not None:
             return job.prompt
+        if chat_only(job):
+            return build_program_prompt(self.engine.tokenizer, chat_turn(job.question), [], None, True)
         return self.engine.rag_prompt(job.docs, job.question, job.system)
 
     def _run_chunk(self, jobs: list[Job]) -> list[Result]:
@@ -93,26 +106,34 @@ class EndpointRunner:
         params = {k: v for k, v in dataclasses.asdict(job.sampling).items() if v is not None}
         if job.prompt is not None:
             return {"text": job.prompt, "sampling_params": params}
+        if chat_only(job):
+            return {"messages": chat_turn(job.question), "continue_final": True, "sampling_params": params}
         return {"text": job.question, "docs": job.docs, "system": job.system, "sampling_params": params}
 
     def _one(self, job: Job) -> Result:
         body = self.body(job)
         try:
             r = self.client.post("/generate", json=body)
-        except Exception as e:  # transport errors fail this line; the job goes on
-            return _error(e)
+        except Exception as e:  # transport errors fail this line (a re-run retries it); the job goes on
+            return {"error": {"message": f"{type(e).__name__}: {e}", "type": "transport_error"}}
         if r.status_code != 200:
             try:
                 msg = r.json()["error"]["message"]
             except (ValueError, KeyError, TypeError):
                 msg = r.text[:500]
-            return {"error": {"message": f"HTTP {r.status_code}: {msg}", "type": "http_error"}}
+            # the server failed or was overloaded: retried by a re-run; a 4xx is the line's answer
+            kind = "server_error" if r.status_code >= 500 or r.status_code == 429 else "http_error"
+            return {"error": {"message": f"HTTP {r.status_code}: {msg}", "type": kind}}
         out = r.json()
         return _result(out)
 
     def run(self, jobs: Iterable[Job]) -> Iterator[tuple[Job, Result]]:
-        with ThreadPoolExecutor(self.concurrency) as pool:
-            window: deque = deque()
+        """Results in input order. Stopped early (closed, or an interrupt): the queued requests are
+        cancelled, and those answered but not handed back yet are left in `received`."""
+        self.received: list[tuple[Job, Result]] = []
+        pool = ThreadPoolExecutor(self.concurrency)
+        window: deque = deque()
+        try:
             for job in jobs:  # keep ~2x concurrency in flight, hand results back in order
                 window.append((job, pool.submit(self._one, job)))
                 while len(window) > 2 * self.concurrency or (window and window[0][1].done()):
@@ -121,3 +142,6 @@ class EndpointRunner:
             while window:
                 j, f = window.popleft()
                 yield j, f.result()
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)  # (requests being sent still finish)
+            self.received = [(j, f.result()) for j, f in window if f.done() and not f.cancelled()]

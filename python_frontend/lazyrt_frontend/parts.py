@@ -104,19 +104,21 @@ def gen(
     regex: str | None = None,
     choices: list[str] | None = None,
     grammar: str | None = None,
+    ignore_eos: bool | None = None,
 ) -> Gen:
     """Generate into the assistant turn; the text is stored as s[name]. temperature 0 = greedy.
     doc_attention_temperature / doc_attention_scale / doc_positions: the program's documents as
     lazyrt.SamplingParams takes them (None: the engine's setting). The penalties, logit_bias,
-    min_tokens, stop_token_ids and min_p are lazyrt.SamplingParams'; with logprobs (the number of top
-    tokens, 0 = the sampled one's only), s.metas[name]["logprobs"] holds one entry per token; with
-    citations, s.metas[name]["citations"] ranks the program's documents by the attention paid them.
+    min_tokens, stop_token_ids, min_p and ignore_eos are lazyrt.SamplingParams'; with logprobs (the
+    number of top tokens, 0 = the sampled one's only), s.metas[name]["logprobs"] holds one entry per
+    token; with citations, s.metas[name]["citations"] ranks the program's documents by the attention
+    paid them.
     Structured output (at most one, enforced while decoding): json_schema (a JSON schema dict),
     json_object=True (any JSON object), regex (the whole output matches it), choices (the output is
     one of them; unlike select(), which scores each choice, this generates under a grammar) or
     grammar (Lark / GBNF)."""
     sampling: dict = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k}
-    if stop:
+    if stop is not None:  # (an empty one too: SamplingParams refuses it, naming stop)
         sampling["stop"] = [stop] if isinstance(stop, str) else list(stop)
     optional = {"min_p": min_p, "seed": seed, "doc_attention_temperature": doc_attention_temperature,
                 "doc_attention_scale": doc_attention_scale, "doc_positions": doc_positions,
@@ -124,7 +126,7 @@ def gen(
                 "repetition_penalty": repetition_penalty, "logit_bias": logit_bias, "min_tokens": min_tokens,
                 "stop_token_ids": stop_token_ids, "logprobs": logprobs, "citations": citations,
                 "json_schema": json_schema, "json_object": json_object, "regex": regex, "choice": choices,
-                "grammar": grammar}  # fmt: skip
+                "grammar": grammar, "ignore_eos": ignore_eos}  # fmt: skip
     sampling.update({k: v for k, v in optional.items() if v is not None})
     return Gen(_text("gen", name), sampling)
 

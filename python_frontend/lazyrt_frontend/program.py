@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from tqdm import tqdm
@@ -54,7 +54,12 @@ class Program:
         bar = tqdm(total=len(states), disable=not progress_bar, desc=self.func.__name__)
 
         def one(i: int) -> None:
-            self._execute(states[i], (), dict(batch_kwargs[i]))
+            kwargs = batch_kwargs[i]
+            if isinstance(kwargs, Mapping):
+                self._execute(states[i], (), dict(kwargs))
+            else:  # this item fails alone
+                states[i]._finish(TypeError(f"run_batch item {i} must be a dict of the program's keyword "
+                                            f"arguments, got {type(kwargs).__name__}"))  # fmt: skip
             bar.update(1)
 
         with ThreadPoolExecutor(max_workers=max(1, max_concurrency)) as pool:

@@ -21,7 +21,8 @@ def rag(
     A doc is a text, or {"id": ...} of a document registered on the backend."""
     if isinstance(docs, str) or not docs or not all(_is_doc(d) for d in docs):
         raise ValueError("rag() needs docs: a non-empty list of texts, {'id': str} or {'text': str}")
-    lost = {"n": sampling.get("n", 1) != 1, "logprobs": sampling.get("logprobs") is not None,
+    sampling = {k: v for k, v in sampling.items() if v is not None}  # None: the default, as in gen()
+    lost = {"n": sampling.get("n", 1) != 1, "logprobs": "logprobs" in sampling,
             "citations": sampling.get("citations", False) is not False}  # fmt: skip
     for name in (k for k, v in lost.items() if v):  # rag() returns the answer's text only
         raise ValueError(f"rag() returns one answer's text: {name}={sampling[name]!r} would be lost; "

@@ -171,19 +171,23 @@ class Engine:
     def generate(
         self,
         prompts: PromptLike | Sequence[PromptLike],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        sampling_params: SamplingParams | dict | Sequence[SamplingParams | dict] | None = None,
     ) -> list[dict]:
-        """Generate for each prompt (str, token ids or RagPrompt); returns dicts text/token_ids/meta."""
+        """Generate for each prompt (str, token ids or RagPrompt); returns dicts text/token_ids/meta.
+        sampling_params: one for all prompts or one per prompt, SamplingParams or a dict of its fields."""
         single = isinstance(prompts, (str, RagPrompt)) or (
             isinstance(prompts, Sequence) and bool(prompts) and isinstance(prompts[0], int)
         )
         prompts = [prompts] if single else list(prompts)
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
-        else:
-            params = list(sampling_params)
+        if sampling_params is None or isinstance(sampling_params, (SamplingParams, dict)):
+            params = [_sampling(sampling_params, "sampling_params")] * len(prompts)
+        elif isinstance(sampling_params, Sequence) and not isinstance(sampling_params, str):
+            params = [_sampling(sp, f"sampling_params[{i}]") for i, sp in enumerate(sampling_params)]
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling_params")
+        else:
+            raise TypeError("sampling_params must be SamplingParams, a dict of its fields or a list of them, "
+                            f"got {type(sampling_params).__name__}")  # fmt: skip
         # the documents not cached yet, tokenized in one batch (on all cores)
         rag = [p for p in prompts if isinstance(p, RagPrompt) and isinstance(p.docs, (list, tuple))]
         self._doc_tokens.prefetch([d for p in rag for d in p.docs if isinstance(d, str)])
@@ -205,7 +209,7 @@ class Engine:
         docs: Sequence[str],
         question: str,
         system: str | None = None,
-        sampling_params: SamplingParams | None = None,
+        sampling_params: SamplingParams | dict | None = None,
     ) -> dict:
         return self.generate([self.rag_prompt(docs, question, system)], sampling_params)[0]
 
@@ -249,16 +253,15 @@ class Engine:
             if not isinstance(it, dict) or "question" not in it:
                 raise TypeError(f"rag_batch item {i} must be a dict with 'docs' and 'question'")
             prompts.append(self.rag_prompt(it.get("docs", []), it["question"], it.get("system")))
-            sp = it.get("sampling_params")
-            params.append(sp if isinstance(sp, SamplingParams) else SamplingParams.from_dict(sp))
+            params.append(_sampling(it.get("sampling_params"), f"rag_batch item {i}: sampling_params"))
         return self.generate(prompts, params)
 
     def _run(self, reqs: list[Request]) -> list[dict]:
         core = self.core
-        for r in reqs:
-            core.add(r)
         detoks = {r.rid: _detokenizer(self.tokenizer, r.params) for r in reqs}
         try:
+            for r in reqs:  # the scheduler may reject one (a mode it lacks): inside, so none stays queued
+                core.add(r)
             while any(r.state is not RequestState.FINISHED for r in reqs):
                 for out in core.step():
                     d = detoks[out.rid]
@@ -377,6 +380,14 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _sampling(sp: SamplingParams | dict | None, what: str) -> SamplingParams:
+    if sp is None or isinstance(sp, dict):
+        return SamplingParams.from_dict(sp)
+    if not isinstance(sp, SamplingParams):
+        raise TypeError(f"{what} must be SamplingParams or a dict of its fields, got {type(sp).__name__}")
+    return sp
 
 
 def _detokenizer(tokenizer, params: SamplingParams) -> IncrementalDetokenizer:
