@@ -65,3 +65,14 @@ def grammar_text(kind: str, value: object) -> str:
     if err:
         raise ValueError(f"is not a valid {kind.replace('_', ' ')}: {err.strip()}")
     return grammar
+
+
+class ConstraintFailed(ValueError):
+    """A request whose structured-output matcher failed while decoding (a parser limit): its output
+    so far may not match the constraint, so it is an error, not an answer."""
+
+    def __init__(self, why: str):
+        super().__init__(
+            "structured output failed while decoding (the output so far may not match the constraint; a "
+            f"simpler or smaller constraint may fit the parser's limits): {why}"
+        )

@@ -179,6 +179,22 @@ def test_the_longest_choice_list_decodes_to_one_of_its_choices(tiny_engine):
         assert o["meta"]["finish_reason"] == "stop" and o["text"] in choices, o["text"]
 
 
+def test_a_grammar_past_the_parsers_limits_raises_and_the_engine_serves_on(tiny_engine):
+    """A grammar that compiles but outgrows llguidance's parser while decoding (2,001 alternatives in
+    a rule) raises ConstraintFailed instead of returning the output cut where the matcher failed as if
+    it were complete; the engine serves on, with nothing held."""
+    from lazyrt.constraint import ConstraintFailed
+
+    rng = random.Random()
+    alts = " | ".join(f'"opt-{rng.randrange(10**6)}-{i}"' for i in range(2001))
+    prompts = random_prompts(rng, 2)
+    with pytest.raises(ConstraintFailed, match="structured output failed while decoding"):
+        tiny_engine.generate(prompts[:1], [SamplingParams(max_tokens=16, grammar=f"start: {alts}")])
+    (out,) = tiny_engine.generate(prompts[1:], [SamplingParams(max_tokens=30, choice=CHOICES[0])])
+    assert out["meta"]["finish_reason"] == "stop" and out["text"] in CHOICES[0]
+    assert not tiny_engine.core.requests and tiny_engine.core.scheduler.held_pages() == 0
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_constrained_rows_leave_free_rows_unchanged_overlap_on_and_off(tiny_model_dir, device):
     """A batch mixing constrained and free rows: the free rows' tokens equal a run without the

@@ -230,3 +230,24 @@ def test_tool_choice_required_and_named_force_valid_calls(tool_server):
         with pytest.raises(openai.BadRequestError) as e:
             tool_server.chat.completions.create(messages=msgs, **{**kw, **bad_kw})
         assert e.value.body["param"] == param
+
+
+def test_a_constraint_past_the_parsers_limits_fails_the_request_not_as_complete(oai, model, server):
+    """A grammar that compiles but outgrows llguidance's parser while decoding (2,001 alternatives in
+    one rule: a row holds 2,000 items) ends its request with an error, streamed or not, instead of a
+    200 whose output stopped where the matcher failed; the server serves on."""
+    rng = random.Random()
+    alts = " | ".join(f'"opt-{rng.randrange(10**6)}-{i}"' for i in range(2001))
+    body = {"text": "pick", "sampling_params": {"max_tokens": 16, "grammar": f"start: {alts}"}}
+    r = httpx.post(server.url + "/generate", json=body, timeout=120)
+    assert r.status_code == 500 and "structured output failed while decoding" in r.text, r.text
+    with pytest.raises(openai.InternalServerError, match="structured output failed"):
+        messages = [{"role": "user", "content": "pick"}]
+        oai.chat.completions.create(model=model, messages=messages, max_tokens=16,
+                                    extra_body={"guided_grammar": f"start: {alts}"})
+    events = []
+    with httpx.stream("POST", server.url + "/generate", json={**body, "stream": True}, timeout=120) as s:
+        events = [json.loads(x[6:]) for x in s.iter_lines() if x.startswith("data: ") and x != "data: [DONE]"]
+    assert "structured output failed" in json.dumps(events[-1]) and events[-1].get("finish_reason") != "stop"
+    ok = oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    assert ok.choices[0].message.content is not None

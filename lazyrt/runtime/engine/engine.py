@@ -9,6 +9,7 @@ from dataclasses import asdict
 from typing import Any
 
 from lazyrt.config import EngineConfig
+from lazyrt.constraint import ConstraintFailed
 from lazyrt.documents import DocumentStore, list_json, open_store
 from lazyrt.prompt import RagPrompt
 from lazyrt.runtime.scheduler.engine_core import EngineCore
@@ -270,6 +271,9 @@ class Engine:
                         d.logprobs.extend(self.token_texts.logprobs(out.token_ids[:used], out.logprobs))
                     if d.stopped:  # the detokenizer saw a stop string: end the request now
                         core.abort(out.rid, "stop")
+                if core.request_errors:  # the worker could not go on with these (already aborted)
+                    errors, core.request_errors = core.request_errors, []
+                    raise ConstraintFailed(errors[0][1])
         except BaseException:
             for r in reqs:  # never leave pages held by requests nobody will finish
                 core.abort(r.rid)

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+from lazyrt.constraint import ConstraintFailed
 from lazyrt.runtime.engine.engine import Engine, PromptLike
 from lazyrt.runtime.scheduler.engine_core import NoProgress
 from lazyrt.runtime.scheduler.request import Request, RequestState
@@ -111,6 +112,11 @@ class EngineLoop:
                     piece = lv.detok.take()
                     if piece:
                         lv.on_text(piece)
+            errors, core.request_errors = core.request_errors, []
+            for rid, why in errors:  # the worker could not go on with these (already aborted)
+                lv = live.pop(rid, None)
+                if lv is not None:
+                    lv.future.set_exception(ConstraintFailed(why))
             for rid in [r for r, lv in live.items() if lv.req.state is RequestState.FINISHED]:
                 lv = live.pop(rid)
                 result = self.engine._result(lv.req, lv.detok)

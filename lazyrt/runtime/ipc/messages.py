@@ -57,6 +57,7 @@ class GenerateReq:
     doc_turn: int | None = None
     continue_final: bool = False
     continuation: str | None = None  # scoring: appended to the prompt; its token logprobs reported
+    continuation_param: str = "continuations"  # the field errors about the continuation name
     echo: bool = False  # /v1/completions echo: with logprobs, the prompt's tokens are scored too
     tools: list[dict] | None = None  # chat: OpenAI tool definitions, rendered by the chat template
     received_at: float = 0.0  # wall clock (time.time) when HTTP got it: per-request timings in meta
@@ -190,6 +191,9 @@ class StepResult:
     # rid -> [top ids, top logprobs] per scored token, for scoring requests asking top logprobs
     score_top: dict | None = None
     citations: dict | None = None  # rid -> each document's share of its sampling row's attention
+    # rid -> why the request cannot go on (its structured-output matcher failed: a parser limit); the
+    # worker ended it with EOS, which must not read as a complete answer
+    failed: dict | None = None
     # Overlapped scheduling, for late planning (scheduler/late_planning.py): the device time of the
     # step whose tokens these are (CUDA events; None on CPU, where a step runs before its answer), and
     # the worker's host time to launch the step this message answers (receipt to kernels queued).

@@ -43,6 +43,9 @@ class EngineCore:
         self._in_flight: StepPlan | None = None  # the deferred step whose tokens have not come back
         self._planned: StepPlan | None = None  # the step being planned, sent and applied now
         self.failed_rids: list[int] = []  # the requests the last failed step aborted: tell their clients
+        # requests the worker could not go on with (StepResult.failed), aborted: (rid, why); the caller
+        # takes them after each step and fails them with an error
+        self.request_errors: list[tuple[int, str]] = []
         # steps sent (overlapped: of them, deferred), and the worker's shared-chunk step count
         self.step_counts = {"steps": 0, "overlapped_steps": 0, "shared_chunk_steps": 0, "graph_steps": 0,
                             "ragged_prefill_steps": 0, "decode_split_steps": 0}
@@ -165,6 +168,9 @@ class EngineCore:
         for rid, top in (result.score_top or {}).items():
             if int(rid) in self.requests:
                 self.requests[int(rid)].score_top = top
+        for rid, why in (result.failed or {}).items():  # before the tokens: their EOS is no answer
+            if self.abort(int(rid), "error"):
+                self.request_errors.append((int(rid), why))
         now = time.perf_counter()
         wall = time.time()
         outs = []

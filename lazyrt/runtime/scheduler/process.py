@@ -21,6 +21,7 @@ import zmq
 
 from lazyrt.cache.page_pool import PagePool
 from lazyrt.config import EngineConfig
+from lazyrt.constraint import ConstraintFailed
 from lazyrt.runtime.ipc.messages import (
     AbortReq,
     ControlReq,
@@ -228,6 +229,13 @@ class SchedulerLoop:
             self._send_peers()
         if outs:
             send(self.to_detok, TokenBatch(outs))
+        self.fail_requests()
+
+    def fail_requests(self) -> None:
+        """Answers the requests the worker could not go on with (EngineCore.request_errors)."""
+        errors, self.core.request_errors = self.core.request_errors, []
+        for rid, why in errors:
+            send(self.to_detok, ErrorOut(rid, str(ConstraintFailed(why)), None, 500, "server_error"))
 
     def _send_peers(self) -> None:
         if self.peer_link is not None:

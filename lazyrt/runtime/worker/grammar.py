@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -52,6 +53,8 @@ class GrammarConstraints:
         self._compiled: OrderedDict[str, LLMatcher] = OrderedDict()
         self._matchers: dict[int, LLMatcher] = {}
         self._failed: set[int] = set()  # requests whose matcher failed (logged once each)
+        self._new_failed: dict[int, str] = {}  # of those, the ones not reported yet: rid -> why
+        self._lock = threading.Lock()  # (the mask job fills _new_failed on its thread)
         # step t's sampled tokens not yet fed to the matchers: (rid -> row, tokens on the device)
         self._pending: tuple[dict[int, int], torch.Tensor] | None = None
         self._bitmask: torch.Tensor | None = None  # host [rows, words] int32, grown on demand
@@ -71,6 +74,13 @@ class GrammarConstraints:
         self._wait_job()
         self._matchers.pop(rid, None)
         self._failed.discard(rid)
+
+    def take_failed(self) -> dict[int, str]:
+        """The requests whose matcher failed since the last call (rid -> llguidance's error): their
+        rows were given EOS only, so the scheduler must fail them, not finish them as complete."""
+        with self._lock:
+            failed, self._new_failed = self._new_failed, {}
+        return failed
 
     def drop_pending(self) -> None:
         """Forget sampled tokens not fed yet and a prepared step's masks (their step failed; its
@@ -184,8 +194,10 @@ class GrammarConstraints:
                 rid = rids[rows[j]]
                 if rid not in self._failed:  # (a parser limit: the output so far may not match)
                     self._failed.add(rid)
-                    logger.warning("request %d: its structured-output matcher failed, ending it: %s",
-                                   rid, m.get_error())  # fmt: skip
+                    why = m.get_error()
+                    logger.warning("request %d: structured-output matcher failed, ending it: %s", rid, why)
+                    with self._lock:
+                        self._new_failed[rid] = why
                 mask[j].zero_()
                 for e in self.eos_ids:
                     mask[j, e // 32] |= 1 << (e % 32)

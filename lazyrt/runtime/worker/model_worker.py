@@ -439,6 +439,8 @@ class ModelWorker:
         result.graph_steps = self.runner.graph_steps
         result.ragged_prefill_steps = self.runner.ragged_steps
         result.decode_split_steps = self.runner.decode_splits
+        if self._grammar is not None:  # (after the step's mask job: its failures are in)
+            result.failed = self._grammar.take_failed() or None
         return result
 
     @torch.inference_mode()
