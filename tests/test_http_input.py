@@ -263,3 +263,25 @@ def test_echo_only_counts_no_generated_tokens_in_metrics():
     r = _request(client, "/v1/completions", {**body, "max_tokens": 2}, state=state)  # echo and generate
     assert r.json()["usage"]["completion_tokens"] == 3
     assert state.metrics.registry.get_sample_value("lazyrt_generation_tokens_total") == 3
+
+
+def test_score_names_the_continuation_that_outgrows_the_context(tokenizer):
+    """/score: a continuation that takes the prompt past the context is named (continuations[i]); a
+    prompt too long on its own is still the prompt's error."""
+    import random
+
+    from lazyrt.runtime.tokenizer.request_tokenizer import InvalidRequest, RequestTokenizer
+
+    rng = random.Random()
+    words = " ".join(rng.choice(["river", "north", "tide", "lumen"]) for _ in range(40))
+    n_prompt = len(tokenizer(words, add_special_tokens=False).input_ids)
+    rt = RequestTokenizer(tokenizer, n_prompt + 8, len(tokenizer))
+    reqs = protocol.parse_score({"text": words, "continuations": [" a", " sea" * 30]})
+    rt.tokenize(reqs[0])  # fits
+    with pytest.raises(InvalidRequest) as e:
+        rt.tokenize(reqs[1])
+    assert e.value.param == "continuations[1]" and "continuation" in str(e.value)
+    short = RequestTokenizer(tokenizer, n_prompt - 1, len(tokenizer))
+    with pytest.raises(InvalidRequest) as e:
+        short.tokenize(reqs[0])
+    assert e.value.param == "text"

@@ -632,4 +632,5 @@ def parse_score(body: dict) -> list[GenerateReq]:
     rest = {k: v for k, v in body.items() if k not in ("continuations", "sampling_params")}  # (None)
     base = parse_generate(rest).req
     base.sampling = SamplingParams(max_tokens=1)
-    return [dataclasses.replace(base, continuation=c) for c in conts]
+    return [dataclasses.replace(base, continuation=c, continuation_param=f"continuations[{i}]")
+            for i, c in enumerate(conts)]  # fmt: skip

@@ -153,11 +153,17 @@ class RequestTokenizer:
             if out.docs:
                 raise InvalidRequest("echo with logprobs needs a prompt without documents", "echo")
             out.score_len = len(out.suffix) - 1
+        cont = []
         if req.continuation is not None:  # scoring: the continuation is tokenized on its own
             cont = self._ids(req.continuation, False)
             out.suffix = out.suffix + cont
             out.score_len = len(cont)
         n = len(out.prefix) + sum(len(d) for d in out.docs) + len(out.suffix)
+        if cont and n >= self.max_context and n - len(cont) < self.max_context:  # the prompt alone fits
+            raise InvalidRequest(
+                f"the prompt and this continuation are {n} tokens but the model's context length is "
+                f"{self.max_context}; shorten the continuation", req.continuation_param,
+            )  # fmt: skip
         if n >= self.max_context:
             where = f"{req.param} and {doc_field}" if docs else req.param
             raise InvalidRequest(
