@@ -285,3 +285,26 @@ def test_score_names_the_continuation_that_outgrows_the_context(tokenizer):
     with pytest.raises(InvalidRequest) as e:
         short.tokenize(reqs[0])
     assert e.value.param == "text"
+
+
+def test_a_scheduler_rejection_names_the_field_as_each_endpoint_spells_it():
+    """The scheduler names a SamplingParams field as /generate spells it; the OpenAI endpoints take
+    that field at the top level, and their 400 names it there."""
+    from lazyrt.runtime.ipc.messages import ErrorOut
+
+    class Rejecting(FakeClient):
+        def submit(self, req: GenerateReq) -> asyncio.Queue:
+            q: asyncio.Queue = asyncio.Queue()
+            why = "sampling_params.retrieval_top_k=5: needs a server started with retrieval attention"
+            q.put_nowait(ErrorOut(req.rid, why, "sampling_params.retrieval_top_k"))
+            return q
+
+    for path, body, param in (
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "retrieval_top_k": 5},
+         "retrieval_top_k"),
+        ("/v1/completions", {"prompt": "x", "retrieval_top_k": 5}, "retrieval_top_k"),
+        ("/generate", {"text": "x", "sampling_params": {"retrieval_top_k": 5}},
+         "sampling_params.retrieval_top_k"),
+    ):  # fmt: skip
+        r = _request(Rejecting(), path, body)
+        assert _err(r) == param and r.json()["error"]["message"].startswith(param + "=")

@@ -55,6 +55,16 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
 
 
+def out_error(out: ErrorOut, endpoint: str) -> ApiError:
+    """The HTTP error for an ErrorOut. The scheduler names a SamplingParams field as /generate spells
+    it (sampling_params.retrieval_top_k); the OpenAI endpoints take those fields at the top level."""
+    param, message = out.param, out.message
+    if endpoint != "generate" and param is not None and param.startswith("sampling_params."):
+        param = param.removeprefix("sampling_params.")
+        message = message.replace(out.param, param)
+    return ApiError(out.status, message, param, out.type)
+
+
 def error_response(e: ApiError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)
 
@@ -293,7 +303,7 @@ def create_app(state: ServerState) -> FastAPI:
                 pending.discard(i)
                 give_up()
                 state.metrics.errors.labels(endpoint, str(first.status)).inc()
-                return error_response(ApiError(first.status, first.message, first.param, first.type))
+                return error_response(out_error(first, endpoint))
             trackers[i].saw(first)
             firsts.append(first)
         if not parsed.stream:
@@ -308,7 +318,7 @@ def create_app(state: ServerState) -> FastAPI:
                     if isinstance(out, ErrorOut):
                         pending.discard(i)
                         give_up()
-                        return error_response(ApiError(out.status, out.message, out.param, out.type))
+                        return error_response(out_error(out, endpoint))
                     trackers[i].saw(out)
                     c.add(out)
                 pending.discard(i)
@@ -333,7 +343,7 @@ def create_app(state: ServerState) -> FastAPI:
                 while pending:
                     i, out = await merged.get()
                     if isinstance(out, ErrorOut):
-                        yield _sse(ApiError(out.status, out.message, out.param, out.type).body())
+                        yield _sse(out_error(out, endpoint).body())
                         break
                     if out is not firsts[i]:
                         trackers[i].saw(out)
