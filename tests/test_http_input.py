@@ -263,6 +263,12 @@ def test_echo_only_counts_no_generated_tokens_in_metrics():
     r = _request(client, "/v1/completions", {**body, "max_tokens": 2}, state=state)  # echo and generate
     assert r.json()["usage"]["completion_tokens"] == 3
     assert state.metrics.registry.get_sample_value("lazyrt_generation_tokens_total") == 3
+    # the prompt's tokens once per prompt, as usage counts them, not once per completion
+    assert r.json()["usage"]["prompt_tokens"] == 3
+    assert state.metrics.registry.get_sample_value("lazyrt_prompt_tokens_total") == 2 * 3
+    r = _request(client, "/v1/completions", {"prompt": ["a", "b"], "max_tokens": 1, "n": 2}, state=state)
+    assert r.json()["usage"]["prompt_tokens"] == 2 * 3
+    assert state.metrics.registry.get_sample_value("lazyrt_prompt_tokens_total") == 4 * 3
 
 
 def test_score_names_the_continuation_that_outgrows_the_context(tokenizer):

@@ -72,9 +72,16 @@ def error_response(e: ApiError) -> JSONResponse:
 class _Tracker:
     """Per-request timing for the TTFT / inter-token histograms."""
 
-    def __init__(self, metrics: ServerMetrics, received_at: float = 0.0, echo_only: bool = False):
+    def __init__(
+        self,
+        metrics: ServerMetrics,
+        received_at: float = 0.0,
+        echo_only: bool = False,
+        counts_prompt: bool = True,
+    ):
         self.metrics = metrics
         self.echo_only = echo_only  # the one token generated is dropped: usage counts none
+        self.counts_prompt = counts_prompt  # the first of a prompt's n completions: as usage counts it
         self.start = time.perf_counter()
         self.last: float | None = None
         self.received_at = received_at  # wall clock, for meta["timings_ms"]
@@ -97,9 +104,10 @@ class _Tracker:
             meta["completion_tokens"] = 0
         m = self.metrics
         m.requests.labels(endpoint, out.finish_reason).inc()
-        m.prompt_tokens.inc(meta.get("prompt_tokens", 0))
+        if self.counts_prompt:
+            m.prompt_tokens.inc(meta.get("prompt_tokens", 0))
+            m.cached_tokens.inc(meta.get("cached_tokens", 0))
         m.generation_tokens.inc(meta.get("completion_tokens", 0))
-        m.cached_tokens.inc(meta.get("cached_tokens", 0))
         m.e2e.observe(time.perf_counter() - self.start)
         if isinstance(meta.get("timings_ms"), dict) and self.received_at and self.first_at:
             # "ttft" is the whole server-side time to first token; "to_http" the way back (scheduler ->
@@ -279,9 +287,10 @@ def create_app(state: ServerState) -> FastAPI:
             req.rid, req.received_at = client.new_rid(), received_at
         rids = [req.rid for req in reqs]
         queues = submit_all(reqs)  # all at once: they batch together (and share their documents' KV)
-        trackers = [_Tracker(state.metrics, received_at, parsed.echo_only) for _ in reqs]
-        pending = set(range(len(reqs)))  # choices not finished: aborted if we stop early
         per_prompt = len(reqs) // (1 + len(parsed.more))  # n
+        trackers = [_Tracker(state.metrics, received_at, parsed.echo_only, i % per_prompt == 0)
+                    for i in range(len(reqs))]  # fmt: skip
+        pending = set(range(len(reqs)))  # choices not finished: aborted if we stop early
 
         def new_choice(i: int) -> Choice:
             return Choice(i, i // per_prompt)
