@@ -182,7 +182,7 @@ def test_endpoint_rerun_retries_transport_and_server_errors_only(stand_in, tmp_p
     recs = sorted(_records(out), key=lambda r: r["line"])
     assert [r["line"] for r in recs] == [1, 2, 3, 4, 5]  # one record per line
     assert [r.get("text") for r in recs] == ["answer: p1", "answer: p2", "answer: p3", None, "answer: p5"]
-    assert main(args) == 0 and stand_in.seen == ["p2", "p3"]  # nothing left to retry
+    assert main(args) == 0 and sorted(stand_in.seen) == ["p2", "p3"]  # nothing left to retry (none new)
 
 
 def test_endpoint_ctrl_c_cancels_the_queue_and_keeps_answers_received(stand_in, tmp_path):

@@ -6,6 +6,6 @@
 - engine_loop.py: EngineLoop: one thread runs an Engine's steps so requests from many threads
   batch together (the frontend's in-process backend, `python -m lazyrt.batch`).
 
-May import: lazyrt.config, lazyrt.documents, lazyrt.prompt, lazyrt.sampling_params, lazyrt.runtime.tokenizer,
-lazyrt.runtime.scheduler, lazyrt.runtime.worker
+May import: lazyrt.config, lazyrt.constraint, lazyrt.documents, lazyrt.prompt, lazyrt.sampling_params,
+lazyrt.runtime.tokenizer, lazyrt.runtime.scheduler, lazyrt.runtime.worker
 """

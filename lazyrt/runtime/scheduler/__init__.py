@@ -13,5 +13,5 @@
 
 The worker imports plan.py, request.py and step_wire.py from here; nothing here imports the worker.
 
-May import: lazyrt.cache, lazyrt.config, lazyrt.sampling_params, lazyrt.runtime.ipc
+May import: lazyrt.cache, lazyrt.config, lazyrt.constraint, lazyrt.sampling_params, lazyrt.runtime.ipc
 """
