@@ -70,7 +70,9 @@ def test_local_rejected_request_and_bad_bytes_fail_their_line_only(tiny, tmp_pat
     assert by_id["d"]["meta"]["completion_tokens"] == 4
     s = _summary(err)
     assert s["requests"] == 5 and s["errors"] == 2 and s["completion_tokens"] == 12
-    assert s["load_s"] > 0 and 0 < s["generation_s"] <= s["elapsed_s"] - s["load_s"] + 1e-3
+    # the model load and the generation make up the run (each rounded to 1 ms on its own)
+    assert s["load_s"] > 0 and s["generation_s"] > 0
+    assert abs(s["load_s"] + s["generation_s"] - s["elapsed_s"]) <= 2e-3
     assert s["tok_per_s"] == pytest.approx(12 / s["generation_s"], rel=0.02)
 
 
