@@ -314,3 +314,29 @@ def test_a_scheduler_rejection_names_the_field_as_each_endpoint_spells_it():
     ):  # fmt: skip
         r = _request(Rejecting(), path, body)
         assert _err(r) == param and r.json()["error"]["message"].startswith(param + "=")
+
+
+def test_every_error_answer_is_counted_by_endpoint():
+    """lazyrt_request_errors counts every 4xx / 5xx by endpoint, whoever answered: a route's 400, the
+    documents routes, an exception no route caught (a 500), an unknown path; 2xx are not counted."""
+    client = FakeClient()
+    state = ServerState(client, "m", healthy=True)
+
+    def count(endpoint: str, status: str) -> float:
+        v = state.metrics.registry.get_sample_value(
+            "lazyrt_request_errors_total", {"endpoint": endpoint, "status": status})
+        return v or 0.0
+
+    def status(path: str, body: bytes | dict) -> int:
+        return _request(client, path, body, state=state).status_code
+
+    assert status("/v1/completions", {"prompt": "x", "max_tokens": 2}) == 200
+    assert status("/v1/completions", {"prompt": "x", "max_tokens": 0}) == 400
+    assert status("/v1/chat/completions", b"not json") == 400
+    assert status("/v1/documents", {"text": 5}) == 400
+    # the stand-in client has no document(): the route raises, the server answers 500
+    assert status("/v1/documents", {"text": "a doc"}) == 500
+    assert status("/nope", {}) == 404
+    got = [count("completions", "400"), count("chat", "400"), count("documents", "400"),
+           count("documents", "500"), count("other", "404"), count("completions", "200")]  # fmt: skip
+    assert got == [1, 1, 1, 1, 1, 0]

@@ -26,7 +26,7 @@ from lazyrt.runtime.ipc.messages import ErrorOut, GenerateReq, TextOut
 from lazyrt.runtime.server.doc_owners import DOC_OWNERS_HEADER, doc_owners_header
 from lazyrt.runtime.server.document_routes import add_document_routes
 from lazyrt.runtime.server.errors import check_json
-from lazyrt.runtime.server.metrics import ServerMetrics
+from lazyrt.runtime.server.metrics import ErrorCounter, ServerMetrics
 from lazyrt.runtime.server.pipeline_client import PipelineClient
 from lazyrt.runtime.server.protocol import (
     ApiError,
@@ -202,6 +202,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     if state.api_key:
         app.add_middleware(ApiKeyGuard, api_key=state.api_key)
+    app.add_middleware(ErrorCounter, metrics=state.metrics)  # outermost: a 401 counts too
 
     async def read_json(request: Request) -> dict:
         length = request.headers.get("content-length")
@@ -281,7 +282,6 @@ def create_app(state: ServerState) -> FastAPI:
                                    DOC_OWNERS_HEADER)  # fmt: skip
                 req.doc_owners = owners
         except ApiError as e:
-            state.metrics.errors.labels(endpoint, str(e.status)).inc()
             return error_response(e)
         for req in reqs:
             req.rid, req.received_at = client.new_rid(), received_at
@@ -311,7 +311,6 @@ def create_app(state: ServerState) -> FastAPI:
             if isinstance(first, ErrorOut):
                 pending.discard(i)
                 give_up()
-                state.metrics.errors.labels(endpoint, str(first.status)).inc()
                 return error_response(out_error(first, endpoint))
             trackers[i].saw(first)
             firsts.append(first)
@@ -351,7 +350,8 @@ def create_app(state: ServerState) -> FastAPI:
             try:
                 while pending:
                     i, out = await merged.get()
-                    if isinstance(out, ErrorOut):
+                    if isinstance(out, ErrorOut):  # (after the 200: ErrorCounter did not see it)
+                        state.metrics.errors.labels(endpoint, str(out.status)).inc()
                         yield _sse(out_error(out, endpoint).body())
                         break
                     if out is not firsts[i]:
@@ -438,7 +438,6 @@ def create_app(state: ServerState) -> FastAPI:
         except ApiError as e:
             for rid in rids:
                 client.abort(rid)
-            state.metrics.errors.labels("score", str(e.status)).inc()
             return error_response(e)
         scores = [sum(lp) / len(lp) if lp else None for lp in per_token]
         return JSONResponse({"scores": scores, "logprobs": per_token})

@@ -73,6 +73,54 @@ class _CacheCollector(Collector):
             yield CounterMetricFamily(name, doc, value=s[key])
 
 
+# lazyrt_request_errors' endpoint label by path (first match)
+_ENDPOINT_LABELS = (
+    ("/v1/chat/completions", "chat"),
+    ("/v1/completions", "completions"),
+    ("/generate", "generate"),
+    ("/score", "score"),
+    ("/v1/documents", "documents"),
+)
+
+
+def endpoint_label(path: str) -> str:
+    for prefix, label in _ENDPOINT_LABELS:
+        if path == prefix or path.startswith(prefix + "/"):
+            return label
+    return "other"
+
+
+class ErrorCounter:
+    """ASGI middleware: every 4xx / 5xx answer counted in lazyrt_request_errors by endpoint, whoever
+    answered it (a route, FastAPI, or an exception no route caught: a 500); 499 (the client went away)
+    is lazyrt_requests_aborted's. An error streamed after a 200 is counted where it is sent."""
+
+    def __init__(self, app, metrics: ServerMetrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def counting(message: dict) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                status = message["status"]
+                if status >= 400 and status != 499:
+                    self.metrics.errors.labels(endpoint_label(scope["path"]), str(status)).inc()
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counting)
+        except Exception:
+            if not started:  # the server's outermost handler answers it with a 500
+                self.metrics.errors.labels(endpoint_label(scope["path"]), "500").inc()
+            raise
+
+
 class ServerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -81,7 +129,7 @@ class ServerMetrics:
             "lazyrt_requests", "finished requests", ["endpoint", "finish_reason"], registry=r
         )
         self.errors = Counter(
-            "lazyrt_request_errors", "rejected requests", ["endpoint", "status"], registry=r
+            "lazyrt_request_errors", "requests answered with an error", ["endpoint", "status"], registry=r
         )
         self.aborts = Counter("lazyrt_requests_aborted", "requests whose client went away", registry=r)
         self.prompt_tokens = Counter("lazyrt_prompt_tokens", "prompt tokens of finished requests", registry=r)
