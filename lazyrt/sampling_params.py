@@ -41,7 +41,8 @@ def _number(v: object) -> bool:
 
 def _token_key(k: object) -> object:
     digits = k.strip().lstrip("-") if isinstance(k, str) else ""
-    if digits.isascii() and digits.isdecimal():  # ("²".isdigit() holds, but int() refuses it)
+    # ("²".isdigit() holds, but int() refuses it; past 10 digits no token id, and int() of 4,300 raises)
+    if digits.isascii() and digits.isdecimal() and len(digits) <= 10:
         return int(k)
     return k
 

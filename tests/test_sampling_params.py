@@ -24,6 +24,7 @@ from lazyrt.sampling_params import SamplingParamError, SamplingParams
         ({"stop_token_ids": 5}, "stop_token_ids"),
         ({"stop_token_ids": {3, 4}}, "stop_token_ids"),
         ({"logit_bias": {"²": 1.0}}, "logit_bias"),  # a digit to str.isdigit(), not to int()
+        ({"logit_bias": {"7" * 5000: 1.0}}, "logit_bias"),  # int() of it raises past 4,300 digits
     ],
 )
 def test_values_outside_a_fields_domain_name_the_field(kw, field):
