@@ -9,7 +9,14 @@ from __future__ import annotations
 import torch
 
 from lazyrt.kernels.rope import RopeCache, apply_rope_ref
-from lazyrt.retrieval.key_index import KeyIndex, search_key_index
+from lazyrt.retrieval.key_index import (
+    KeyIndex,
+    check_index,
+    check_int,
+    check_scan,
+    check_tensor,
+    search_key_index,
+)
 
 
 def retrieval_attention_ref(
@@ -29,18 +36,32 @@ def retrieval_attention_ref(
     attention over the chunk. local: the keys already turned to their local positions (any float
     dtype; kept by a caller that searches the chunk often), else turned here.
     Returns (o [m, q_heads, d] fp32, lse [m, q_heads] fp32)."""
+    check_tensor("q", q, "[m, q_heads, head_dim]")
+    check_tensor("k", k, "[n, kv_heads, head_dim]")
+    check_tensor("v", v, "[n, kv_heads, head_dim]")
     n, kv_heads, d = k.shape
     m, q_heads, _ = q.shape
+    if not kv_heads or q_heads % kv_heads or not q_heads or q.shape[2] != d or v.shape != k.shape:
+        raise ValueError(
+            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not match (q [m, q_heads, d] "
+            "with q_heads a multiple of kv_heads >= 1, k and v [n, kv_heads, d])"
+        )
     group = q_heads // kv_heads
-    if q_heads != group * kv_heads or q.shape[2] != d or v.shape != k.shape:
-        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not match")
+    check_int("top_k", top_k, 1)
+    check_scan(scan)
+    if rope.cos.shape[0] < n:
+        raise ValueError(f"rope covers {rope.cos.shape[0]} positions: the chunk has {n} keys")
+    if local is not None:
+        check_tensor("local", local, "[n, kv_heads, head_dim]")
+        if local.shape != k.shape:
+            raise ValueError(f"local {tuple(local.shape)} must be k's shape {tuple(k.shape)}")
+    if index is not None:
+        check_index(index, k, "k")
     if local is None:  # the keys at local slots
         local = apply_rope_ref(k.float(), torch.arange(n, device=k.device), rope)
     if index is None or top_k >= index.num_indexed:
         slots = torch.arange(n).expand(m, q_heads, n)
     else:
-        if index.num_keys != n:
-            raise ValueError(f"the index covers {index.num_keys} keys, the chunk has {n}")
         found, _ = search_key_index(index, local, q, top_k, scan)
         sinks = torch.arange(index.sink).expand(m, q_heads, index.sink)
         slots = torch.cat([sinks, found], -1)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import numbers
 import queue
 import threading
 import weakref
@@ -39,7 +40,7 @@ import torch
 from lazyrt.kernels.rope import RopeCache, apply_rope_ref
 from lazyrt.retrieval.attention import retrieval_attention_ref
 from lazyrt.retrieval.device_fill import DeviceFill, DeviceStacks, FillGraphs, kv_rows
-from lazyrt.retrieval.key_index import KeyIndex, build_key_index
+from lazyrt.retrieval.key_index import KeyIndex, build_key_index, check_int
 from lazyrt.retrieval.part_layout import attend_every_key, part_queries, part_rows, same_chunk_parts
 
 WORK_ELEMENTS = 1 << 22  # the batched fill's buffers hold at most this many keys' elements (4M: 16 MB fp32)
@@ -63,6 +64,13 @@ class RetrievalOptions:
     # attends, is then exact
     exact_prefill: bool = True
 
+    def __post_init__(self) -> None:
+        check_int("top_k", self.top_k, 1)
+        check_int("sink", self.sink, 0)
+        check_int("build_threads", self.build_threads, 0)
+        if isinstance(self.scan, bool) or not isinstance(self.scan, numbers.Real) or not 0 < self.scan <= 1:
+            raise ValueError(f"scan={self.scan!r}: must be a number in (0, 1] (share of keys scanned)")
+
 
 @dataclass
 class HostPart:
@@ -75,6 +83,10 @@ class HostPart:
     start_pos: int
     pair0: int = 0
     top_k: int | None = None  # the request's retrieval_top_k (None: the engine's)
+
+    def __post_init__(self) -> None:
+        if self.top_k is not None:  # (0 would not mean the engine's: that is None)
+            check_int("top_k", self.top_k, 1)
 
 
 def add_host_pairs(arrays: dict[str, np.ndarray], parts: list[HostPart]) -> None:
@@ -525,7 +537,7 @@ class HostAttention:
         """(sink, top_k, exact, budget: the keys a query scans) of a part."""
         n = part.num_tokens
         sink = min(self.options.sink, n - 1)
-        top_k = part.top_k or self.options.top_k
+        top_k = self.options.top_k if part.top_k is None else part.top_k
         # scan at least 2 x top_k keys: top-k out of fewer candidates would be no choice at all (kept a
         # whole number: a list ending exactly at the budget is scanned, not lost to rounding)
         budget = float(min(n - sink, max(self.options.scan * (n - sink), 2 * top_k)))

@@ -40,6 +40,7 @@ has no wheel on PyPI. Lloyd's iterations are a few torch ops; the search itself 
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -76,6 +77,41 @@ class KeyIndex:
         return self.num_keys - self.sink
 
 
+def check_tensor(name: str, x: object, layout: str) -> None:
+    """ValueError naming the argument unless x is a float tensor with as many dims as layout names
+    ("[n, kv_heads, head_dim]")."""
+    dims = layout.count(",") + 1
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{name} must be a float tensor {layout}, got {type(x).__name__}")
+    if x.dim() != dims:
+        raise ValueError(f"{name} must be {layout}, got shape {tuple(x.shape)}")
+    if not x.is_floating_point():
+        raise ValueError(f"{name} must be a float tensor {layout}, got {x.dtype}")
+
+
+def check_int(name: str, v: object, low: int | None) -> None:
+    """ValueError naming the argument unless v is an integer (not a bool) >= low (None: any)."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or (low is not None and v < low):
+        raise ValueError(f"{name}={v!r}: must be an integer" + ("" if low is None else f" >= {low}"))
+
+
+def check_scan(scan: object) -> None:
+    if isinstance(scan, bool) or not isinstance(scan, numbers.Real) or not 0.0 < scan <= 1.0:
+        raise ValueError(f"scan={scan!r}: must be a number in (0, 1]")
+
+
+def check_index(index: object, keys: torch.Tensor, name: str = "keys") -> None:
+    """ValueError unless index is a KeyIndex over keys [num_keys, kv_heads, head_dim]."""
+    if not isinstance(index, KeyIndex):
+        raise ValueError(f"index must be a KeyIndex (build_key_index), got {type(index).__name__}")
+    n, kv_heads, d = keys.shape
+    if (index.num_keys, *index.centroids.shape[::2]) != (n, kv_heads, d):
+        raise ValueError(
+            f"index covers {index.num_keys} keys of {index.centroids.shape[0]} KV heads of dim "
+            f"{index.centroids.shape[2]}; {name} {tuple(keys.shape)} are {n} keys of {kv_heads} of dim {d}"
+        )
+
+
 def build_key_index(
     keys: torch.Tensor,
     sink: int = 4,
@@ -94,17 +130,22 @@ def build_key_index(
     offsets trained for): the attention-aware build (module docstring): lists of `keys_per_list` keys
     (default 4) in groups of `lists_per_group` lists (1: one level). Without them: k-means on the keys
     into lists of `keys_per_list` keys (default 8), probed by centroid."""
-    if keys.dim() != 3:
-        raise ValueError(f"keys must be [num_keys, kv_heads, head_dim], got {tuple(keys.shape)}")
+    check_tensor("keys", keys, "[num_keys, kv_heads, head_dim]")
     n, kv_heads, d = keys.shape
+    if n < 1 or kv_heads < 1 or d < 1:
+        raise ValueError(f"keys must be [num_keys, kv_heads, head_dim], none 0, got {tuple(keys.shape)}")
+    check_int("sink", sink, 0)
     if not 0 <= sink < n:
         raise ValueError(f"sink={sink}: must be in [0, {n}) for a chunk of {n} keys")
     if keys_per_list is None:
         keys_per_list = KEYS_PER_LIST if queries is None else AWARE_KEYS_PER_LIST
-    if keys_per_list < 1:
-        raise ValueError(f"keys_per_list={keys_per_list}: must be >= 1")
-    if lists_per_group < 1 or group_scan < 1:
-        raise ValueError(f"lists_per_group={lists_per_group}, group_scan={group_scan}: must be >= 1")
+    check_int("keys_per_list", keys_per_list, 1)
+    check_int("lists_per_group", lists_per_group, 1)
+    check_int("seed", seed, None)
+    if isinstance(group_scan, bool) or not isinstance(group_scan, numbers.Real) or not group_scan >= 1:
+        raise ValueError(f"group_scan={group_scan!r}: must be a number >= 1")
+    if isinstance(ridge, bool) or not isinstance(ridge, numbers.Real) or not ridge >= 0:
+        raise ValueError(f"ridge={ridge!r}: must be a number >= 0")
     m = n - sink
     lists = max(1, m // keys_per_list)
     groups = lists // lists_per_group if queries is not None else 0  # two levels: 2+ groups
@@ -170,15 +211,13 @@ def kmeans(x: torch.Tensor, k: int, seed: int = 0, niter: int = 20) -> tuple[tor
     as alone. Runs at most `niter` rounds (assign each point to its nearest centroid, then move each
     centroid to its points' mean), fewer once no point changes cluster: then each point's cluster is
     also its nearest centroid. Deterministic for a given seed on a given device."""
-    if x.dim() != 3:
-        raise ValueError(f"x must be [B, n, d], got shape {tuple(x.shape)}")
-    if not x.is_floating_point():
-        raise ValueError(f"x must be a float tensor, got {x.dtype}")
+    check_tensor("x", x, "[B, n, d]")
     b, n, _ = x.shape
+    check_int("k", k, 1)
     if not 1 <= k <= n:
         raise ValueError(f"k={k}: must be in [1, n={n}]")
-    if niter < 1:
-        raise ValueError(f"niter={niter}: must be >= 1")
+    check_int("niter", niter, 1)
+    check_int("seed", seed, None)
     x = x.float()
     first = torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:k].to(x.device)
     cents = x[:, first]
@@ -285,7 +324,8 @@ def _training_queries(
     """The chunk's queries turned from their local position i to an offset t drawn log-uniformly in
     [max(n, num_queries), rope positions): where queries of later tokens meet the chunk.
     Returns [kv_heads, num_queries * group, d]."""
-    if queries.dim() != 3 or queries.shape[2] != d or queries.shape[1] % kv_heads:
+    check_tensor("queries", queries, "[num_queries, q_heads, head_dim]")
+    if queries.shape[2] != d or not queries.shape[1] or queries.shape[1] % kv_heads:
         raise ValueError(
             f"queries must be [num_queries, q_heads, {d}] with q_heads a multiple of {kv_heads}, "
             f"got {tuple(queries.shape)}"
@@ -293,8 +333,10 @@ def _training_queries(
     if rope is None:
         raise ValueError("queries need rope: the RoPE cache they were rotated with")
     nq, q_heads, _ = queries.shape
+    if nq < 1:
+        raise ValueError("queries: no query rows (num_queries must be >= 1)")
     top = rope.cos.shape[0]
-    if nq < 1 or top <= max(n, nq):
+    if top <= max(n, nq):
         raise ValueError(f"rope covers {top} positions: needs more than the chunk's {max(n, nq)}")
     lo = max(n, nq)  # every query after every key
     g = torch.Generator().manual_seed(seed)
@@ -356,12 +398,18 @@ def search_key_index(
     """Top-k indexed key slots of each query head: ([m, q_heads, top_k] int64, -1 where fewer keys were
     scanned; the share of indexed keys scanned). q [m, q_heads, head_dim] in the chunk's frame; keys
     [num_keys, kv_heads, head_dim] rotated at local positions (the ones the index was built from)."""
-    if not 0.0 < scan <= 1.0:
-        raise ValueError(f"scan={scan}: must be in (0, 1]")
-    if top_k < 1:
-        raise ValueError(f"top_k={top_k}: must be >= 1")
+    check_scan(scan)
+    check_int("top_k", top_k, 1)
+    check_tensor("keys", keys, "[num_keys, kv_heads, head_dim]")
+    check_index(index, keys)
+    check_tensor("q", q, "[m, q_heads, head_dim]")
     m, q_heads, d = q.shape
     kv_heads = index.centroids.shape[0]
+    if d != keys.shape[2] or not q_heads or q_heads % kv_heads:
+        raise ValueError(
+            f"q must be [m, q_heads, {keys.shape[2]}] with q_heads a multiple of {kv_heads}, "
+            f"got {tuple(q.shape)}"
+        )
     group = q_heads // kv_heads
     k = min(top_k, index.num_indexed)
     qg = q.float().view(m, kv_heads, group, d).transpose(0, 1).reshape(kv_heads, m * group, d)

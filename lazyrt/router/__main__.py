@@ -16,6 +16,7 @@ import sys
 import tempfile
 import threading
 from functools import partial
+from urllib.parse import urlsplit
 
 import uvicorn
 
@@ -24,6 +25,7 @@ from lazyrt.router.app import Replica, RouterState, create_router_app
 from lazyrt.router.policy import POLICIES, AffinityPolicy
 
 logger = logging.getLogger("lazyrt.router")
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,8 +61,75 @@ def build_parser() -> argparse.ArgumentParser:
                         "replicas cache most of the documents (fewer copies, less even load); "
                         "least_loaded (the default with --dp-kv-peers), round_robin")
     p.add_argument("--api-key", default=None, help="required from clients, and sent to the replicas")
-    p.add_argument("--log-level", default="info", help="debug | info | warning | error")
+    p.add_argument("--log-level", default="info", type=str.lower, choices=LOG_LEVELS, help="logging level")
     return p
+
+
+def check_args(
+    p: argparse.ArgumentParser, argv: list[str], args: argparse.Namespace, extra: list[str]
+) -> None:
+    """Exits with a usage error naming the flag for a combination parse_args lets through: no replica, a
+    worker URL that cannot be one (or given twice), a port out of range, `--dp` options without --dp."""
+    if not args.worker and args.dp <= 0:
+        p.error("give --worker URL (repeat) or --dp N")
+    if args.dp < 0:
+        p.error(f"--dp {args.dp}: must be >= 0 (the number of replicas to start)")
+    if not args.imbalance >= 0:  # (not >=: NaN)
+        p.error(f"--imbalance {args.imbalance}: must be a number >= 0")
+    if args.slack < 0:
+        p.error(f"--slack {args.slack}: must be >= 0")
+    if args.api_key == "":
+        p.error("--api-key: must not be empty (leave it out for no key)")
+    if not 0 <= args.port <= 65535:
+        p.error(f"--port {args.port}: must be in [0, 65535]")
+    base, dp = args.dp_base_port, args.dp
+    if dp > 0 and not 1 <= base <= 65536 - dp:
+        p.error(f"--dp-base-port {base}: the replicas' ports must be in [1, 65535] (--dp {dp})")
+    if dp > 0 and base <= args.port < base + dp:
+        p.error(f"--port {args.port} is one of the replicas' (--dp-base-port {base}, --dp {dp})")
+    if args.dp <= 0:  # what only --dp uses would be ignored
+        given = _given(argv)
+        for flag in ("--dp-base-port", "--dp-devices"):
+            if flag in given:
+                p.error(f"{flag}: only with --dp N (the replicas the router starts)")
+        if extra:
+            p.error(f"arguments after -- ({' '.join(extra)}) go to the replicas --dp starts: give --dp N")
+    if args.dp_devices is not None and args.dp > 0 and len(args.dp_devices.split(",")) != args.dp:
+        p.error(f"--dp-devices names {len(args.dp_devices.split(','))} devices for --dp {args.dp}")
+    seen: dict[tuple, str] = {}
+    dp_urls = [f"http://127.0.0.1:{args.dp_base_port + i}" for i in range(max(args.dp, 0))]
+    for url, source in [*((w, "--worker") for w in args.worker), *((u, "--dp") for u in dp_urls)]:
+        why = worker_url_error(url)
+        if why is not None:
+            p.error(f"--worker {url!r}: {why}")
+        u = urlsplit(url)
+        key = (u.scheme, u.hostname, u.port or (443 if u.scheme == "https" else 80), u.path.rstrip("/"))
+        if key in seen:
+            what = "given twice" if source == "--worker" else "a replica --dp starts there"
+            p.error(f"--worker {seen[key]!r}: {what} (each replica once)")
+        seen[key] = url
+
+
+def worker_url_error(url: str) -> str | None:
+    """Why url cannot be a replica's address (http[s]://host[:port][/path], no query or fragment)."""
+    try:
+        u = urlsplit(url)
+        u.port  # noqa: B018 (raises ValueError for a port that is not a number in [0, 65535])
+    except ValueError as e:
+        return f"not a URL ({e})"
+    if u.scheme not in ("http", "https") or not u.hostname:
+        return "must be http://HOST:PORT or https://HOST:PORT"
+    if u.query or u.fragment or "?" in url or "#" in url:
+        return "must not have a query or a fragment"
+    return None
+
+
+def _given(argv: list[str]) -> set[str]:
+    """The long options argv gives (however abbreviated), by their full names."""
+    p = build_parser()
+    for a in p._actions:
+        a.default = argparse.SUPPRESS
+    return {"--" + k.replace("_", "-") for k in vars(p.parse_args(argv))}
 
 
 def _start_replicas(
@@ -135,11 +204,9 @@ def _watch_replicas(procs: list[subprocess.Popen], urls: list[str], server: uvic
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = argv[argv.index("--") + 1 :] if "--" in argv else []
-    args = build_parser().parse_args(argv[: argv.index("--")] if "--" in argv else argv)
-    if not args.worker and args.dp <= 0:
-        build_parser().error("give --worker URL (repeat) or --dp N")
-    if args.imbalance < 0 or args.slack < 0:
-        build_parser().error("--imbalance and --slack must be >= 0")
+    own = argv[: argv.index("--")] if "--" in argv else argv
+    args = build_parser().parse_args(own)
+    check_args(build_parser(), own, args, extra)
     if args.dp_kv_peers and args.dp < 2:
         build_parser().error("--dp-kv-peers needs --dp 2 or more (replicas it starts on this host)")
     if args.policy is None:

@@ -14,8 +14,9 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import partial
 from urllib.parse import quote
 
 import aiohttp
@@ -23,6 +24,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lazyrt.api_key import ApiKeyGuard
 from lazyrt.cache.placement import DOC_OWNERS_HEADER
@@ -39,12 +41,28 @@ _HEALTH_TIMEOUT_S = 5.0
 _LEARN_BYTES = 1 << 20  # answers kept to learn characters per token from (larger ones are not)
 
 
+class ReplicaDown(aiohttp.ClientConnectionError):
+    """The health checks found the replica down while a request waited on it."""
+
+
 @dataclass
 class Replica:
     url: str
     healthy: bool = False
     in_flight: int = 0
     slow_checks: int = 0  # health checks timed out in a row
+    # resolved when the health checks find it down: the requests waiting on it stop waiting (a frozen
+    # process or a lost host closes no connection; its answers would never end)
+    _down: asyncio.Future | None = field(default=None, repr=False)
+
+    def down_signal(self) -> asyncio.Future:
+        if self._down is None or self._down.done():
+            self._down = asyncio.get_running_loop().create_future()
+        return self._down
+
+    def mark_down(self) -> None:
+        if self._down is not None and not self._down.done():
+            self._down.set_result(None)
 
 
 @dataclass
@@ -74,6 +92,20 @@ def request_docs(
         return [], []
     docs = [d for d in docs if isinstance(d, (str, dict))]
     return [doc_key(d) for d in docs], [doc_tokens(d, chars_per_token, id_tokens) for d in docs]
+
+
+def routing_keys(raw: bytes, policy: AffinityPolicy) -> tuple[list[bytes], list[int], int]:
+    """(routing keys, sizes, characters to learn from) of a request body as received; none for a body
+    the replica will refuse (not JSON, nested too deeply, a lone surrogate in a document): it is
+    forwarded as it is, and the replica's 400 names what is wrong."""
+    try:
+        body = json.loads(raw)
+        if not isinstance(body, dict):
+            return [], [], 0
+        keys, sizes = request_docs(body, policy.chars_per_token, policy.id_tokens)
+        return keys, sizes, request_chars(body) if keys else 0
+    except (ValueError, RecursionError):  # (JSON, UTF-8 and UTF-8 encoding errors are ValueErrors)
+        return [], [], 0
 
 
 def request_chars(body: dict) -> int:
@@ -127,7 +159,9 @@ def label_metrics(text: str, replica: str) -> list[str]:
 
 
 def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
-    body = {"error": {"message": message, "type": "server_error", "param": param, "code": status}}
+    """The replicas' error shape (OpenAI's): a 4xx is the request's fault, a 5xx the servers'."""
+    kind = "server_error" if status >= 500 else "invalid_request_error"
+    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
     return JSONResponse(body, status_code=status)
 
 
@@ -181,6 +215,8 @@ def create_router_app(state: RouterState) -> FastAPI:
         except httpx.HTTPError:
             replica.healthy, replica.slow_checks = False, 0
         state.up.labels(replica.url).set(int(replica.healthy))
+        if was and not replica.healthy:  # its answers in flight end with an error, not a wait for ever
+            replica.mark_down()
         if not replica.healthy or replica.slow_checks:
             return
         view = state.policy.view(replica.url)
@@ -208,14 +244,8 @@ def create_router_app(state: RouterState) -> FastAPI:
 
     async def forward(path: str, request: Request) -> Response:
         raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            body = None  # the replica answers the 400 naming the body
         pol = state.policy
-        is_dict = isinstance(body, dict)
-        keys, sizes = request_docs(body, pol.chars_per_token, pol.id_tokens) if is_dict else ([], [])
-        chars = request_chars(body) if isinstance(body, dict) and keys else 0
+        keys, sizes, chars = routing_keys(raw, pol)
         live = {r.url: r.in_flight for r in state.replicas if r.healthy}
         if not live:
             return _error(503, "no replica is healthy")
@@ -227,8 +257,13 @@ def create_router_app(state: RouterState) -> FastAPI:
             owners = pol.placement(keys, url) if keys else None
             if owners is not None:  # peer KV: where each document is (or will be) cached
                 fwd_headers[DOC_OWNERS_HEADER] = json.dumps(owners)
+            else:  # (not the placement computed for a replica tried before)
+                fwd_headers.pop(DOC_OWNERS_HEADER, None)
             try:
-                resp = await pool(url).post(url + path, data=raw, headers=fwd_headers)
+                resp = await _unless_down(pool(url).post(url + path, data=raw, headers=fwd_headers), replica)
+            except asyncio.CancelledError:
+                replica.in_flight -= 1
+                raise
             except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
                 replica.in_flight -= 1
                 replica.healthy = False
@@ -238,7 +273,8 @@ def create_router_app(state: RouterState) -> FastAPI:
                 continue
             reason = choice.reason if attempt == 0 else "retry"
             state.routed.labels(url, reason).inc()
-            state.policy.record(url, keys, sizes)
+            if resp.status < 400:  # a refused request computed none of its documents there
+                state.policy.record(url, keys, sizes)
             learn = None
             if chars > 0 and resp.status == 200 and "json" in resp.headers.get("content-type", ""):
                 learn = lambda answer: state.policy.observe(chars, answer_prompt_tokens(answer))  # noqa: E731
@@ -258,6 +294,14 @@ def create_router_app(state: RouterState) -> FastAPI:
         app.add_api_route(path, route(path), methods=["POST"])
 
     add_router_document_routes(app, state, http, headers, _error)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException) -> Response:
+        """Starlette's own errors (no such route: 404, a route without this method: 405) in the
+        error shape of the replicas' (and the router's other) errors."""
+        resp = _error(e.status_code, f"{e.detail}: {request.method} {request.url.path}")
+        resp.headers.update(e.headers or {})
+        return resp
 
     @app.get("/health")
     async def health() -> Response:
@@ -323,13 +367,35 @@ def create_router_app(state: RouterState) -> FastAPI:
     return app
 
 
+async def _unless_down(call: Awaitable[aiohttp.ClientResponse], replica: Replica) -> aiohttp.ClientResponse:
+    """call's answer (its headers), or ReplicaDown once the health checks find the replica down."""
+    task = asyncio.ensure_future(call)
+    down = replica.down_signal()
+    try:
+        await asyncio.wait((task, down), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():  # found down, or the client left
+            task.cancel()
+    if not task.done():
+        raise ReplicaDown(f"{replica.url} stopped answering its health checks")
+    return task.result()
+
+
+def _cut_on_down(resp: aiohttp.ClientResponse, replica: Replica, _down: asyncio.Future) -> None:
+    resp.content.set_exception(ReplicaDown(f"{replica.url} stopped answering its health checks"))
+
+
 async def _relay(
     resp: aiohttp.ClientResponse, replica: Replica, learn: Callable[[object], None] | None = None
 ) -> AsyncIterator[bytes]:
-    """The replica's answer as it comes; a connection lost mid-answer ends it with an error event.
-    learn: called with a whole JSON answer (kept up to 1 MB; the bytes are relayed untouched)."""
+    """The replica's answer as it comes; a connection lost mid-answer, or the health checks finding the
+    replica down, ends it with an error event. learn: called with a whole JSON answer (kept up to 1 MB;
+    the bytes are relayed untouched)."""
     kept: list[bytes] | None = [] if learn is not None else None
     size = 0
+    down = replica.down_signal()
+    cut = partial(_cut_on_down, resp, replica)
+    down.add_done_callback(cut)
     try:
         async for chunk in resp.content.iter_any():  # whatever has arrived: an event or several
             if kept is not None:
@@ -346,9 +412,11 @@ async def _relay(
                 pass
     except aiohttp.ClientError as e:
         replica.healthy = False
+        resp.close()
         err = {"error": {"message": f"the replica failed mid-answer: {e!r}", "type": "server_error"}}
         yield f"data: {json.dumps(err)}\n\n".encode()
     finally:
+        down.remove_done_callback(cut)
         replica.in_flight -= 1
         # read to the end, the connection goes back to the pool; else (the client left) aiohttp closes
         # it, which tells the replica to stop generating

@@ -10,12 +10,29 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable
+from urllib.parse import quote
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from lazyrt.router.policy import doc_key
+
+
+def precompute_error(pre: object) -> tuple[str, str] | None:
+    """(param, message) of the 400 a replica answers for this POST /v1/documents `precompute` (it
+    takes true, false, null or {"system": str}); None when it is one of those."""
+    if pre is None or isinstance(pre, bool):
+        return None
+    if not isinstance(pre, dict):
+        return "precompute", f"precompute: must be true, false or {{'system': str}}, got {pre!r}"
+    extra = sorted(k for k in pre if k != "system")
+    if extra:
+        return f"precompute.{extra[0]}", f"precompute.{extra[0]}: unknown field (precompute takes system)"
+    system = pre.get("system")
+    if system is not None and not isinstance(system, str):
+        return "precompute.system", f"precompute.system: must be a string, got {type(system).__name__}"
+    return None
 
 
 def add_router_document_routes(
@@ -28,12 +45,17 @@ def add_router_document_routes(
     def live() -> list[str]:
         return [r.url for r in sorted(state.replicas, key=lambda r: r.in_flight) if r.healthy]
 
+    json_headers = {"content-type": "application/json", **headers}
+
     async def send(
         method: str, url: str, path: str, body: dict | None = None, params: dict | None = None
     ) -> httpx.Response | None:
+        # the body as json.dumps writes it (httpx's json= raises on NaN and lone surrogates, a 500: the
+        # replica reads them back, and its 400 names the field)
+        content = None if body is None else json.dumps(body).encode()
         try:
-            return await http.request(method, url + path, json=body, params=params, headers=headers,
-                                      timeout=600)  # fmt: skip
+            return await http.request(method, url + path, content=content, params=params, timeout=600,
+                                      headers=headers if body is None else json_headers)  # fmt: skip
         except httpx.HTTPError:
             return None
 
@@ -49,16 +71,19 @@ def add_router_document_routes(
         raw = await request.body()
         try:
             body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except (ValueError, RecursionError):  # not JSON, not UTF-8, nested too deeply
             body = None
         if not isinstance(body, dict):  # the replica names what is wrong with the body
             try:
-                resp = await http.post(urls[0] + "/v1/documents", content=raw, headers={
-                    "content-type": "application/json", **headers}, timeout=60)  # fmt: skip
+                resp = await http.post(urls[0] + "/v1/documents", content=raw, headers=json_headers,
+                                       timeout=60)  # fmt: skip
             except httpx.HTTPError:
                 return error(503, "the replica did not answer", None)
             return relay(resp)
         pre = body.get("precompute")
+        bad = precompute_error(pre)
+        if bad is not None:  # before registering anything (the replicas never see it otherwise)
+            return error(400, bad[1], bad[0])
         plain = {k: v for k, v in body.items() if k != "precompute"}
         first = await send("POST", urls[0], "/v1/documents", plain)
         if first is None:
@@ -94,7 +119,7 @@ def add_router_document_routes(
 
     @app.get("/v1/documents/{doc_id}")
     async def get_document(doc_id: str, request: Request) -> Response:
-        return await read(f"/v1/documents/{doc_id}", request)
+        return await read(f"/v1/documents/{quote(doc_id, safe='')}", request)
 
     async def read(path: str, request: Request) -> Response:
         for url in live():
@@ -107,12 +132,18 @@ def add_router_document_routes(
     async def delete_document(doc_id: str, request: Request) -> Response:
         """Deleted on every replica; a 200 if any held it (replicas sharing a store file: the first)."""
         urls = live()
-        done = await asyncio.gather(
-            *(send("DELETE", u, f"/v1/documents/{doc_id}", params=dict(request.query_params)) for u in urls)
-        )
+        path = f"/v1/documents/{quote(doc_id, safe='')}"  # (an id's "#" or "?" must not cut the path)
+        params = dict(request.query_params)
+        done = await asyncio.gather(*(send("DELETE", u, path, params=params) for u in urls))
         answered = [r for r in done if r is not None]
         if not answered:
             return error(503, "no replica answered", None)
-        state.policy.id_tokens.pop(doc_id, None)
         ok = [r for r in answered if r.status_code == 200]
+        failed = [u for u, r in zip(urls, done) if r is None or r.status_code >= 500]
+        if ok and failed:  # deleted on some replicas only: requests sent to the others still find it
+            deleted = [u for u, r in zip(urls, done) if r is not None and r.status_code == 200]
+            why = f"{doc_id} is deleted on {', '.join(deleted)} but not on {', '.join(failed)}"
+            return error(502, why, None)
+        if ok:
+            state.policy.id_tokens.pop(doc_id, None)
         return relay(ok[0] if ok else answered[0])
