@@ -61,12 +61,13 @@ class LocalRunner:
             where.append(i)
         if prompts:
             try:
-                outs = self.engine.generate(prompts, params)
+                # a request whose constraint fails while decoding gets its error entry, the rest run on
+                outs = self.engine.generate(prompts, params, return_errors=True)
             except (ValueError, TypeError):  # one bad prompt rejects the chunk: run one by one
                 outs = []
                 for p, sp in zip(prompts, params):
                     try:
-                        outs.append(self.engine.generate([p], sp)[0])
+                        outs.append(self.engine.generate([p], sp, return_errors=True)[0])
                     except (ValueError, TypeError) as e:
                         outs.append(_error(e))
             for i, out in zip(where, outs):

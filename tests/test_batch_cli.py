@@ -236,3 +236,31 @@ def test_a_question_is_the_same_prompt_in_both_modes(tiny):
     chat = engine._make_request(local._prompt(parse_line(json.dumps({"id": 0, "question": q}), 1, {})),
                                 SamplingParams()).prompt_ids  # fmt: skip
     assert len(chat) > len(plain) + 4
+
+
+def test_local_a_constraint_failing_while_decoding_fails_its_line_only_in_one_run(tiny, monkeypatch):
+    """A line whose grammar outgrows the parser while decoding (2,001 alternatives) gets its
+    ConstraintFailed entry from the chunk's one Engine.generate call; the other lines answer as they do
+    run alone (the chunk is not re-run line by line), and nothing stays held."""
+    _, engine = tiny
+    rng = random.Random()
+    alts = " | ".join(f'"opt-{rng.randrange(10**6)}-{i}"' for i in range(2001))
+    rows = [{"prompt": f"Once upon {rng.randrange(10_000)}"},
+            {"prompt": "Hello", "sampling_params": {"grammar": f"start: {alts}", "max_tokens": 16}},
+            {"docs": DOCS, "question": f"Where is {rng.randrange(1000)}?"}]  # fmt: skip
+    jobs = [parse_line(json.dumps({"id": i, **r}), i + 1, {"max_tokens": 4}) for i, r in enumerate(rows)]
+    runner = LocalRunner(engine, 8)
+    real, calls = engine.generate, []
+
+    def counted(prompts, *args, **kwargs):
+        calls.append(len(prompts))
+        return real(prompts, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "generate", counted)
+    results = runner._run_chunk(jobs)
+    assert calls == [3]
+    assert results[1]["error"]["type"] == "ConstraintFailed", results[1]
+    for i in (0, 2):
+        want = real([runner._prompt(jobs[i])], jobs[i].sampling)[0]
+        assert results[i]["text"] == want["text"], i
+    assert not engine.core.requests and engine.core.scheduler.held_pages() == 0

@@ -173,9 +173,15 @@ class Engine:
         self,
         prompts: PromptLike | Sequence[PromptLike],
         sampling_params: SamplingParams | dict | Sequence[SamplingParams | dict] | None = None,
+        *,
+        return_errors: bool = False,
     ) -> list[dict]:
         """Generate for each prompt (str, token ids or RagPrompt); returns dicts text/token_ids/meta.
-        sampling_params: one for all prompts or one per prompt, SamplingParams or a dict of its fields."""
+        sampling_params: one for all prompts or one per prompt, SamplingParams or a dict of its fields.
+        A request that fails while decoding (ConstraintFailed: its structured-output matcher broke
+        down) raises for the whole call, or with return_errors=True gives its prompt the entry
+        {"error": {"message", "type"}} while the other prompts run to completion. Bad input raises
+        either way, before anything runs."""
         single = isinstance(prompts, (str, RagPrompt)) or (
             isinstance(prompts, Sequence) and bool(prompts) and isinstance(prompts[0], int)
         )
@@ -195,12 +201,16 @@ class Engine:
         # Validate everything before running anything: a bad prompt must not leave half a batch behind.
         # n > 1: n requests per prompt, run together (the documents' KV is computed once and shared).
         groups = [[self._make_request(p, one) for one in sp.expand_n()] for p, sp in zip(prompts, params)]
-        results = iter(self._run([r for g in groups for r in g]))
+        results = iter(self._run([r for g in groups for r in g], return_errors))
         out = []
         for g in groups:
             first = next(results)
+            rest = [next(results) for _ in g[1:]]
+            failed = next((r for r in [first, *rest] if "error" in r), None)
+            if failed is not None:  # (return_errors) one answer per prompt: a failed completion fails it
+                out.append(failed)
+                continue
             if len(g) > 1:  # every completion in `outputs`; the first one also at the top level
-                rest = [next(results) for _ in g[1:]]
                 first["outputs"] = [_completion(r) for r in [first, *rest]]
             out.append(first)
         return out
@@ -257,9 +267,10 @@ class Engine:
             params.append(_sampling(it.get("sampling_params"), f"rag_batch item {i}: sampling_params"))
         return self.generate(prompts, params)
 
-    def _run(self, reqs: list[Request]) -> list[dict]:
+    def _run(self, reqs: list[Request], return_errors: bool = False) -> list[dict]:
         core = self.core
         detoks = {r.rid: _detokenizer(self.tokenizer, r.params) for r in reqs}
+        failed: dict[int, str] = {}  # return_errors: the requests the worker could not go on with
         try:
             for r in reqs:  # the scheduler may reject one (a mode it lacks): inside, so none stays queued
                 core.add(r)
@@ -273,12 +284,17 @@ class Engine:
                         core.abort(out.rid, "stop")
                 if core.request_errors:  # the worker could not go on with these (already aborted)
                     errors, core.request_errors = core.request_errors, []
-                    raise ConstraintFailed(errors[0][1])
+                    if not return_errors:
+                        raise ConstraintFailed(errors[0][1])
+                    failed.update(errors)  # the others go on
         except BaseException:
             for r in reqs:  # never leave pages held by requests nobody will finish
                 core.abort(r.rid)
             raise
-        return [self._result(r, detoks[r.rid]) for r in reqs]
+        return [
+            _error(ConstraintFailed(failed[r.rid])) if r.rid in failed else self._result(r, detoks[r.rid])
+            for r in reqs
+        ]
 
     def _result(self, req: Request, detok: IncrementalDetokenizer) -> dict:
         out = {
@@ -396,6 +412,11 @@ def _sampling(sp: SamplingParams | dict | None, what: str) -> SamplingParams:
 
 def _detokenizer(tokenizer, params: SamplingParams) -> IncrementalDetokenizer:
     return IncrementalDetokenizer(tokenizer, params.stop, params.stop_token_ids)
+
+
+def _error(e: BaseException) -> dict:
+    """A prompt's entry when its request failed (generate's return_errors)."""
+    return {"error": {"message": str(e), "type": type(e).__name__}}
 
 
 def _completion(result: dict) -> dict:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 
 from lazyrt.constraint import ConstraintFailed
@@ -42,7 +42,9 @@ class EngineLoop:
     def submit(self, make_request: Callable[[], Request], on_text: TextCallback | None = None) -> Future:
         """Queue a request (built on the loop thread by `make_request`, e.g. a bound
         Engine._make_request); the future gets the result dict Engine.generate would return, with
-        `score_logprobs` added for scoring requests. on_text receives text pieces as they decode."""
+        `score_logprobs` added for scoring requests. on_text receives text pieces as they decode (if
+        it raises, the request is aborted and its future gets that exception). `future.cancel()`
+        aborts the request (queued, in prefill or decoding): its pages go back at the next step."""
         fut: Future = Future()
         self._inbox.put((make_request, on_text, fut))
         with self._start_lock:
@@ -68,6 +70,8 @@ class EngineLoop:
             except queue.Empty:
                 return
             block = False
+            if fut.cancelled():
+                continue
             try:
                 req = make()
                 self.engine.core.add(req)
@@ -82,6 +86,9 @@ class EngineLoop:
         live: dict[int, _Live] = {}
         while True:
             self._admit(live, block=not live)
+            for rid in [rid for rid, lv in live.items() if lv.future.cancelled()]:
+                del live[rid]  # cancelled by its caller: abort it, nobody takes its result
+                core.abort(rid)
             if not live:
                 continue
             try:
@@ -96,7 +103,7 @@ class EngineLoop:
                     lv = live.pop(rid, None)
                     if lv is not None:
                         core.abort(rid)
-                        lv.future.set_exception(e)
+                        _set_exception(lv.future, e)
                 continue
             for out in outs:
                 lv = live.get(out.rid)
@@ -110,19 +117,43 @@ class EngineLoop:
                     core.abort(out.rid, "stop")
                 if lv.on_text is not None and lv.req.state is not RequestState.FINISHED:
                     piece = lv.detok.take()
-                    if piece:
-                        lv.on_text(piece)
+                    if piece and not _call(lv.on_text, piece, lv.future):
+                        del live[out.rid]  # its callback raised: it fails alone
+                        core.abort(out.rid)
             errors, core.request_errors = core.request_errors, []
             for rid, why in errors:  # the worker could not go on with these (already aborted)
                 lv = live.pop(rid, None)
                 if lv is not None:
-                    lv.future.set_exception(ConstraintFailed(why))
+                    _set_exception(lv.future, ConstraintFailed(why))
             for rid in [r for r, lv in live.items() if lv.req.state is RequestState.FINISHED]:
                 lv = live.pop(rid)
                 result = self.engine._result(lv.req, lv.detok)
                 if lv.on_text is not None and result["text"]:
-                    lv.on_text(result["text"])  # the rest that was held back
+                    if not _call(lv.on_text, result["text"], lv.future):  # the rest that was held back
+                        continue
                 result["text"] = lv.detok.text
                 if lv.req.score_logprobs is not None:
                     result["score_logprobs"] = list(lv.req.score_logprobs)
-                lv.future.set_result(result)
+                if not lv.future.cancelled():
+                    try:
+                        lv.future.set_result(result)
+                    except InvalidStateError:  # cancelled meanwhile (by another thread)
+                        pass
+
+
+def _set_exception(fut: Future, e: BaseException) -> None:
+    """Fails the future unless its caller cancelled it (a cancelled future takes no result)."""
+    try:
+        fut.set_exception(e)
+    except InvalidStateError:
+        pass
+
+
+def _call(on_text: TextCallback, text: str, fut: Future) -> bool:
+    """Gives on_text a piece; if it raises, fails the future with that exception and returns False."""
+    try:
+        on_text(text)
+    except Exception as e:
+        _set_exception(fut, e)
+        return False
+    return True

@@ -930,8 +930,11 @@ class Scheduler:
         for req in failed:
             self.finish(req, "error", keep_kv=False)
         # prompts they put in the radix after their prefill: a failed request's KV is not kept (the
-        # step in flight with the failed one may have been that prefill); no lock is left on them now
-        self.pool.free(self.radix.drop(given))
+        # step in flight with the failed one may have been that prefill); no lock is left on them now.
+        # Also any radix page those steps wrote: a request that ended (EOS, stop, abort) while the
+        # step in flight still wrote its last fed token's slot has put that page in the radix.
+        written = {p for plan in plans for it in plan.items for p in _written_pages(it, self.page_size)}
+        self.pool.free(self.radix.drop(given | written))
         jobs = {id(j): j for j in self.jobs + [it.job for p in plans for it in p.items if it.job]}
         self.jobs = []
         for job in jobs.values():
@@ -942,13 +945,19 @@ class Scheduler:
             job.chunk.ready = False
         # Host tier copies those steps (or the next one, not yet sent: its offloads may read pages
         # those steps wrote) were to make may not have happened: each chunk keeps only the copy it
-        # had before them, or leaves the table.
+        # had before them, or leaves the table. A waiting request's host-tier pins (retrieval
+        # attention) may be on such a chunk (added while the step that offloaded it was in flight):
+        # they let go first and pin again what is still in the host tier.
+        for req in self.waiting:
+            self._unpin(req)
         offloads, loads = self.chunks.take_transfers()
         offloads += [t for p in plans for t in p.offloads]
         loads += [t for p in plans for t in p.loads]
         self.pool.free(self.chunks.drop_unfinished(offloads, loads))
         for c in [c for c in self.chunks if not c.ready and c.pages and c.ref_count == 0 and not c.fetching]:
             self.pool.free(self.chunks.remove(c))
+        for req in self.waiting:
+            self._pin_host_docs(req)
         if self.peers is not None:
             self.peers.on_failed()
         return failed
@@ -967,3 +976,10 @@ class Scheduler:
             for r in self.running
             if r.own
         )
+
+
+def _written_pages(item: ForwardItem, page_size: int) -> list[int]:
+    """The pages a step item writes its tokens' KV into (its target's slots for its tokens)."""
+    first = item.start_pos - item.target.start_pos
+    last = first + len(item.token_ids) - 1
+    return item.target.pages[first // page_size : last // page_size + 1] if item.token_ids else []
