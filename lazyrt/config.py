@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, fields
 
 from lazyrt.cache.eviction import EVICTION_POLICIES
 from lazyrt.documents import check_store_option
@@ -149,7 +150,7 @@ class EngineConfig:
             )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r}: must be one of {', '.join(DTYPES)}")
-        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+        if not isinstance(self.device, str) or not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", self.device):
             raise ValueError(f"device={self.device!r}: must be auto, cpu or cuda[:N]")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size={self.page_size}: must be a power of two")
@@ -163,15 +164,33 @@ class EngineConfig:
         t = self.worker_cpu_threads
         if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 1):
             raise ValueError(f"worker_cpu_threads={t!r}: must be an integer >= 1, or None for auto")
-        if not self.kv_cache_memory_gb > 0:
-            raise ValueError(f"kv_cache_memory_gb={self.kv_cache_memory_gb!r}: must be > 0")
-        if self.max_running_requests < 1 or self.max_step_tokens < 1:
-            raise ValueError("max_running_requests and max_step_tokens must be >= 1")
+        if not positive_number(self.kv_cache_memory_gb):
+            raise ValueError(f"kv_cache_memory_gb={self.kv_cache_memory_gb!r}: must be a finite number > 0")
+        for name in ("max_running_requests", "max_step_tokens"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}={v!r}: must be an integer >= 1")
+        m = self.max_model_len
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+            raise ValueError(f"max_model_len={m!r}: must be an integer >= 1, or None for the model's own")
+        sd = self.seed
+        if isinstance(sd, bool) or not isinstance(sd, int) or not -(2**63) <= sd < 2**64:
+            raise ValueError(f"seed={sd!r}: must be an integer in [-2**63, 2**64) (a torch generator seed)")
+        g = self.cuda_graph_max_batch
+        if isinstance(g, bool) or not isinstance(g, int) or g < 0:
+            raise ValueError(f"cuda_graph_max_batch={g!r}: must be an integer >= 0 (0 = no CUDA graphs)")
         check_recompute_options(
             self.recompute_policy, self.recompute_pages, self.recompute_ratio, self.recompute_head_pages
         )
         check_doc_attention(self.cache_mode, self.doc_attention_temperature, self.doc_attention_scale)
         recompute = bool(self.recompute_pages or self.recompute_ratio or self.recompute_head_pages)
+        if recompute and self.cache_mode not in ("lazy", "block"):
+            budgets = ("recompute_pages", "recompute_ratio", "recompute_head_pages")
+            name = next(n for n in budgets if getattr(self, n))
+            raise ValueError(
+                f"{name}={getattr(self, name)!r}: selective recompute needs cache_mode lazy or block "
+                f"(documents cached as chunks); cache_mode is {self.cache_mode!r}"
+            )
         check_doc_positions(self.cache_mode, self.doc_positions, recompute)
         check_store_option(self.document_store)
         check_tensor_parallel_size(self)
@@ -184,6 +203,9 @@ class EngineConfig:
 def check_kv_peers(cfg: EngineConfig) -> None:
     """Validates kv_peers (ValueError naming it): this replica's address and at least one other, all
     distinct, tcp:// or ipc://; chunk modes only; one device, no host-tier retrieval attention."""
+    t = cfg.kv_peer_timeout_s
+    if not positive_number(t):
+        raise ValueError(f"kv_peer_timeout_s={t!r}: must be a finite number of seconds > 0")
     peers = cfg.kv_peers
     if not peers:
         return
@@ -202,9 +224,6 @@ def check_kv_peers(cfg: EngineConfig) -> None:
         raise ValueError("kv_peers: not supported with tensor_parallel_size > 1 yet")
     if cfg.retrieval_attention:
         raise ValueError("kv_peers: not supported with retrieval_attention")
-    t = cfg.kv_peer_timeout_s
-    if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
-        raise ValueError(f"kv_peer_timeout_s={t!r}: must be a number of seconds > 0")
 
 
 def check_tensor_parallel_size(cfg: EngineConfig) -> None:
@@ -282,7 +301,12 @@ def check_retrieval_options(cfg: EngineConfig) -> None:
     for name in ("retrieval_attention", "retrieval_share_lists", "retrieval_exact_prefill"):
         if not isinstance(getattr(cfg, name), bool):
             raise ValueError(f"{name}={getattr(cfg, name)!r}: must be true or false")
-    if not cfg.retrieval_attention:
+    if not cfg.retrieval_attention:  # (its options would be taken and do nothing)
+        defaults = {f.name: f.default for f in fields(EngineConfig)}
+        for name in ("retrieval_top_k", "retrieval_sink", "retrieval_scan", "retrieval_build_threads",
+                     "retrieval_share_lists", "retrieval_exact_prefill"):  # fmt: skip
+            if getattr(cfg, name) != defaults[name]:
+                raise ValueError(f"{name}={getattr(cfg, name)!r}: only used with retrieval_attention (off)")
         return
     if cfg.cache_mode != "lazy":
         raise ValueError(

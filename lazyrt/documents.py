@@ -27,6 +27,7 @@ MAX_METADATA_BYTES = 64 << 10
 MAX_LIST_LIMIT = 100
 DEFAULT_LIST_LIMIT = 20
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]*")  # safe in a URL path segment
+_CONTENT_ID = re.compile(r"doc-[0-9a-f]{32}")  # content_id's form: a client id may not take another text's
 
 
 class DocumentError(ValueError):
@@ -216,7 +217,8 @@ class DocumentStore:
         same id again returns the stored one (with `metadata`, when given, replacing its metadata);
         an id already holding another text is a DocumentConflict."""
         check_text(text)
-        doc_id = content_id(text) if doc_id is None else check_id(doc_id)
+        own_id = content_id(text)
+        doc_id = own_id if doc_id is None else check_id(doc_id)
         meta = None if metadata is None else check_metadata(metadata)
         if not token_ids:
             raise DocumentError("text: tokenizes to no tokens", "text")
@@ -230,6 +232,12 @@ class DocumentStore:
                         "delete it first or use another id",
                         "id",
                     )
+                if row is None and doc_id != own_id and _CONTENT_ID.fullmatch(doc_id):
+                    raise DocumentError(  # else that other text could not be registered by content
+                        f"id: {doc_id!r} has the form of a content-addressed id (doc- and 32 hex digits), "
+                        f"but it is not this text's ({own_id}); leave id out, or choose one of another form",
+                        "id",
+                    )
                 if row is None:
                     self._db.execute(
                         "INSERT INTO documents (id, text, tokens, metadata, created) VALUES (?, ?, ?, ?, ?)",
@@ -239,20 +247,27 @@ class DocumentStore:
                     self._db.execute(
                         "UPDATE documents SET metadata = ? WHERE id = ?", (json.dumps(meta), doc_id)
                     )
+                # read back in the same transaction: a delete by another process sharing the file
+                # cannot land between this registration and its answer
+                doc = self._row(doc_id)
                 self._db.execute("COMMIT")
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
-        return self.get(doc_id), row is None
+        return doc, row is None
 
-    def get(self, doc_id: str, param: str = "id") -> Document:
-        with self._lock:
-            row = self._db.execute(
-                "SELECT id, text, tokens, metadata, created FROM documents WHERE id = ?", (doc_id,)
-            ).fetchone()
+    def _row(self, doc_id: str, param: str = "id") -> Document:
+        """The document (callers hold the lock)."""
+        row = self._db.execute(
+            "SELECT id, text, tokens, metadata, created FROM documents WHERE id = ?", (doc_id,)
+        ).fetchone()
         if row is None:
             raise UnknownDocument(f"{param}: no document {doc_id!r}", param)
         return Document(row[0], row[1], _unpack(row[2]), json.loads(row[3]), row[4])
+
+    def get(self, doc_id: str, param: str = "id") -> Document:
+        with self._lock:
+            return self._row(doc_id, param)
 
     def token_ids(self, doc_id: str, param: str = "id") -> list[int]:
         """Just the tokens (what a request by id needs), without reading the text."""

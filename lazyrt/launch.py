@@ -7,11 +7,15 @@ host, port, API key and log level.
 from __future__ import annotations
 
 import argparse
+import os
+import re
+import socket
 import sys
 
 from lazyrt.cache.eviction import EVICTION_POLICIES
 from lazyrt.config import CACHE_MODES, DTYPES, RECOMPUTE_POLICIES, EngineConfig
-from lazyrt.models.loader import LOAD_FORMATS
+from lazyrt.models import dummy
+from lazyrt.models.loader import _ACCEPTED, LOAD_FORMATS, _gguf_file, default_model_path
 from lazyrt.runtime.server.serve import ServerOptions, serve
 from lazyrt.runtime.worker.tp_ranks import check_devices
 
@@ -20,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = EngineConfig()
     p = argparse.ArgumentParser(
         prog="python -m lazyrt.launch",
+        usage="%(prog)s [options]  (--help lists them)",  # an error stays two lines, not the 45 of every flag
         description="Serve a model: POST /generate, /v1/completions, /v1/chat/completions "
         "(OpenAI-compatible, "
         "with an extra body field `documents`: texts or {\"id\"} of registered documents), "
@@ -29,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--model", default=None, help="HF model dir or .gguf file; default: embedded SmolLM2-135M")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    p.add_argument("--port", type=int, default=30000, help="port to listen on")
+    p.add_argument("--port", type=_port, default=30000, help="port to listen on (0 = any free port, logged)")
     p.add_argument("--device", default=d.device, help="auto | cpu | cuda | cuda:N")
     p.add_argument("--dtype", default=d.dtype, choices=DTYPES, help="auto = float32 on CPU, bfloat16 on CUDA")
     p.add_argument("--cache-mode", default=d.cache_mode, choices=CACHE_MODES, help="document KV reuse mode")
@@ -99,7 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-running-requests", type=int, default=d.max_running_requests, help="batch size limit"
     )
     p.add_argument("--max-step-tokens", type=int, default=d.max_step_tokens, help="prefill tokens per step")
-    p.add_argument("--max-model-len", type=int, default=d.max_model_len, help="cap on the context length")
+    p.add_argument("--max-model-len", type=int, default=d.max_model_len,
+                   help="cap on the context length, at most the model's own; None = the model's")
     p.add_argument(
         "--load-format", default=d.load_format, choices=LOAD_FORMATS, help="dummy = random weights"
     )
@@ -266,12 +272,112 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _port(value: str) -> int:
+    try:
+        port = int(value)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be an integer in [0, 65535], got {value!r}")
+    return port
+
+
+_FLAG_OF = {"kv_peer_timeout_s": "--kv-peer-timeout"}  # EngineConfig fields whose flag is spelt otherwise
+
+
 def flag_error(parser: argparse.ArgumentParser, message: str) -> str:
-    """EngineConfig's 'option=value: why', prefixed with the command-line flag that sets the option."""
-    name = message.split("=", 1)[0]
-    flag = "--" + name.replace("_", "-")
+    """EngineConfig's 'option=value: why' (or 'option: why', 'a and b: why'), prefixed with the
+    command-line flags of the options it names."""
     known = {s for a in parser._actions for s in a.option_strings}
-    return f"{flag}: {message}" if name.isidentifier() and flag in known else message
+    flags = []
+    for name in re.findall(r"\b[a-z][a-z0-9]*(?:_[a-z0-9]+)*\b", message):
+        flag = _FLAG_OF.get(name, "--" + name.replace("_", "-"))
+        if (name in _FLAG_OF or "_" in name or message.startswith(name + "=")) and flag in known:
+            if flag not in flags and flag not in message:
+                flags.append(flag)
+    return f"{', '.join(flags)}: {message}" if flags else message
+
+
+def check_model_option(model: str | None, load_format: str) -> None:
+    """What load_model will find at --model, checked before any process starts (ValueError naming
+    model): the path exists and is a .gguf file (with GGUF's magic) or a model directory."""
+    if load_format == "dummy":  # a preset name, or a path whose shape it takes: the loader checks
+        return
+    try:
+        path = default_model_path() if model is None else os.path.expanduser(model)
+    except FileNotFoundError as e:
+        raise ValueError(f"model=None (the default model): {e}") from None
+    if not os.path.exists(path):
+        hint = " (a dummy preset: add --load-format dummy)" if model in dummy.PRESETS else ""
+        raise ValueError(f"model={model!r}: no such file or directory{hint}; expected {_ACCEPTED}")
+    gguf = _gguf_file(path)
+    if gguf is not None:
+        try:
+            with open(gguf, "rb") as f:
+                magic = f.read(4)
+        except OSError as e:
+            raise ValueError(f"model={model!r}: cannot read {gguf}: {e.strerror}") from None
+        if magic != b"GGUF":
+            raise ValueError(f"model={model!r}: {gguf} is not a GGUF file (it does not start with GGUF)")
+    elif os.path.isfile(path):
+        raise ValueError(f"model={model!r}: a file, but not a .gguf one; expected {_ACCEPTED}")
+    elif not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"model={model!r}: the directory has no config.json (nor a single .gguf file); "
+                         f"expected {_ACCEPTED}")  # fmt: skip
+
+
+def check_document_store_option(option: str | None) -> None:
+    """--document-store PATH, checked before any process starts (ValueError naming document_store):
+    not a directory, an SQLite file if it exists, and creatable where it does not (it is created by
+    the first registration)."""
+    if option is None or option == "none":
+        return
+    path = os.path.abspath(os.path.expanduser(option))
+    if os.path.isdir(path):
+        raise ValueError(f"document_store={option!r}: is a directory; give the path of a file")
+    if os.path.isfile(path):
+        try:
+            with open(path, "rb") as f:
+                head = f.read(16)
+        except OSError as e:
+            raise ValueError(f"document_store={option!r}: cannot read it: {e.strerror}") from None
+        if head and head != b"SQLite format 3\x00":
+            raise ValueError(f"document_store={option!r}: exists and is not an SQLite file")
+        return
+    parent = os.path.dirname(path)
+    while not os.path.exists(parent):  # the directories to create: the nearest existing one must take them
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(
+            f"document_store={option!r}: cannot be created ({parent} is not a writable directory)"
+        )
+
+
+def check_device_option(device: str) -> None:
+    """--device cuda[:N]: a CUDA device torch can use (ValueError naming device), before any process
+    starts rather than a traceback from the model worker."""
+    if not device.startswith("cuda"):
+        return
+    import torch  # (already imported with the loader)
+
+    if not torch.cuda.is_available():
+        raise ValueError(f"device={device!r}: no CUDA device is available to torch (use cpu or auto)")
+    n = torch.cuda.device_count()
+    if ":" in device and int(device.split(":", 1)[1]) >= n:
+        raise ValueError(f"device={device!r}: there are {n} CUDA devices (cuda:0 to cuda:{n - 1})")
+
+
+def check_server_options(args: argparse.Namespace) -> None:
+    """The server's own flags (argparse.ArgumentTypeError-style ValueError naming the flag)."""
+    for flag, value in (("--host", args.host), ("--api-key", args.api_key),
+                        ("--served-model-name", args.served_model_name)):  # fmt: skip
+        if value is not None and not value.strip():
+            raise ValueError(f"{flag}: must not be empty")
+    try:  # what uvicorn binds to: an unknown name is its one-line "Name or service not known", flag unnamed
+        socket.getaddrinfo(args.host, args.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (OSError, UnicodeError) as e:
+        why = getattr(e, "strerror", None) or e
+        raise ValueError(f"--host: cannot listen on {args.host!r}: {why}") from None
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -333,9 +439,13 @@ def kv_peers(args: argparse.Namespace) -> tuple[str, ...]:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        check_server_options(args)
         cfg = engine_config(args)
         cfg.validate()
+        check_device_option(cfg.device)
         check_devices(cfg)
+        check_model_option(cfg.model, cfg.load_format)
+        check_document_store_option(cfg.document_store)
     except ValueError as e:
         build_parser().error(flag_error(build_parser(), str(e)))
     opts = ServerOptions(args.host, args.port, args.api_key, args.log_level, args.served_model_name)

@@ -257,7 +257,8 @@ def test_share_lists_and_exact_prefill_reach_the_worker(monkeypatch, tiny_model_
     seen = []
     monkeypatch.setattr(lazyrt.launch, "serve", lambda cfg, opts: seen.append(cfg) or 0)
     monkeypatch.setattr(lazyrt.launch, "check_devices", lambda cfg: None)
-    argv = ["--device", "cpu", "--no-retrieval-share-lists", "--no-retrieval-exact-prefill"]
+    argv = ["--device", "cpu", "--retrieval-attention", "--host-kv-cache-tokens", "1024",
+            "--no-retrieval-share-lists", "--no-retrieval-exact-prefill"]  # fmt: skip
     assert lazyrt.launch.main(argv) == 0
     assert seen[0].retrieval_share_lists is False and seen[0].retrieval_exact_prefill is False
     eng = _tight(tiny_model_dir("llama"), 8, retrieval_share_lists=False, retrieval_exact_prefill=False)

@@ -60,6 +60,9 @@ def _query(request: Request, allowed: tuple[str, ...]) -> dict[str, str]:
     unknown = sorted(set(q) - set(allowed))
     if unknown:
         raise bad(unknown[0], f"unknown query parameter (this route takes {', '.join(allowed) or 'none'})")
+    for key in q:  # (a dict keeps the last value: the others would be dropped without a word)
+        if len(request.query_params.getlist(key)) > 1:
+            raise bad(key, "given more than once")
     return q
 
 

@@ -2,7 +2,8 @@
 
 Startup: children load in the background while HTTP already answers (/health is 503). Once the
 pipeline reports ready, one real 1-token generation goes through every process; only then is
-/health 200. A child that dies fails pending requests, is logged, and the server exits non-zero.
+/health 200. A child that dies fails pending requests, is logged, and the server exits non-zero; so
+does a start-up that cannot complete (a --max-model-len past the model's, a failed warm-up).
 """
 
 from __future__ import annotations
@@ -46,20 +47,33 @@ def served_name(cfg: EngineConfig) -> str:
     return os.path.basename(os.path.normpath(str(cfg.model))) or str(cfg.model)
 
 
-async def _warmup(state: ServerState) -> None:
+def _stop(server: uvicorn.Server, state: ServerState, status: dict, why: str) -> None:
+    """Start-up cannot complete: say why and exit non-zero (not a server that stays unhealthy)."""
+    logger.error("%s; shutting down", why)
+    state.healthy = False
+    status["code"] = 1
+    server.should_exit = True
+
+
+async def _warmup(state: ServerState, cfg: EngineConfig, server: uvicorn.Server, status: dict) -> None:
     client = state.client
     await client.ready.wait()
+    info = client.ready_info
+    if cfg.max_model_len is not None and info.max_context < cfg.max_model_len:
+        _stop(server, state, status, f"--max-model-len {cfg.max_model_len}: the model's context length "
+              f"is {info.max_context}; pass at most that, or leave the flag out")  # fmt: skip
+        return
     req = GenerateReq(client.new_rid(), SamplingParams(max_tokens=1, ignore_eos=True), text="Hello")
     q = client.submit(req)
     while True:
         out = await q.get()
         if isinstance(out, ErrorOut):
-            logger.error("warm-up generation failed: %s", out.message)
+            _stop(server, state, status, f"the warm-up generation (a 1-token prompt, 1 token out) failed: "
+                  f"{out.message}")  # fmt: skip
             return
         if out.finish_reason is not None:
             break
     state.healthy = True
-    info = client.ready_info
     logger.info(
         "ready: %s on %s, %d KV pages of %d tokens",
         info.model_id,
@@ -139,7 +153,7 @@ async def _main(
     holder["server"] = server
     tasks = [
         asyncio.create_task(client.run()),
-        asyncio.create_task(_warmup(state)),
+        asyncio.create_task(_warmup(state, cfg, server, status)),
         asyncio.create_task(_watch(procs, state, server, status)),
     ]
     try:
