@@ -169,16 +169,22 @@ def chat_logprobs(entries: list[dict] | None) -> dict | None:
     return {"content": [{**keep(e), "top_logprobs": [keep(t) for t in e["top_logprobs"]]} for e in entries]}
 
 
-def completion_logprobs(entries: list[dict] | None, offset: int) -> dict | None:
-    """The legacy completions shape; text_offset counts from `offset` (the choice's text so far)."""
+def completion_logprobs(
+    entries: list[dict] | None, offset: int, sampled_from: int | None = None
+) -> dict | None:
+    """The legacy completions shape; text_offset counts from `offset` (the choice's tokens so far).
+    sampled_from: entries from this index on are sampled tokens (before it: echoed prompt tokens), whose
+    top_logprobs hold the sampled token too, as OpenAI and vLLM give it (up to logprobs + 1 of them)."""
     if entries is None:
         return None
     out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for e in entries:
+    for i, e in enumerate(entries):
         out["tokens"].append(e["token"])
         out["token_logprobs"].append(e["logprob"])
         # the prompt's first token (echo) has no logprob, and OpenAI gives null alternatives too
         top = None if e["logprob"] is None else {t["token"]: t["logprob"] for t in e["top_logprobs"]}
+        if top is not None and sampled_from is not None and i >= sampled_from:
+            top.setdefault(e["token"], e["logprob"])
         out["top_logprobs"].append(top)
         out["text_offset"].append(offset)
         offset += len(e["token"])
@@ -445,7 +451,10 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         cid = f"cmpl-{time.time_ns():x}"
-        offsets: dict[int, int] = {}  # streaming: each choice's text so far (logprobs text_offset)
+        created = int(time.time())  # every chunk of a stream carries the same one, as OpenAI's do
+        # streaming: each choice's tokens so far (logprobs text_offset counts their texts, as unstreamed:
+        # the text sent so far lags behind while a stop string may be arriving)
+        offsets: dict[int, int] = {}
         asked: list[Parsed] = []
 
         def parse(body: dict) -> Parsed:
@@ -453,23 +462,26 @@ def create_app(state: ServerState) -> FastAPI:
             return asked[0]
 
         def base(obj: str) -> dict:
-            return {"id": cid, "object": obj, "created": int(time.time()), "model": state.served_model}
+            return {"id": cid, "object": obj, "created": created, "model": state.served_model}
 
-        def echoed(c: Choice) -> tuple[str, list[dict] | None]:
-            """The choice's text and logprobs, the prompt's first when echoing."""
+        def echoed(c: Choice) -> tuple[str, list[dict] | None, int]:
+            """The choice's text and logprobs, the prompt's first when echoing, and where its sampled
+            tokens' entries start."""
             m = c.meta or {}
             if "echo_text" not in m:
-                return c.text, c.logprobs
+                return c.text, c.logprobs, 0
             if asked[0].echo_only:  # (usage: the tracker counted no completion tokens)
-                return m["echo_text"], m.get("prompt_logprobs")
-            lps = None if c.logprobs is None else (m.get("prompt_logprobs") or []) + c.logprobs
-            return m["echo_text"] + c.text, lps
+                lps = m.get("prompt_logprobs")
+                return m["echo_text"], lps, len(lps or [])
+            prompt = m.get("prompt_logprobs") or []
+            lps = None if c.logprobs is None else prompt + c.logprobs
+            return m["echo_text"] + c.text, lps, len(prompt)
 
         def finish(choices: list[Choice]) -> dict:
             body = []
             for c in choices:
-                text, lps = echoed(c)
-                body.append({"index": c.index, "text": text, "logprobs": completion_logprobs(lps, 0),
+                text, lps, sampled = echoed(c)
+                body.append({"index": c.index, "text": text, "logprobs": completion_logprobs(lps, 0, sampled),
                              "finish_reason": c.finish_reason, **cited(c.meta)})  # fmt: skip
             return {**base("text_completion"), "choices": body, "usage": total_usage(choices)}
 
@@ -481,8 +493,8 @@ def create_app(state: ServerState) -> FastAPI:
             if c.index not in offsets and p.req.echo:  # streaming echo: the prompt text comes first
                 text = [p.req, *p.more][c.prompt_index].text + text
             at = offsets.get(c.index, 0)
-            offsets[c.index] = at + len(text)
-            choice = {"index": c.index, "text": text, "logprobs": completion_logprobs(c.logprobs, at),
+            offsets[c.index] = at + sum(len(e["token"]) for e in c.logprobs or [])
+            choice = {"index": c.index, "text": text, "logprobs": completion_logprobs(c.logprobs, at, 0),
                       "finish_reason": c.finish_reason, **cited(meta)}  # fmt: skip
             return {**base("text_completion"), "choices": [choice]}
 
@@ -491,6 +503,7 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         cid = f"chatcmpl-{time.time_ns():x}"
+        created = int(time.time())  # every chunk of a stream carries the same one, as OpenAI's do
         sent_role: set[int] = set()
         asked: list[Parsed] = []
         streams: dict[int, ToolCallStream] = {}  # streaming with tools: per choice
@@ -513,7 +526,7 @@ def create_app(state: ServerState) -> FastAPI:
             return p
 
         def base(obj: str) -> dict:
-            return {"id": cid, "object": obj, "created": int(time.time()), "model": state.served_model}
+            return {"id": cid, "object": obj, "created": created, "model": state.served_model}
 
         def calls_out(calls: list[ToolCall], streaming: bool = False) -> list[dict]:
             if not asked[0].parallel_tool_calls:
