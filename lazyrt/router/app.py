@@ -3,9 +3,11 @@
 Generation requests go to the replica AffinityPolicy picks from their documents (and loads); the
 body is forwarded untouched and the answer streamed back as it comes. A replica that cannot be
 reached, or drops the connection before answering, is marked down and the request goes to the next
-one; once an answer has started it is passed through (a replica dying mid-stream ends the stream
-with an error event). Health checks bring replicas back. /metrics is every replica's, each sample
-labelled with its replica, plus the router's own counters; /cache_stats lists them and sums them.
+one; a 503 answer (not served there) sends it to the next one too, each replica tried once (the last
+503 is the answer if all refuse). Once an answer has started it is passed through (a replica dying
+mid-stream ends the stream with an error event). Health checks bring replicas back. /metrics is
+every replica's, each sample labelled with its replica, plus the router's own counters; /cache_stats
+lists them and sums them.
 """
 
 from __future__ import annotations
@@ -251,6 +253,7 @@ def create_router_app(state: RouterState) -> FastAPI:
             return _error(503, "no replica is healthy")
         choice, order = state.policy.ranked(keys, live, sizes)
         fwd_headers = {"content-type": request.headers.get("content-type", "application/json"), **headers}
+        refused: Response | None = None  # the last replica's 503, answered if no replica serves it
         for attempt, url in enumerate(order):
             replica = state.by_url()[url]
             replica.in_flight += 1
@@ -271,6 +274,21 @@ def create_router_app(state: RouterState) -> FastAPI:
                 state.retries.inc()
                 logger.warning("replica %s failed before answering (%s); trying the next", url, e)
                 continue
+            if resp.status == 503:  # not served there (its scheduler died, still loading, out of memory)
+                # and nothing has reached the client: the next replica gets it, as after a lost
+                # connection; the health checks, not one answer, decide whether the replica is down
+                replica.in_flight -= 1
+                try:
+                    body = await _unless_down(resp.read(), replica)
+                    kind = resp.headers.get("content-type")
+                    refused = Response(body, 503, {"x-lazyrt-replica": url}, media_type=kind)
+                except (aiohttp.ClientError, asyncio.TimeoutError):
+                    pass
+                finally:
+                    resp.release()
+                state.retries.inc()
+                logger.warning("replica %s answered 503; trying the next", url)
+                continue
             reason = choice.reason if attempt == 0 else "retry"
             state.routed.labels(url, reason).inc()
             if resp.status < 400:  # a refused request computed none of its documents there
@@ -282,6 +300,8 @@ def create_router_app(state: RouterState) -> FastAPI:
                 _relay(resp, replica, learn), status_code=resp.status,
                 media_type=resp.headers.get("content-type"), headers={"x-lazyrt-replica": url},
             )  # fmt: skip
+        if refused is not None:
+            return refused
         return _error(503, "every replica failed to answer this request")
 
     def route(path: str):

@@ -95,15 +95,19 @@ class EngineLoop:
                 outs = core.step()
             except Exception as e:  # fail what the step held; the loop keeps serving the rest
                 # A failed step has aborted its running requests (core.failed_rids); waiting ones
-                # stay queued. Otherwise (NoProgress, or a failure that held no request) fail all:
-                # an error that would repeat must not leave anyone waiting forever.
-                failed = core.failed_rids if not isinstance(e, NoProgress) else []
-                rids = failed or list(live)
-                for rid in rids:
+                # stay queued. A step with nothing to run (NoProgress) fails the requests that
+                # cannot go on (e.stuck); the rest are served by the next steps. Otherwise (none
+                # told apart, or a failure that held no request) fail all: an error that would
+                # repeat must not leave anyone waiting forever.
+                if isinstance(e, NoProgress):  # each with its own reason
+                    failed = {rid: NoProgress(why, [(rid, why)]) for rid, why in e.stuck if rid in live}
+                else:
+                    failed = {rid: e for rid in core.failed_rids}
+                for rid in list(failed or live):
                     lv = live.pop(rid, None)
                     if lv is not None:
                         core.abort(rid)
-                        _set_exception(lv.future, e)
+                        _set_exception(lv.future, failed.get(rid, e))
                 continue
             for out in outs:
                 lv = live.get(out.rid)

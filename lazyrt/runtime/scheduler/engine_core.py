@@ -28,7 +28,14 @@ class WorkerLink(Protocol):
 
 
 class NoProgress(RuntimeError):
-    pass
+    """A step had nothing to run. `stuck`: (rid, why) of the waiting requests that cannot go on
+    (Scheduler.stuck); the callers fail those alone, the others keep waiting. Empty: none could be
+    told apart (the callers fail every waiting request, so an error that would repeat leaves none
+    waiting for ever)."""
+
+    def __init__(self, message: str, stuck: list[tuple[int, str]] | None = None):
+        super().__init__(message)
+        self.stuck = list(stuck or [])
 
 
 class EngineCore:
@@ -104,10 +111,11 @@ class EngineCore:
             if self.scheduler.peers is not None and self.scheduler.peers.busy:
                 self.waiting_on_peers = True  # their answers come to the scheduler loop
                 return []
-            # a request that gave up on its documents' rounds says why (Scheduler._chunk_round)
-            why = next((f": a request waits for its documents ({r.error})" for r in self.scheduler.waiting
-                        if r.error), " (no runnable work)")  # fmt: skip
-            raise NoProgress("scheduler made no progress" + why)
+            # only the requests that cannot go on fail; a request that gave up on its documents'
+            # rounds says why (Scheduler._chunk_round)
+            stuck = self.scheduler.stuck()
+            first = next((r for r in stuck if r.error), stuck[0] if stuck else None)
+            raise NoProgress(_no_progress(first), [(r.rid, _no_progress(r)) for r in stuck])
         defer = self.overlap and not plan.probes and not any(
             it.request is not None and (it.request.score_len > 0 or it.request.params.citations)
             for it in plan.items
@@ -223,6 +231,11 @@ class EngineCore:
         if len(req.output_ids) >= req.max_new_tokens:
             return "length"
         return None
+
+
+def _no_progress(req: Request | None) -> str:
+    why = f": a request waits for its documents ({req.error})" if req is not None and req.error else ""
+    return "scheduler made no progress" + (why or " (no runnable work)")
 
 
 def host_tier_stats(s: Scheduler) -> dict:

@@ -220,7 +220,7 @@ class SchedulerLoop:
         try:
             outs = self.core.step()
         except NoProgress as e:
-            self.fail_waiting(f"the scheduler could not make progress on this request: {e}")
+            self.fail_stuck(e)  # the requests behind them are served by the next steps
             return
         except WorkerStepError as e:
             self.fail_step(e)  # EngineCore has aborted the requests; new ones are served
@@ -283,6 +283,19 @@ class SchedulerLoop:
         why = f"the model step failed: {e.error}" + (OOM_HINT if oom else "")
         for rid in rids:
             send(self.to_detok, ErrorOut(rid, why, None, 503 if oom else 500, "server_error"))
+
+    def fail_stuck(self, e: NoProgress) -> None:
+        """A step had nothing to run: answers the requests that cannot go on (e.stuck) with a 503,
+        each with its reason; the other waiting ones stay queued. With none told apart, every waiting
+        one fails (fail_waiting), so none waits for ever."""
+        if not e.stuck:
+            self.fail_waiting(f"the scheduler could not make progress on this request: {e}")
+            return
+        logger.error("%s: failing %d request(s) that cannot go on", e, len(e.stuck))
+        for rid, why in e.stuck:
+            if self.core.abort(rid):
+                msg = f"the scheduler could not make progress on this request: {why}"
+                send(self.to_detok, ErrorOut(rid, msg, None, 503, "server_error"))
 
     def fail_waiting(self, why: str) -> None:
         for req in list(self.core.scheduler.waiting):

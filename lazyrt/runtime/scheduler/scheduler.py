@@ -105,6 +105,9 @@ class Scheduler:
         # Peer KV (runtime/scheduler/peer_kv.py): set by the scheduler process when kv_peers is on.
         self.peers: PeerKV | None = None
         self._seq = 0  # steps planned so far (StepPlan.seq)
+        # the waiting request the last schedule() stopped admitting at (it did not fit, and its
+        # documents' rounds, if any, could not go on): when nothing else runs, the one that is stuck
+        self.blocked: Request | None = None
         self.complete_seq = 0  # the last step whose results came back: its device work is done
 
     # ---- intake -------------------------------------------------------------------------------
@@ -321,14 +324,26 @@ class Scheduler:
         return bool(self.waiting or self.running or self.jobs or owed)
 
     # ---- admission ----------------------------------------------------------------------------
-    def make_room(self, n_pages: int) -> None:
+    def room_pages(self) -> int:
+        """Free pages plus the cached pages nobody holds (radix pages no request locks, ready chunks
+        nobody references): the most make_room can give."""
+        return self.pool.num_free + self.radix.evictable_pages() + self.chunks.evictable_pages()
+
+    def make_room(self, n_pages: int) -> bool:
+        """Evicts cached pages (radix first, then chunks) until n_pages are free; returns whether they
+        are. Evicts nothing when even every evictable page would not make them free: the caller waits
+        anyway, and the cache keeps documents and prompts a later request may hit."""
         short = n_pages - self.pool.num_free
-        if short > 0:
-            freed = self.radix.evict(short)
-            self.pool.free(freed)
-            short -= len(freed)
+        if short <= 0:
+            return True
+        if self.room_pages() < n_pages:
+            return False
+        freed = self.radix.evict(short)
+        self.pool.free(freed)
+        short -= len(freed)
         if short > 0:
             self.pool.free(self.chunks.evict(short))
+        return self.pool.num_free >= n_pages
 
     def _host_attended(self, req: Request, found: dict) -> set:
         """Retrieval attention: the keys of `found` chunks (documents found only in the host tier)
@@ -411,8 +426,14 @@ class Scheduler:
         if cond is not None:
             self.chunks.acquire(cond)  # kept through the eviction below
         load = self.pages_for(len(prefix)) if prefix and (cond is None or not cond.pages) else 0
-        self.make_room(load + used)
-        while take and load + used > self.pool.num_free:  # running requests hold the rest for now
+        # running requests hold the rest for now: fewer documents this round, and only evicting for
+        # those that then fit (cond is held: not evictable)
+        room = self.room_pages()
+        while take and load + used > room:
+            used -= self.pages_for(len(take.pop()))
+        if take:
+            self.make_room(load + used)
+        while take and load + used > self.pool.num_free:
             used -= self.pages_for(len(take.pop()))
         if not take:
             if cond is not None:
@@ -435,6 +456,17 @@ class Scheduler:
         req.staged.update((prefix, d) for d in take)
         req.chunk_rounds += 1
         return False
+
+    def stuck(self) -> list[Request]:
+        """When a step has nothing to run (nothing running or computing): the waiting requests that
+        cannot go on, to fail alone. Those whose documents' rounds gave up (req.error), and the one
+        admission stopped at (it blocks the queue: nothing running will free pages for it). The
+        requests behind them are served once they are gone."""
+        out = [r for r in self.waiting if r.error]
+        b = self.blocked
+        if b is not None and b.state is RequestState.WAITING and all(r is not b for r in out):
+            out.append(b)
+        return out
 
     def queue_job(self, job: ChunkJob) -> None:
         """Each job holds its own refs until its KV is written."""
@@ -621,12 +653,14 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         i = 0  # in arrival order; one waiting for a same-prompt request's prefill lets the next go
+        self.blocked = None
         while i < len(self.waiting) and len(self.running) < self.max_running:
             req = self.waiting[i]
             if self._prompt_in_prefill(req):
                 i += 1
                 continue
             if not self._try_admit(req) and not (self._needs_rounds(req) and self._chunk_round(req)):
+                self.blocked = req
                 break
             del self.waiting[i]
             self.running.append(req)
