@@ -58,6 +58,10 @@ class Engine:
             ranks = self._tp_ranks
             set_worker_cpu_threads(cfg, in_process=True)  # only an explicit worker_cpu_threads
             self.worker = ModelWorker(cfg, *((ranks.member0, ranks.check_alive) if ranks else ()))
+            own = self.worker.model_config.max_context
+            if cfg.max_model_len is not None and cfg.max_model_len > own:  # as the server refuses it
+                raise ValueError(f"max_model_len={cfg.max_model_len}: the model's context length is {own}; "
+                                 "pass at most that, or None for the model's own")  # fmt: skip
         except BaseException:
             self.close()
             raise

@@ -14,8 +14,7 @@ from lazyrt.runtime.ipc.sockets import IpcPaths
 from lazyrt.runtime.scheduler.process import run_scheduler_process
 from lazyrt.runtime.server.scheduler_worker_process import run_scheduler_worker_process
 from lazyrt.runtime.tokenizer.process import run_tokenizer_process
-from lazyrt.runtime.worker.process import run_worker_process
-from lazyrt.runtime.worker.tp_follower import follower_processes
+from lazyrt.runtime.worker.process import run_follower, run_worker_process
 from lazyrt.runtime.worker.tp_ranks import TPMember, TPRendezvous, check_devices
 
 logger = logging.getLogger("lazyrt")
@@ -49,8 +48,11 @@ class ProcessGroup:
             self.procs["model worker"] = ctx.Process(
                 target=run_worker_process, args=(cfg, self.ipc, log_level, member0), name="model worker"
             )
-        for p in follower_processes(cfg, tp, log_level) if tp else []:
-            self.procs[p.name] = p
+        for r in range(1, n):  # (tp_follower.follower_processes, their start-up errors one line each)
+            name = f"model worker rank {r}"
+            self.procs[name] = ctx.Process(
+                target=run_follower, args=(cfg, TPMember(tp, r), log_level), name=name
+            )
 
     def start(self) -> None:
         logger.info("ipc sockets in %s", self.ipc.dir)

@@ -21,7 +21,7 @@ from lazyrt.runtime.ipc.sockets import IpcPaths, child_setup, socket
 from lazyrt.runtime.scheduler.late_planning import LatePlanner
 from lazyrt.runtime.scheduler.process import SchedulerLoop, WorkerStepError, scheduler_loop, step_result
 from lazyrt.runtime.worker.cpu_threads import set_worker_cpu_threads
-from lazyrt.runtime.worker.process import TP_BROKEN, exit_process, run_step
+from lazyrt.runtime.worker.process import TP_BROKEN, exit_process, run_step, startup_errors
 from lazyrt.runtime.worker.tp_ranks import TPMember
 
 logger = logging.getLogger("lazyrt.scheduler")
@@ -60,7 +60,8 @@ def run_scheduler_worker_process(
     ctx = zmq.Context()
     inbox = socket(ctx, zmq.PULL, ipc.scheduler_in, bind=True)
     threads = set_worker_cpu_threads(cfg)
-    worker = ModelWorker(cfg, tp)
+    with startup_errors():  # bad input only the model shows: one error line and exit STARTUP_FAILED
+        worker = ModelWorker(cfg, tp)
     watch_late_compiles(worker.model.device)  # start-up launched the kernels: a compile now stalls serving
     ready = worker.ready_info()
     logger.info("model %s loaded on %s in the scheduler process; %d KV pages; %d CPU threads",

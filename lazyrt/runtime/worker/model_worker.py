@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+import traceback
 from collections.abc import Callable
 
 import torch
@@ -17,7 +18,7 @@ import torch
 from lazyrt.cache.host_pool import HostKVPool
 from lazyrt.cache.page_pool import PagePool
 from lazyrt.config import EngineConfig
-from lazyrt.models.config import ModelConfig
+from lazyrt.models.config import ModelConfig, UnsupportedModelError
 from lazyrt.models.llama import LlamaModel
 from lazyrt.models.loader import load_model
 from lazyrt.models.tensor_parallel import kv_replicas, vocab_parallel
@@ -45,7 +46,8 @@ def resolve_device(device: str) -> str:
 
 
 class StartupOutOfMemory(RuntimeError):
-    """The device ran out of memory while the worker set up its KV pool, runner or CUDA graphs."""
+    """The device (or, for a CPU pool or the host tier, the host) ran out of memory while the worker set
+    up its KV pool, runner or CUDA graphs."""
 
 
 def startup_oom_message(cfg: EngineConfig, pool: PagePool | None, free_after_weights: int | None) -> str:
@@ -70,6 +72,51 @@ def startup_oom_message(cfg: EngineConfig, pool: PagePool | None, free_after_wei
         f"the device ran out of memory at start-up, {where}: pass a smaller --kv-cache-memory-fraction "
         "(kv_cache_memory_fraction) or --kv-cache-tokens, a smaller --max-step-tokens, or "
         "--cuda-graph-max-batch 0 (no CUDA graphs)"
+    )
+
+
+def host_out_of_memory(e: BaseException) -> bool:
+    """Whether e is the host's allocator failing (torch's CPU allocator raises a RuntimeError)."""
+    if isinstance(e, MemoryError):
+        return True
+    msg = str(e)
+    return isinstance(e, RuntimeError) and (
+        "can't allocate memory" in msg or "DefaultCPUAllocator" in msg or "not enough memory" in msg
+    )
+
+
+def host_oom_message(
+    cfg: EngineConfig, pool: PagePool | None, pages: int | None, page_bytes: int | None
+) -> str:
+    """What a start-up out-of-memory error of the host's allocator says (the KV pool on CPU, or the
+    host tier): how large the pool was and which flags size it."""
+    gib = 1 << 30
+    if cfg.kv_cache_tokens is not None:
+        sizing, flags = [f"kv_cache_tokens={cfg.kv_cache_tokens}"], ["--kv-cache-tokens"]
+    else:
+        sizing, flags = [f"kv_cache_memory_gb={cfg.kv_cache_memory_gb}"], ["--kv-cache-memory-gb"]
+    sizing.append(f"page_size={cfg.page_size}")
+    flags.append("--page-size")
+    if pool is None:
+        size = ""
+        if pages is not None and page_bytes is not None:  # (and a scratch page)
+            size = f" of {pages} pages, {(pages + 1) * page_bytes / gib:.1f} GiB"
+        where = f"allocating the KV pool{size}"
+    else:
+        where = f"setting up after the KV pool took {pool.kv_all.nbytes / gib:.1f} GiB"
+        if cfg.host_kv_cache_tokens:  # the host tier: allocated next
+            sizing.append(f"host_kv_cache_tokens={cfg.host_kv_cache_tokens}")
+            flags.append("--host-kv-cache-tokens")
+    return (
+        f"the host ran out of memory at start-up, {where} ({', '.join(sizing)}): pass a smaller "
+        f"{', '.join(flags[:-1])} or {flags[-1]}"
+    )
+
+
+def _raised_in_gguf_reader(e: BaseException) -> bool:
+    return any(
+        str(frame.f_globals.get("__name__", "")).split(".")[0] == "gguf"
+        for frame, _ in traceback.walk_tb(e.__traceback__)
     )
 
 
@@ -103,11 +150,19 @@ class ModelWorker:
             )
         # ranks >= 1 only run steps (rank 0 samples for them): no tokenizer, no transformers import
         # a rank reads (or, dummy, makes) only its slices: a model too big for one device loads
-        loaded = load_model(
-            cfg.model, load_format=cfg.load_format, dtype=DTYPES[dtype_name], seed=cfg.seed, device=dev,
-            tokenizer=tp is None or tp.rank == 0,
-            tp_shard=(tp.rank, tp.rendezvous.size) if tp is not None else None,
-        )
+        try:
+            loaded = load_model(
+                cfg.model, load_format=cfg.load_format, dtype=DTYPES[dtype_name], seed=cfg.seed, device=dev,
+                tokenizer=tp is None or tp.rank == 0,
+                tp_shard=(tp.rank, tp.rendezvous.size) if tp is not None else None,
+            )
+        except (ValueError, IndexError, KeyError, EOFError) as e:
+            if isinstance(e, UnsupportedModelError) or not _raised_in_gguf_reader(e):
+                raise
+            # a truncated or corrupt GGUF (its magic is right: the launcher checked): the reader's own
+            # error (an index or reshape failure) does not say which file or what is wrong with it
+            raise ValueError(f"model={cfg.model!r}: cannot read the GGUF file (truncated or corrupt?): "
+                             f"{type(e).__name__}: {e}") from e  # fmt: skip
         self.config = cfg
         self.tokenizer = loaded.tokenizer
         self.model_id = loaded.model_id
@@ -148,11 +203,19 @@ class ModelWorker:
         self._free_after_weights = (
             torch.cuda.mem_get_info(self.model.device)[0] if self.model.device.type == "cuda" else None
         )
+        self._kv_pages: int | None = None  # (set once the pool is sized: a failure's message)
         try:
             self._set_up_pool_and_runner(cfg, local_config, loaded.config, DTYPES[dtype_name], dev)
         except torch.cuda.OutOfMemoryError as e:
             raise StartupOutOfMemory(startup_oom_message(cfg, getattr(self, "pool", None),
                                                          self._free_after_weights)) from e  # fmt: skip
+        except (RuntimeError, MemoryError) as e:  # the host's allocator (a CPU pool, the host tier)
+            if not host_out_of_memory(e):
+                raise
+            c, dtype = local_config, DTYPES[dtype_name]
+            page = PagePool.bytes_per_page(c.num_layers, cfg.page_size, c.num_kv_heads, c.head_dim, dtype)
+            raise StartupOutOfMemory(host_oom_message(cfg, getattr(self, "pool", None), self._kv_pages,
+                                                      page)) from e  # fmt: skip
         eos = set(loaded.config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -177,8 +240,9 @@ class ModelWorker:
     ) -> None:
         """The KV pool (sized from what the weights left), the host tier, the runner and its CUDA
         graphs: the start-up allocations after the weights."""
+        self._kv_pages = self._num_pages(dtype, c)
         self.pool = PagePool(
-            c.num_layers, self._num_pages(dtype, c), cfg.page_size, c.num_kv_heads, c.head_dim, dtype, dev,
+            c.num_layers, self._kv_pages, cfg.page_size, c.num_kv_heads, c.head_dim, dtype, dev,
             scratch_pages=1, shared=bool(cfg.kv_peers),  # peer replicas map it (peer KV)
         )  # fmt: skip
         host_pages = cfg.host_kv_cache_tokens // cfg.page_size
@@ -233,11 +297,20 @@ class ModelWorker:
             return -(-self.config.kv_cache_tokens // ps)
         per_page = PagePool.bytes_per_page(c.num_layers, ps, c.num_kv_heads, c.head_dim, dtype)
         budget = int(self.config.kv_cache_memory_gb * (1 << 30))
+        sized_by = f"kv_cache_memory_gb={self.config.kv_cache_memory_gb}"
         if torch.cuda.is_available() and self.model.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.model.device)
             budget = int(free * self.config.kv_cache_memory_fraction)
             budget -= self._retrieval_reserve(c, budget)
-        return max(1, budget // per_page)
+            sized_by = (f"kv_cache_memory_fraction={self.config.kv_cache_memory_fraction} of "
+                        f"{free / (1 << 30):.1f} GiB free")  # fmt: skip
+        if budget < per_page:  # not one page: no pool silently past the budget
+            raise ValueError(
+                f"page_size={ps}: one KV page takes {per_page / (1 << 20):.1f} MiB, more than the KV budget "
+                f"({budget / (1 << 20):.1f} MiB, {sized_by}); pass a smaller page_size or a larger budget, "
+                "or size the pool with kv_cache_tokens"
+            )
+        return budget // per_page
 
     def _retrieval_reserve(self, c: ModelConfig, budget: int) -> int:
         """Device bytes kept out of a pool sized from free memory for retrieval attention's index data

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import fields
 
 import zmq
 
@@ -16,6 +21,9 @@ from lazyrt.runtime.worker.tp_ranks import TPMember
 logger = logging.getLogger("lazyrt.worker")
 
 TP_BROKEN = "tp_broken"  # StepFailed.kind of a step that broke the tensor-parallel group
+# The exit code of a child whose model worker could not start on bad input (the model, a flag only the
+# loaded model rules out, a KV pool the memory cannot hold): it logged one error line saying why.
+STARTUP_FAILED = 3
 
 
 def run_worker_process(cfg: EngineConfig, ipc: IpcPaths, log_level: str, tp: TPMember | None = None) -> None:
@@ -28,7 +36,8 @@ def run_worker_process(cfg: EngineConfig, ipc: IpcPaths, log_level: str, tp: TPM
     inbox = socket(ctx, zmq.PULL, ipc.worker_in, bind=True)
     outbox = socket(ctx, zmq.PUSH, ipc.worker_out, bind=False)
     threads = set_worker_cpu_threads(cfg)
-    worker = ModelWorker(cfg, tp)
+    with startup_errors():
+        worker = ModelWorker(cfg, tp)
     watch_late_compiles(worker.model.device)  # start-up launched the kernels: a compile now stalls serving
     info = worker.ready_info()
     logger.info("model %s loaded on %s; %d KV pages; %d CPU threads", info.model_id, info.device,
@@ -78,3 +87,64 @@ def describe_error(e: BaseException, limit: int = 300) -> str:
     lines = str(e).strip().splitlines()
     text = f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+@contextmanager
+def startup_errors() -> Iterator[None]:
+    """Around a child's ModelWorker start-up: an error the input caused (a ValueError, such as
+    UnsupportedModelError or a model the tensor-parallel size cannot split; a FileNotFoundError, such as
+    missing tokenizer files; StartupOutOfMemory) raised while the ModelWorker is set up is logged as one
+    line naming the flag, and the process exits STARTUP_FAILED (the server names it and stops). Other
+    exceptions, and any raised once start-up is done, propagate with their traceback: bugs."""
+    try:
+        yield
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        from lazyrt.runtime.worker.model_worker import StartupOutOfMemory
+
+        if isinstance(e, RuntimeError) and not isinstance(e, StartupOutOfMemory):
+            raise
+        if not _raised_in(e, "lazyrt.runtime.worker.model_worker", "__init__"):
+            raise
+        logger.error("cannot start: %s", startup_error_line(e))
+        logging.shutdown()
+        os._exit(STARTUP_FAILED)  # not through a half-formed tensor-parallel group's destructor
+
+
+def run_follower(cfg: EngineConfig, member: TPMember, log_level: str) -> None:
+    """Process target of tensor-parallel rank >= 1 in the server: tp_follower.run_follower_process, its
+    start-up errors reported as by rank 0 (startup_errors)."""
+    from lazyrt.runtime.worker.tp_follower import run_follower_process
+
+    with startup_errors():
+        run_follower_process(cfg, member, log_level)
+
+
+_FLAG_OF = {"kv_peer_timeout_s": "--kv-peer-timeout"}  # EngineConfig fields whose flag is spelt otherwise
+
+
+def startup_error_line(e: BaseException) -> str:
+    """A start-up error as one line, prefixed with the flags of the EngineConfig options it names (as
+    lazyrt.launch.flag_error does), or with --model when the model's loading raised it."""
+    from lazyrt.runtime.worker.model_worker import StartupOutOfMemory
+
+    text = " ".join(str(e).split()) or type(e).__name__
+    if isinstance(e, StartupOutOfMemory):  # names its flags itself
+        return text
+    names = {f.name for f in fields(EngineConfig)}
+    flags: list[str] = []
+    for name in re.findall(r"\b[a-z][a-z0-9]*(?:_[a-z0-9]+)*\b", text):
+        if name in names and ("_" in name or text.startswith(name + "=")):
+            flag = _FLAG_OF.get(name, "--" + name.replace("_", "-"))
+            if flag not in flags:
+                flags.append(flag)
+    if not flags and _raised_in(e, "lazyrt.models.loader"):
+        flags = ["--model"]
+    return f"{', '.join(flags)}: {text}" if flags else text
+
+
+def _raised_in(e: BaseException, module: str, function: str | None = None) -> bool:
+    """Whether e's traceback passes through `module` (its `function`)."""
+    return any(
+        frame.f_globals.get("__name__") == module and function in (None, frame.f_code.co_name)
+        for frame, _ in traceback.walk_tb(e.__traceback__)
+    )
