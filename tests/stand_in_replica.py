@@ -10,11 +10,35 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import threading
+import time
 
+import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
+from server_util import free_port
 
 EVENT = b'data: {"index": 0, "text": " tok", "finish_reason": null, "meta": {"k": 1}}\n\n'
+
+
+class Served:
+    """An ASGI app (a stand-in replica, a router) on a loopback port, in a thread."""
+
+    def __init__(self, app: FastAPI):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cfg = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
+        self.server = uvicorn.Server(cfg)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
 
 
 def stand_in_replica(events: int, interval: float) -> FastAPI:

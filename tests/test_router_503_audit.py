@@ -14,7 +14,8 @@ import httpx
 import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from test_router_audit import Served, router
+from stand_in_replica import Served
+from test_router_audit import router
 
 BODY = {"prompt": "q", "max_tokens": 4}
 

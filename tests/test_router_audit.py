@@ -18,10 +18,10 @@ import time
 
 import httpx
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from server_util import free_port
+from stand_in_replica import Served
 
 from lazyrt.router import app as router_app
 from lazyrt.router.app import Replica, RouterState, create_router_app
@@ -30,23 +30,6 @@ from lazyrt.router.policy import AffinityPolicy, doc_key
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]*")
 
 
-class Served:
-    """An ASGI app on a loopback port, in a thread."""
-
-    def __init__(self, app: FastAPI):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cfg = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
-        self.server = uvicorn.Server(cfg)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started and time.monotonic() < deadline:
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
 
 
 def _bad(param: str, message: str, status: int = 400) -> JSONResponse:

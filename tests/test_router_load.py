@@ -17,10 +17,8 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-import uvicorn
-from fastapi import FastAPI
 from server_util import free_port
-from stand_in_replica import stand_in_replica
+from stand_in_replica import Served, stand_in_replica
 
 from lazyrt.router import app as router_app
 from lazyrt.router.app import Replica, RouterState, create_router_app
@@ -29,23 +27,6 @@ STREAM_S = 6.0  # each answer's length: past the old health check's 5 s pool wai
 IN_FLIGHT = 130
 
 
-class Served:
-    """An ASGI app on a loopback port, in a thread."""
-
-    def __init__(self, app: FastAPI):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cfg = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
-        self.server = uvicorn.Server(cfg)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started and time.monotonic() < deadline:
-            time.sleep(0.05)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
 
 
 @contextlib.contextmanager
