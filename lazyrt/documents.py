@@ -109,6 +109,25 @@ def check_id(doc_id: object, param: str = "id") -> str:
     return doc_id
 
 
+def check_precompute(pre: object) -> tuple[bool, str | None]:
+    """POST /v1/documents' `precompute` (true, false, null or {"system": str}) -> (precompute?, its system
+    prompt); DocumentError naming precompute, precompute.system or an unknown precompute.<key>."""
+    if pre is None or isinstance(pre, bool):
+        return bool(pre), None
+    if not isinstance(pre, dict):
+        raise DocumentError(f"precompute: must be true, false or {{'system': str}}, got {pre!r}",
+                            "precompute")  # fmt: skip
+    extra = sorted(k for k in pre if k != "system")
+    if extra:
+        raise DocumentError(f"precompute.{extra[0]}: unknown field (precompute takes system)",
+                            f"precompute.{extra[0]}")  # fmt: skip
+    system = pre.get("system")
+    if system is not None and not isinstance(system, str):
+        raise DocumentError(f"precompute.system: must be a string, got {type(system).__name__}",
+                            "precompute.system")  # fmt: skip
+    return True, system
+
+
 def check_text(text: object, param: str = "text") -> str:
     if not isinstance(text, str):
         raise DocumentError(f"{param}: must be a string, got {type(text).__name__}", param)

@@ -9,5 +9,6 @@
 It talks to replicas over HTTP only: it never loads a model, a tokenizer or a cache; its views of the
 replicas' caches use their eviction policies (lazyrt.cache.eviction).
 
-May import: lazyrt.cache, lazyrt.api_key, lazyrt.process_name.
+May import: lazyrt.cache, lazyrt.api_key, lazyrt.process_name, lazyrt.documents (its checks of a
+document request's fields).
 """

@@ -16,23 +16,8 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from lazyrt.documents import DocumentError, check_precompute
 from lazyrt.router.policy import doc_key
-
-
-def precompute_error(pre: object) -> tuple[str, str] | None:
-    """(param, message) of the 400 a replica answers for this POST /v1/documents `precompute` (it
-    takes true, false, null or {"system": str}); None when it is one of those."""
-    if pre is None or isinstance(pre, bool):
-        return None
-    if not isinstance(pre, dict):
-        return "precompute", f"precompute: must be true, false or {{'system': str}}, got {pre!r}"
-    extra = sorted(k for k in pre if k != "system")
-    if extra:
-        return f"precompute.{extra[0]}", f"precompute.{extra[0]}: unknown field (precompute takes system)"
-    system = pre.get("system")
-    if system is not None and not isinstance(system, str):
-        return "precompute.system", f"precompute.system: must be a string, got {type(system).__name__}"
-    return None
 
 
 def add_router_document_routes(
@@ -81,9 +66,10 @@ def add_router_document_routes(
                 return error(503, "the replica did not answer", None)
             return relay(resp)
         pre = body.get("precompute")
-        bad = precompute_error(pre)
-        if bad is not None:  # before registering anything (the replicas never see it otherwise)
-            return error(400, bad[1], bad[0])
+        try:  # before registering anything (the replicas never see it otherwise)
+            check_precompute(pre)
+        except DocumentError as e:
+            return error(400, str(e), e.param)
         plain = {k: v for k, v in body.items() if k != "precompute"}
         first = await send("POST", urls[0], "/v1/documents", plain)
         if first is None:

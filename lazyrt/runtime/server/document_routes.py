@@ -26,6 +26,7 @@ from lazyrt.documents import (
     DocumentError,
     check_id,
     check_metadata,
+    check_precompute,
     check_text,
 )
 from lazyrt.runtime.ipc.messages import DocumentReq, DocumentResp, ErrorOut, GenerateReq
@@ -83,19 +84,9 @@ def parse_add(body: dict) -> tuple[DocumentReq, str | None, bool]:
     text = _checked(check_text, body["text"])
     doc_id = None if body.get("id") is None else _checked(check_id, body["id"])
     metadata = None if body.get("metadata") is None else _checked(check_metadata, body["metadata"])
-    pre = body.get("precompute")
-    system = None
-    if isinstance(pre, dict):  # {"system": str}: precompute under that system prompt
-        extra = sorted(k for k in pre if k != "system")
-        if extra:
-            raise bad(f"precompute.{extra[0]}", "unknown field (precompute takes system)")
-        system = pre.get("system")
-        if system is not None and not isinstance(system, str):
-            raise bad("precompute.system", f"must be a string, got {type(system).__name__}")
-    elif pre is not None and not isinstance(pre, bool):
-        raise bad("precompute", f"must be true, false or {{'system': str}}, got {pre!r}")
+    pre, system = _checked(check_precompute, body.get("precompute"))
     req = DocumentReq(-1, "add", id=doc_id, text=text, metadata=metadata)
-    return req, system, bool(pre) or isinstance(pre, dict)
+    return req, system, pre
 
 
 def add_document_routes(
