@@ -200,6 +200,24 @@ class EngineConfig:
                              "the peer path's memory)")  # fmt: skip
 
 
+# EngineConfig fields whose command-line flag is spelt otherwise than --the-field-name
+FLAG_OF = {"kv_peer_timeout_s": "--kv-peer-timeout"}
+
+
+def option_flags(message: str) -> list[str]:
+    """The command-line flags of the EngineConfig options an error message names ('option=value: why',
+    'option: why', 'a and b: why'; a bare word counts only as 'word=' at the start), in order, leaving
+    out flags the message already spells."""
+    names = {f.name for f in fields(EngineConfig)}
+    flags: list[str] = []
+    for name in re.findall(r"\b[a-z][a-z0-9]*(?:_[a-z0-9]+)*\b", message):
+        if name in names and (name in FLAG_OF or "_" in name or message.startswith(name + "=")):
+            flag = FLAG_OF.get(name, "--" + name.replace("_", "-"))
+            if flag not in flags and flag not in message:
+                flags.append(flag)
+    return flags
+
+
 def check_kv_peers(cfg: EngineConfig) -> None:
     """Validates kv_peers (ValueError naming it): this replica's address and at least one other, all
     distinct, tcp:// or ipc://; chunk modes only; one device, no host-tier retrieval attention."""

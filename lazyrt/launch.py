@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import socket
 import sys
 
 from lazyrt.cache.eviction import EVICTION_POLICIES
-from lazyrt.config import CACHE_MODES, DTYPES, RECOMPUTE_POLICIES, EngineConfig
+from lazyrt.config import CACHE_MODES, DTYPES, RECOMPUTE_POLICIES, EngineConfig, option_flags
 from lazyrt.models import dummy
 from lazyrt.models.loader import _ACCEPTED, LOAD_FORMATS, _gguf_file, default_model_path
 from lazyrt.runtime.server.serve import ServerOptions, serve
@@ -282,19 +281,11 @@ def _port(value: str) -> int:
     return port
 
 
-_FLAG_OF = {"kv_peer_timeout_s": "--kv-peer-timeout"}  # EngineConfig fields whose flag is spelt otherwise
-
-
 def flag_error(parser: argparse.ArgumentParser, message: str) -> str:
     """EngineConfig's 'option=value: why' (or 'option: why', 'a and b: why'), prefixed with the
     command-line flags of the options it names."""
     known = {s for a in parser._actions for s in a.option_strings}
-    flags = []
-    for name in re.findall(r"\b[a-z][a-z0-9]*(?:_[a-z0-9]+)*\b", message):
-        flag = _FLAG_OF.get(name, "--" + name.replace("_", "-"))
-        if (name in _FLAG_OF or "_" in name or message.startswith(name + "=")) and flag in known:
-            if flag not in flags and flag not in message:
-                flags.append(flag)
+    flags = [f for f in option_flags(message) if f in known]
     return f"{', '.join(flags)}: {message}" if flags else message
 
 

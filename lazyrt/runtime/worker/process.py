@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import fields
 
 import zmq
 
-from lazyrt.config import EngineConfig
+from lazyrt.config import EngineConfig, option_flags
 from lazyrt.runtime.ipc.messages import StepFailed, StepMsg, StepResult
 from lazyrt.runtime.ipc.sockets import PARENT_CHECK_MS, IpcPaths, child_setup, poll, recv, send, socket
 from lazyrt.runtime.worker.cpu_threads import set_worker_cpu_threads
@@ -119,24 +117,15 @@ def run_follower(cfg: EngineConfig, member: TPMember, log_level: str) -> None:
         run_follower_process(cfg, member, log_level)
 
 
-_FLAG_OF = {"kv_peer_timeout_s": "--kv-peer-timeout"}  # EngineConfig fields whose flag is spelt otherwise
-
-
 def startup_error_line(e: BaseException) -> str:
-    """A start-up error as one line, prefixed with the flags of the EngineConfig options it names (as
-    lazyrt.launch.flag_error does), or with --model when the model's loading raised it."""
+    """A start-up error as one line, prefixed with the flags of the EngineConfig options it names
+    (config.option_flags), or with --model when the model's loading raised it."""
     from lazyrt.runtime.worker.model_worker import StartupOutOfMemory
 
     text = " ".join(str(e).split()) or type(e).__name__
     if isinstance(e, StartupOutOfMemory):  # names its flags itself
         return text
-    names = {f.name for f in fields(EngineConfig)}
-    flags: list[str] = []
-    for name in re.findall(r"\b[a-z][a-z0-9]*(?:_[a-z0-9]+)*\b", text):
-        if name in names and ("_" in name or text.startswith(name + "=")):
-            flag = _FLAG_OF.get(name, "--" + name.replace("_", "-"))
-            if flag not in flags:
-                flags.append(flag)
+    flags = option_flags(text)
     if not flags and _raised_in(e, "lazyrt.models.loader"):
         flags = ["--model"]
     return f"{', '.join(flags)}: {text}" if flags else text
